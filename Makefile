@@ -1,0 +1,49 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+TYPECHECK_ROOT := build/typecheck
+
+.PHONY: demo test lint typecheck pytest proto proto-check bench venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: a looser spec would pull a CUDA build of several GB.
+	$(BIN)/python -m pip install -q -c constraints.txt torch
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gradserver launch --workers 2 --steps 3
+
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy resolves modules by path, so it checks the package through a tree of links that
+# mirrors its installed layout (gradserver/common -> common, ...).
+typecheck: $(STAMP)
+	rm -rf $(TYPECHECK_ROOT) && mkdir -p $(TYPECHECK_ROOT)/gradserver
+	for part in common server worker; do ln -s ../../../$$part $(TYPECHECK_ROOT)/gradserver/$$part; done
+	cd $(TYPECHECK_ROOT) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p gradserver
+
+pytest: $(STAMP)
+	$(BIN)/pytest
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
+
+proto-check: $(STAMP)
+	$(BIN)/python proto/generate.py --check
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.exchange
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

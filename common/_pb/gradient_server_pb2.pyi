@@ -1,0 +1,301 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockComponent(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_COMPONENT_W_Q: _ClassVar[BlockComponent]
+    BLOCK_COMPONENT_W_K: _ClassVar[BlockComponent]
+    BLOCK_COMPONENT_W_V: _ClassVar[BlockComponent]
+    BLOCK_COMPONENT_W_O: _ClassVar[BlockComponent]
+    BLOCK_COMPONENT_GATE: _ClassVar[BlockComponent]
+    BLOCK_COMPONENT_UP: _ClassVar[BlockComponent]
+    BLOCK_COMPONENT_DOWN: _ClassVar[BlockComponent]
+    BLOCK_COMPONENT_INPUT_NORM: _ClassVar[BlockComponent]
+    BLOCK_COMPONENT_POST_ATTN_NORM: _ClassVar[BlockComponent]
+
+class NonBlockComponent(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NON_BLOCK_COMPONENT_LM_HEAD: _ClassVar[NonBlockComponent]
+    NON_BLOCK_COMPONENT_FINAL_NORM: _ClassVar[NonBlockComponent]
+    NON_BLOCK_COMPONENT_EMBEDDING: _ClassVar[NonBlockComponent]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+BLOCK_COMPONENT_W_Q: BlockComponent
+BLOCK_COMPONENT_W_K: BlockComponent
+BLOCK_COMPONENT_W_V: BlockComponent
+BLOCK_COMPONENT_W_O: BlockComponent
+BLOCK_COMPONENT_GATE: BlockComponent
+BLOCK_COMPONENT_UP: BlockComponent
+BLOCK_COMPONENT_DOWN: BlockComponent
+BLOCK_COMPONENT_INPUT_NORM: BlockComponent
+BLOCK_COMPONENT_POST_ATTN_NORM: BlockComponent
+NON_BLOCK_COMPONENT_LM_HEAD: NonBlockComponent
+NON_BLOCK_COMPONENT_FINAL_NORM: NonBlockComponent
+NON_BLOCK_COMPONENT_EMBEDDING: NonBlockComponent
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT16: DType
+
+class JoinRequest(_message.Message):
+    __slots__ = ("node_id", "gpu_count", "backend", "protocol_version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    gpu_count: int
+    backend: str
+    protocol_version: int
+    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., backend: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TENSOR_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    total_workers: int
+    session_id: int
+    member_token: int
+    protocol_version: int
+    chunk_bytes: int
+    max_message_bytes: int
+    max_tensor_elements: int
+    heartbeat_interval_ms: int
+    heartbeat_timeout_ms: int
+    step_timeout_ms: int
+    max_steps: int
+    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
+class TensorKey(_message.Message):
+    __slots__ = ("step", "block", "non_block", "whole_model")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NON_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    block: BlockKey
+    non_block: NonBlockComponent
+    whole_model: WholeModelKey
+    def __init__(self, step: _Optional[int] = ..., block: _Optional[_Union[BlockKey, _Mapping]] = ..., non_block: _Optional[_Union[NonBlockComponent, str]] = ..., whole_model: _Optional[_Union[WholeModelKey, _Mapping]] = ...) -> None: ...
+
+class BlockKey(_message.Message):
+    __slots__ = ("block_idx", "num_blocks")
+    BLOCK_IDX_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    block_idx: int
+    num_blocks: int
+    def __init__(self, block_idx: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class WholeModelKey(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("name", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class SampleStats(_message.Message):
+    __slots__ = ("loss", "correct", "total")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    correct: int
+    total: int
+    def __init__(self, loss: _Optional[float] = ..., correct: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class GradientChunk(_message.Message):
+    __slots__ = ("worker_id", "key", "dtype", "total_elements", "component_sizes", "offset", "data", "shm", "stats")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_SIZES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    key: TensorKey
+    dtype: DType
+    total_elements: int
+    component_sizes: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    shm: SharedMemoryRef
+    stats: SampleStats
+    def __init__(self, worker_id: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_elements: _Optional[int] = ..., component_sizes: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., stats: _Optional[_Union[SampleStats, _Mapping]] = ...) -> None: ...
+
+class AveragedChunk(_message.Message):
+    __slots__ = ("key", "dtype", "total_elements", "component_sizes", "offset", "data", "shm", "num_contributors", "global_loss", "correct", "total")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_SIZES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    key: TensorKey
+    dtype: DType
+    total_elements: int
+    component_sizes: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    shm: SharedMemoryRef
+    num_contributors: int
+    global_loss: float
+    correct: int
+    total: int
+    def __init__(self, key: _Optional[_Union[TensorKey, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_elements: _Optional[int] = ..., component_sizes: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., num_contributors: _Optional[int] = ..., global_loss: _Optional[float] = ..., correct: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class Barrier(_message.Message):
+    __slots__ = ("worker_id", "step", "name")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    name: str
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class BarrierRelease(_message.Message):
+    __slots__ = ("step", "name")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    name: str
+    def __init__(self, step: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ShardRequest(_message.Message):
+    __slots__ = ("worker_id", "step", "dataset_size", "batch_size")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DATASET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    dataset_size: int
+    batch_size: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., dataset_size: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class SampleRange(_message.Message):
+    __slots__ = ("start", "stop", "stride")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    stride: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
+
+class ShardAssignment(_message.Message):
+    __slots__ = ("step", "worker_id", "ranges")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    worker_id: int
+    ranges: _containers.RepeatedCompositeFieldContainer[SampleRange]
+    def __init__(self, step: _Optional[int] = ..., worker_id: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[SampleRange, _Mapping]]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("worker_id", "sequence")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    sequence: int
+    def __init__(self, worker_id: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "shard_request", "step_failed")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CULPRIT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STEP_FAILED_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    step: int
+    key: TensorKey
+    culprit_worker_id: int
+    barrier: Barrier
+    shard_request: ShardRequest
+    step_failed: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., shard_request: _Optional[_Union[ShardRequest, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("chunk", "barrier", "shard_request", "heartbeat", "shutdown")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    chunk: GradientChunk
+    barrier: Barrier
+    shard_request: ShardRequest
+    heartbeat: Heartbeat
+    shutdown: Shutdown
+    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., shard_request: _Optional[_Union[ShardRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("averaged_chunk", "barrier_release", "shard_assignment", "heartbeat_ack", "shutdown", "error")
+    AVERAGED_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_RELEASE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    averaged_chunk: AveragedChunk
+    barrier_release: BarrierRelease
+    shard_assignment: ShardAssignment
+    heartbeat_ack: HeartbeatAck
+    shutdown: Shutdown
+    error: Error
+    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., shard_assignment: _Optional[_Union[ShardAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...

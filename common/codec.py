@@ -1,0 +1,483 @@
+"""The wire codec: protobuf bytes to and from the plain types of `gradserver.common.messages`.
+
+This is the only module that touches the generated protobuf classes. Decoding validates
+everything that can be judged from one message alone (well-formed bytes, known enums, allowed
+dtype, sizes within limits, chunk offsets and lengths) and raises an error of the project's
+hierarchy naming the worker, step and key; checks that need other workers' messages live in the
+coordinator's reduction table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError
+
+from ._pb import gradient_server_pb2 as pb
+from .chunking import check_chunk_length
+from .components import BLOCK_GRAD_COMPONENTS, NonBlockComponent
+from .errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .messages import (
+    ALLOWED_DTYPES,
+    AveragedChunkOut,
+    BarrierIn,
+    BarrierReleaseOut,
+    ChunkHeader,
+    ChunkIn,
+    DType,
+    ErrorOut,
+    HeartbeatAckOut,
+    HeartbeatIn,
+    JoinAccepted,
+    JoinRequestIn,
+    KeyKind,
+    LeaveIn,
+    SampleRange,
+    SampleStats,
+    ServerEvent,
+    ShardAssignmentOut,
+    ShardRequestIn,
+    ShutdownOut,
+    TensorKey,
+    WorkerEvent,
+)
+
+PROTOCOL_VERSION = 1
+MAX_NAME_LENGTH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLimits:
+    """Bounds a decoder enforces before it trusts any size in a message."""
+
+    chunk_elements: int
+    max_tensor_elements: int
+    max_blocks: int = 65536
+
+
+# Field numbers of the payload-carrying fields, read from the descriptors so they cannot drift.
+_WORKER_CHUNK_FIELD = pb.WorkerMessage.DESCRIPTOR.fields_by_name["chunk"].number
+_CHUNK_DATA_FIELD = pb.GradientChunk.DESCRIPTOR.fields_by_name["data"].number
+_SERVER_AVERAGED_FIELD = pb.ServerMessage.DESCRIPTOR.fields_by_name["averaged_chunk"].number
+_AVERAGED_DATA_FIELD = pb.AveragedChunk.DESCRIPTOR.fields_by_name["data"].number
+_LENGTH_DELIMITED = 2
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _with_payload(outer_field: int, header: bytes, data_field: int, data: bytes | memoryview) -> bytes:
+    """Serialises {outer_field: header + {data_field: data}} with a single copy of `data`.
+
+    Protobuf parsers accept fields in any order, so appending the payload field to the
+    separately serialised header yields the same message as setting it on the header; this
+    avoids copying multi-MiB payloads into and back out of a message object.
+    """
+    length = len(data) if isinstance(data, bytes) else data.nbytes
+    inner = [header, _varint(data_field << 3 | _LENGTH_DELIMITED), _varint(length), data]
+    inner_len = len(header) + len(inner[1]) + len(inner[2]) + length
+    return b"".join([_varint(outer_field << 3 | _LENGTH_DELIMITED), _varint(inner_len), *inner])
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+
+def _key_to_pb(key: TensorKey) -> pb.TensorKey:
+    if key.kind is KeyKind.BLOCK:
+        return pb.TensorKey(
+            step=key.step, block=pb.BlockKey(block_idx=key.index, num_blocks=key.num_blocks)
+        )
+    if key.kind is KeyKind.NON_BLOCK:
+        return pb.TensorKey(step=key.step, non_block=key.index)  # type: ignore[arg-type]
+    return pb.TensorKey(step=key.step, whole_model=pb.WholeModelKey())
+
+
+def _key_from_pb(msg: pb.TensorKey, *, who: str, limits: WireLimits | None) -> TensorKey:
+    kind = msg.WhichOneof("kind")
+    if kind == "block":
+        idx, num = msg.block.block_idx, msg.block.num_blocks
+        if num == 0 or idx >= num:
+            raise InvalidArgumentError(
+                f"{who}, step {msg.step}: block_idx {idx} is out of range for num_blocks {num}",
+                step=msg.step,
+            )
+        if limits is not None and num > limits.max_blocks:
+            raise InvalidArgumentError(
+                f"{who}, step {msg.step}: num_blocks {num} exceeds the limit of {limits.max_blocks}",
+                step=msg.step,
+            )
+        return TensorKey.block(msg.step, idx, num)
+    if kind == "non_block":
+        try:
+            component = NonBlockComponent(msg.non_block)
+        except ValueError:
+            names = ", ".join(f"{c.name}={c.value}" for c in NonBlockComponent)
+            raise InvalidArgumentError(
+                f"{who}, step {msg.step}: unknown non-block component {msg.non_block} "
+                f"(known: {names})",
+                step=msg.step,
+            ) from None
+        return TensorKey.non_block(msg.step, component)
+    if kind == "whole_model":
+        return TensorKey.whole_model(msg.step)
+    raise InvalidArgumentError(f"{who}, step {msg.step}: key names no tensor kind", step=msg.step)
+
+
+def _dtype_from_pb(value: int, *, context: str) -> DType:
+    try:
+        dtype = DType(value)
+    except ValueError:
+        raise InvalidArgumentError(f"{context}: unknown dtype {value}") from None
+    if dtype not in ALLOWED_DTYPES:
+        allowed = ", ".join(d.name for d in sorted(ALLOWED_DTYPES))
+        state = "missing" if dtype is DType.UNSPECIFIED else f"{dtype.name} is reserved"
+        raise InvalidArgumentError(f"{context}: dtype {state}; allowed: {allowed}")
+    return dtype
+
+
+# --- join -------------------------------------------------------------------------------------
+
+
+def encode_join_request(request: JoinRequestIn) -> bytes:
+    return pb.JoinRequest(
+        node_id=request.node_id,
+        gpu_count=request.gpu_count,
+        backend=request.backend,
+        protocol_version=request.protocol_version,
+    ).SerializeToString()
+
+
+def decode_join_request(raw: bytes) -> JoinRequestIn:
+    msg = _parse(pb.JoinRequest, raw, "JoinRequest")
+    if len(msg.node_id) > MAX_NAME_LENGTH or len(msg.backend) > MAX_NAME_LENGTH:
+        raise InvalidArgumentError(f"JoinRequest: node_id and backend are limited to {MAX_NAME_LENGTH} characters")
+    return JoinRequestIn(msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version)
+
+
+def encode_join_accepted(accepted: JoinAccepted) -> bytes:
+    return pb.JoinResponse(
+        worker_id=accepted.worker_id,
+        total_workers=accepted.total_workers,
+        session_id=accepted.session_id,
+        member_token=accepted.member_token,
+        protocol_version=accepted.protocol_version,
+        chunk_bytes=accepted.chunk_bytes,
+        max_message_bytes=accepted.max_message_bytes,
+        max_tensor_elements=accepted.max_tensor_elements,
+        heartbeat_interval_ms=round(accepted.heartbeat_interval_s * 1000),
+        heartbeat_timeout_ms=round(accepted.heartbeat_timeout_s * 1000),
+        step_timeout_ms=round(accepted.step_timeout_s * 1000),
+        max_steps=accepted.max_steps,
+    ).SerializeToString()
+
+
+def decode_join_accepted(raw: bytes) -> JoinAccepted:
+    msg = _parse(pb.JoinResponse, raw, "JoinResponse")
+    if msg.protocol_version != PROTOCOL_VERSION:
+        raise InternalError(
+            f"coordinator speaks protocol version {msg.protocol_version}, this worker {PROTOCOL_VERSION}"
+        )
+    if msg.chunk_bytes < 4 or msg.total_workers == 0 or msg.worker_id >= msg.total_workers:
+        raise InternalError(f"coordinator sent an inconsistent JoinResponse: {msg}")
+    return JoinAccepted(
+        worker_id=msg.worker_id,
+        total_workers=msg.total_workers,
+        session_id=msg.session_id,
+        member_token=msg.member_token,
+        protocol_version=msg.protocol_version,
+        chunk_bytes=msg.chunk_bytes,
+        max_message_bytes=msg.max_message_bytes,
+        max_tensor_elements=msg.max_tensor_elements,
+        heartbeat_interval_s=msg.heartbeat_interval_ms / 1000,
+        heartbeat_timeout_s=msg.heartbeat_timeout_ms / 1000,
+        step_timeout_s=msg.step_timeout_ms / 1000,
+        max_steps=msg.max_steps,
+    )
+
+
+# --- worker to coordinator ----------------------------------------------------------------------
+
+
+def encode_worker_event(event: WorkerEvent) -> bytes:
+    if isinstance(event, ChunkIn):
+        chunk = pb.GradientChunk(
+            worker_id=event.worker_id,
+            key=_key_to_pb(event.key),
+            dtype=int(event.header.dtype),  # type: ignore[arg-type]
+            total_elements=event.header.total_elements,
+            component_sizes=event.header.component_sizes,
+            offset=event.offset,
+        )
+        if event.stats is not None:
+            chunk.stats.CopyFrom(_stats_to_pb(event.stats))
+        return _with_payload(_WORKER_CHUNK_FIELD, chunk.SerializeToString(), _CHUNK_DATA_FIELD, event.data)
+    if isinstance(event, BarrierIn):
+        msg = pb.WorkerMessage(
+            barrier=pb.Barrier(worker_id=event.worker_id, step=event.step, name=event.name)
+        )
+    elif isinstance(event, ShardRequestIn):
+        msg = pb.WorkerMessage(
+            shard_request=pb.ShardRequest(
+                worker_id=event.worker_id,
+                step=event.step,
+                dataset_size=event.dataset_size,
+                batch_size=event.batch_size,
+            )
+        )
+    elif isinstance(event, HeartbeatIn):
+        msg = pb.WorkerMessage(
+            heartbeat=pb.Heartbeat(worker_id=event.worker_id, sequence=event.sequence)
+        )
+    else:
+        msg = pb.WorkerMessage(shutdown=pb.Shutdown(reason=event.reason))
+    return msg.SerializeToString()
+
+
+def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
+    """Parses and validates one message from a worker; raises naming what is wrong."""
+    msg = _parse(pb.WorkerMessage, raw, "WorkerMessage")
+    kind = msg.WhichOneof("kind")
+    if kind == "chunk":
+        return _decode_chunk(msg.chunk, limits)
+    if kind == "barrier":
+        b = msg.barrier
+        if len(b.name) > MAX_NAME_LENGTH:
+            raise InvalidArgumentError(
+                f"worker {b.worker_id}, step {b.step}: barrier name longer than {MAX_NAME_LENGTH}",
+                step=b.step,
+                worker_id=b.worker_id,
+            )
+        return BarrierIn(b.worker_id, b.step, b.name)
+    if kind == "shard_request":
+        s = msg.shard_request
+        if s.dataset_size == 0 or s.batch_size == 0:
+            raise InvalidArgumentError(
+                f"worker {s.worker_id}, step {s.step}: shard request needs a positive dataset_size "
+                f"and batch_size, got {s.dataset_size} and {s.batch_size}",
+                step=s.step,
+                worker_id=s.worker_id,
+            )
+        return ShardRequestIn(s.worker_id, s.step, s.dataset_size, s.batch_size)
+    if kind == "heartbeat":
+        return HeartbeatIn(msg.heartbeat.worker_id, msg.heartbeat.sequence)
+    if kind == "shutdown":
+        return LeaveIn(msg.shutdown.reason[:MAX_NAME_LENGTH])
+    raise InvalidArgumentError("WorkerMessage carries no message kind")
+
+
+def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits) -> ChunkIn:
+    who = f"worker {chunk.worker_id}"
+    key = _key_from_pb(chunk.key, who=who, limits=limits)
+    context = f"{who}, {key}"
+    dtype = _dtype_from_pb(chunk.dtype, context=context)
+    total = chunk.total_elements
+    if total > limits.max_tensor_elements:
+        raise ResourceExhaustedError(
+            f"{context}: declared {total} elements, above the limit of {limits.max_tensor_elements}",
+            step=key.step,
+            key=str(key),
+            worker_id=chunk.worker_id,
+        )
+    sizes = tuple(chunk.component_sizes)
+    if key.kind is KeyKind.BLOCK:
+        if len(sizes) != BLOCK_GRAD_COMPONENTS:
+            raise InvalidArgumentError(
+                f"{context}: {len(sizes)} component_sizes, a block has {BLOCK_GRAD_COMPONENTS}",
+                step=key.step,
+                key=str(key),
+                worker_id=chunk.worker_id,
+            )
+        if sum(sizes) != total:
+            raise InvalidArgumentError(
+                f"{context}: data length {total} != sum(component_sizes) {sum(sizes)}",
+                step=key.step,
+                key=str(key),
+                worker_id=chunk.worker_id,
+            )
+    elif sizes:
+        raise InvalidArgumentError(
+            f"{context}: component_sizes are only for block keys",
+            step=key.step,
+            key=str(key),
+            worker_id=chunk.worker_id,
+        )
+    payload = chunk.WhichOneof("payload")
+    if payload != "data":
+        what = "a shared-memory payload" if payload == "shm" else "no payload"
+        raise InvalidArgumentError(
+            f"{context}: chunk carries {what}; this coordinator accepts inline data only",
+            step=key.step,
+            key=str(key),
+            worker_id=chunk.worker_id,
+        )
+    data = chunk.data
+    if len(data) % 4:
+        raise InvalidArgumentError(
+            f"{context}: {len(data)} payload bytes is not a whole number of float32 elements",
+            step=key.step,
+            key=str(key),
+            worker_id=chunk.worker_id,
+        )
+    try:
+        check_chunk_length(total, limits.chunk_elements, chunk.offset, len(data) // 4, context=context)
+    except (InvalidArgumentError, ResourceExhaustedError) as exc:
+        exc.step, exc.key, exc.worker_id = key.step, str(key), chunk.worker_id
+        raise
+    stats = None
+    if chunk.HasField("stats"):
+        if key.kind is not KeyKind.WHOLE_MODEL:
+            raise InvalidArgumentError(
+                f"{context}: sample stats (loss, correct, total) are only for whole-model keys",
+                step=key.step,
+                key=str(key),
+                worker_id=chunk.worker_id,
+            )
+        stats = SampleStats(chunk.stats.loss, chunk.stats.correct, chunk.stats.total)
+        if not math.isfinite(stats.loss) or stats.correct > stats.total:
+            raise InvalidArgumentError(
+                f"{context}: invalid sample stats loss={stats.loss} correct={stats.correct} "
+                f"total={stats.total} (loss must be finite, correct <= total)",
+                step=key.step,
+                key=str(key),
+                worker_id=chunk.worker_id,
+            )
+    elif key.kind is KeyKind.WHOLE_MODEL:
+        raise InvalidArgumentError(
+            f"{context}: whole-model chunks must carry sample stats",
+            step=key.step,
+            key=str(key),
+            worker_id=chunk.worker_id,
+        )
+    return ChunkIn(
+        worker_id=chunk.worker_id,
+        key=key,
+        header=ChunkHeader(dtype, total, sizes),
+        offset=chunk.offset,
+        data=data,
+        stats=stats,
+    )
+
+
+def _stats_to_pb(stats: SampleStats) -> pb.SampleStats:
+    return pb.SampleStats(loss=stats.loss, correct=stats.correct, total=stats.total)
+
+
+# --- coordinator to worker ----------------------------------------------------------------------
+
+
+def encode_server_event(event: ServerEvent) -> bytes:
+    if isinstance(event, AveragedChunkOut):
+        avg = pb.AveragedChunk(
+            key=_key_to_pb(event.key),
+            dtype=int(event.header.dtype),  # type: ignore[arg-type]
+            total_elements=event.header.total_elements,
+            component_sizes=event.header.component_sizes,
+            offset=event.offset,
+            num_contributors=event.num_contributors,
+        )
+        if event.stats is not None:
+            avg.global_loss = event.stats.loss
+            avg.correct = event.stats.correct
+            avg.total = event.stats.total
+        return _with_payload(_SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data)
+    if isinstance(event, BarrierReleaseOut):
+        msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
+    elif isinstance(event, ShardAssignmentOut):
+        msg = pb.ServerMessage(
+            shard_assignment=pb.ShardAssignment(
+                step=event.step,
+                worker_id=event.worker_id,
+                ranges=[pb.SampleRange(start=r.start, stop=r.stop, stride=r.stride) for r in event.ranges],
+            )
+        )
+    elif isinstance(event, HeartbeatAckOut):
+        msg = pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(sequence=event.sequence))
+    elif isinstance(event, ShutdownOut):
+        msg = pb.ServerMessage(shutdown=pb.Shutdown(reason=event.reason))
+    else:
+        err = pb.Error(
+            code=event.code, message=event.message, step=event.step, step_failed=event.step_failed
+        )
+        if event.key is not None:
+            err.key.CopyFrom(_key_to_pb(event.key))
+        if event.culprit_worker_id is not None:
+            err.culprit_worker_id = event.culprit_worker_id
+        if event.barrier_name is not None:
+            err.barrier.CopyFrom(pb.Barrier(step=event.step, name=event.barrier_name))
+        if event.shard_step is not None:
+            err.shard_request.CopyFrom(pb.ShardRequest(step=event.shard_step))
+        msg = pb.ServerMessage(error=err)
+    return msg.SerializeToString()
+
+
+def decode_server_message(raw: bytes) -> ServerEvent:
+    """Parses one message from the coordinator; a malformed one is an InternalError."""
+    try:
+        msg = pb.ServerMessage.FromString(raw)
+    except DecodeError as exc:
+        raise InternalError(f"malformed message from the coordinator: {exc}") from exc
+    kind = msg.WhichOneof("kind")
+    try:
+        if kind == "averaged_chunk":
+            a = msg.averaged_chunk
+            key = _key_from_pb(a.key, who="coordinator", limits=None)
+            stats = (
+                SampleStats(a.global_loss, a.correct, a.total)
+                if key.kind is KeyKind.WHOLE_MODEL
+                else None
+            )
+            return AveragedChunkOut(
+                key=key,
+                header=ChunkHeader(DType(a.dtype), a.total_elements, tuple(a.component_sizes)),
+                offset=a.offset,
+                data=a.data,
+                num_contributors=a.num_contributors,
+                stats=stats,
+            )
+        if kind == "barrier_release":
+            return BarrierReleaseOut(msg.barrier_release.step, msg.barrier_release.name)
+        if kind == "shard_assignment":
+            s = msg.shard_assignment
+            ranges = tuple(SampleRange(r.start, r.stop, r.stride) for r in s.ranges)
+            return ShardAssignmentOut(s.step, s.worker_id, ranges)
+        if kind == "heartbeat_ack":
+            return HeartbeatAckOut(msg.heartbeat_ack.sequence)
+        if kind == "shutdown":
+            return ShutdownOut(msg.shutdown.reason)
+        if kind == "error":
+            e = msg.error
+            subject = e.WhichOneof("subject")
+            return ErrorOut(
+                code=e.code,
+                message=e.message,
+                step=e.step,
+                key=_key_from_pb(e.key, who="coordinator", limits=None) if e.HasField("key") else None,
+                culprit_worker_id=e.culprit_worker_id if e.HasField("culprit_worker_id") else None,
+                barrier_name=e.barrier.name if subject == "barrier" else None,
+                shard_step=e.shard_request.step if subject == "shard_request" else None,
+                step_failed=e.step_failed,
+            )
+    except (InvalidArgumentError, ValueError) as exc:
+        raise InternalError(f"invalid message from the coordinator: {exc}") from exc
+    raise InternalError("message from the coordinator carries no message kind")
+
+
+_M = TypeVar("_M", pb.WorkerMessage, pb.JoinRequest, pb.JoinResponse)
+
+
+def _parse(cls: type[_M], raw: bytes, what: str) -> _M:
+    try:
+        return cls.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"malformed {what}: {exc}") from exc

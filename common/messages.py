@@ -1,0 +1,218 @@
+"""Plain-Python views of everything that crosses the wire.
+
+The coordinator and the workers speak in these types; only `gradserver.common.codec` converts them
+to and from protobuf. A `TensorKey` names one reduction (one tensor of one step); a key's `slot`
+(kind and index, without the step) is what successive steps of training reuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from .components import NonBlockComponent
+
+
+class KeyKind(enum.Enum):
+    BLOCK = "block"
+    NON_BLOCK = "non_block"
+    WHOLE_MODEL = "whole_model"
+
+
+class DType(enum.IntEnum):
+    """Wire dtypes; values are those of the proto's DType enum."""
+
+    UNSPECIFIED = 0
+    FLOAT32 = 1
+    BFLOAT16 = 2
+    FLOAT16 = 3
+
+
+ALLOWED_DTYPES = frozenset({DType.FLOAT32})
+ITEM_SIZE = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorKey:
+    """One reduction. `num_blocks` travels with block keys but is not part of the identity."""
+
+    step: int
+    kind: KeyKind
+    index: int = 0
+    num_blocks: int = dataclasses.field(default=0, compare=False)
+
+    @classmethod
+    def block(cls, step: int, block_idx: int, num_blocks: int) -> TensorKey:
+        return cls(step, KeyKind.BLOCK, block_idx, num_blocks)
+
+    @classmethod
+    def non_block(cls, step: int, component: NonBlockComponent) -> TensorKey:
+        return cls(step, KeyKind.NON_BLOCK, int(component))
+
+    @classmethod
+    def whole_model(cls, step: int) -> TensorKey:
+        return cls(step, KeyKind.WHOLE_MODEL, 0)
+
+    @property
+    def slot(self) -> tuple[KeyKind, int]:
+        return (self.kind, self.index)
+
+    def describe(self) -> str:
+        """The key without its step, e.g. 'block 3 of 24' or 'non-block LM_HEAD'."""
+        if self.kind is KeyKind.BLOCK:
+            return f"block {self.index} of {self.num_blocks}"
+        if self.kind is KeyKind.NON_BLOCK:
+            try:
+                return f"non-block {NonBlockComponent(self.index).name}"
+            except ValueError:
+                return f"non-block component {self.index}"
+        return "whole-model gradient"
+
+    def __str__(self) -> str:
+        return f"step {self.step} {self.describe()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleStats:
+    loss: float
+    correct: int
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkHeader:
+    """What every chunk of one contribution repeats; all workers must agree on it per key."""
+
+    dtype: DType
+    total_elements: int
+    component_sizes: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkIn:
+    """A piece of one worker's contribution. `data` holds little-endian float32 elements."""
+
+    worker_id: int
+    key: TensorKey
+    header: ChunkHeader
+    offset: int
+    data: bytes | memoryview
+    stats: SampleStats | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierIn:
+    worker_id: int
+    step: int
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRequestIn:
+    worker_id: int
+    step: int
+    dataset_size: int
+    batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatIn:
+    worker_id: int
+    sequence: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaveIn:
+    reason: str
+
+
+WorkerEvent = ChunkIn | BarrierIn | ShardRequestIn | HeartbeatIn | LeaveIn
+
+
+@dataclasses.dataclass(frozen=True)
+class AveragedChunkOut:
+    key: TensorKey
+    header: ChunkHeader
+    offset: int
+    data: bytes | memoryview
+    num_contributors: int
+    stats: SampleStats | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierReleaseOut:
+    step: int
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRange:
+    start: int
+    stop: int
+    stride: int
+
+    def indices(self) -> range:
+        return range(self.start, self.stop, self.stride)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardAssignmentOut:
+    step: int
+    worker_id: int
+    ranges: tuple[SampleRange, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatAckOut:
+    sequence: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShutdownOut:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorOut:
+    """An error inside the stream. Exactly what it concerns: a key, a barrier, a shard request,
+    or (all of them unset) the whole step."""
+
+    code: int
+    message: str
+    step: int
+    key: TensorKey | None = None
+    culprit_worker_id: int | None = None
+    barrier_name: str | None = None
+    shard_step: int | None = None
+    step_failed: bool = False
+
+
+ServerEvent = (
+    AveragedChunkOut | BarrierReleaseOut | ShardAssignmentOut | HeartbeatAckOut | ShutdownOut | ErrorOut
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinRequestIn:
+    node_id: str
+    gpu_count: int
+    backend: str
+    protocol_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinAccepted:
+    """The coordinator's answer to Join: identity, session and the limits every worker obeys."""
+
+    worker_id: int
+    total_workers: int
+    session_id: int
+    member_token: int
+    protocol_version: int
+    chunk_bytes: int
+    max_message_bytes: int
+    max_tensor_elements: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    step_timeout_s: float
+    max_steps: int

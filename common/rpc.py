@@ -1,0 +1,63 @@
+"""gRPC plumbing shared by both sides: method paths, call metadata and channel options.
+
+Method paths come from the service descriptor of the generated module, so they cannot drift from
+the .proto. Messages travel as raw bytes through gRPC (no serializer is registered) and are
+decoded by `gradserver.common.codec`, which turns malformed bytes into INVALID_ARGUMENT instead
+of a transport error.
+"""
+
+from __future__ import annotations
+
+from ._pb import gradient_server_pb2 as pb
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["GradientServer"]
+SERVICE_NAME: str = _SERVICE.full_name
+JOIN_METHOD = f"/{SERVICE_NAME}/{_SERVICE.methods_by_name['Join'].name}"
+EXCHANGE_METHOD = f"/{SERVICE_NAME}/{_SERVICE.methods_by_name['Exchange'].name}"
+
+# Call metadata of an Exchange stream: who is speaking, in which coordinator session.
+META_WORKER_ID = "x-gradserver-worker-id"
+META_SESSION_ID = "x-gradserver-session-id"
+META_MEMBER_TOKEN = "x-gradserver-member-token"
+
+# Room for the header fields around a chunk's payload.
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+
+
+# Transport keepalive: a worker pings every KEEPALIVE_TIME_MS and drops a connection whose peer
+# does not answer within KEEPALIVE_TIMEOUT_MS, so a coordinator that is stopped (SIGSTOP) or cut
+# off is noticed even while no message is due. The coordinator allows pings that often.
+KEEPALIVE_TIME_MS = 5_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options for the coordinator: message limits, and permission for workers' keepalive."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def worker_channel_options() -> list[tuple[str, int]]:
+    """Options for a worker's channel. Sizes are unlimited on this side: the coordinator is
+    trusted to send what the worker asked for, and enforces its own limits on what it receives."""
+    return [
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def stream_metadata(worker_id: int, session_id: int, member_token: int) -> tuple[tuple[str, str], ...]:
+    return (
+        (META_WORKER_ID, str(worker_id)),
+        (META_SESSION_ID, str(session_id)),
+        (META_MEMBER_TOKEN, str(member_token)),
+    )

@@ -1,0 +1,132 @@
+"""Who is in the job: join, worker ids, member tokens and liveness.
+
+Worker ids are handed out lowest-free-first. The first `world_size` joiners wait until the world
+is complete (or the join timeout passes, which frees their places again). A place whose worker was
+lost can be taken by a new joiner, which gets the same worker id and a new member token, so a
+resumed zombie holding the old token is refused instead of mixing old data into a new step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+
+from gradserver.common.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    ResourceExhaustedError,
+)
+from gradserver.common.messages import JoinRequestIn
+
+log = logging.getLogger("gradserver.server.membership")
+
+
+@dataclasses.dataclass
+class Member:
+    worker_id: int
+    node_id: str
+    backend: str
+    gpu_count: int
+    token: int
+    last_seen: float
+    streaming: bool = False
+
+
+class Membership:
+    def __init__(self, world_size: int, join_timeout: float, session_id: int) -> None:
+        self.world_size = world_size
+        self.join_timeout = join_timeout
+        self.session_id = session_id
+        self._members: list[Member | None] = [None] * world_size
+        self._complete = asyncio.Event()
+
+    @property
+    def joined(self) -> int:
+        return sum(m is not None for m in self._members)
+
+    def members(self) -> list[Member]:
+        return [m for m in self._members if m is not None]
+
+    def get(self, worker_id: int) -> Member | None:
+        if 0 <= worker_id < self.world_size:
+            return self._members[worker_id]
+        return None
+
+    async def join(self, request: JoinRequestIn) -> Member:
+        """Takes the lowest free place and waits for the world to be complete."""
+        free = [i for i, m in enumerate(self._members) if m is None]
+        if not free:
+            raise ResourceExhaustedError(
+                f"node {request.node_id!r} cannot join: the world is full "
+                f"({self.world_size} of {self.world_size} workers joined)"
+            )
+        worker_id = free[0]
+        member = Member(
+            worker_id=worker_id,
+            node_id=request.node_id,
+            backend=request.backend,
+            gpu_count=request.gpu_count,
+            token=secrets.randbits(64),
+            last_seen=time.monotonic(),
+        )
+        self._members[worker_id] = member
+        log.info(
+            "worker %d joined: node %r, %d GPU(s), backend %r (%d of %d)",
+            worker_id, request.node_id, request.gpu_count, request.backend, self.joined, self.world_size,
+        )
+        if self.joined == self.world_size:
+            self._complete.set()
+        try:
+            await asyncio.wait_for(self._complete.wait(), timeout=self.join_timeout)
+        except TimeoutError:
+            joined = self.joined
+            self._vacate(member)
+            raise DeadlineExceededError(
+                f"join timed out after {self.join_timeout:g} s: {joined} of {self.world_size} "
+                "workers joined",
+                worker_id=worker_id,
+            ) from None
+        except asyncio.CancelledError:
+            self._vacate(member)
+            log.info("worker %d gave up joining before the world was complete", worker_id)
+            raise
+        member.last_seen = time.monotonic()
+        return member
+
+    def authenticate(self, worker_id: int, session_id: int, token: int) -> Member:
+        """The member an Exchange stream speaks for; refuses strangers, old sessions, zombies."""
+        if session_id != self.session_id:
+            raise FailedPreconditionError(
+                f"worker {worker_id} presents session {session_id:#x}, but this coordinator runs "
+                f"session {self.session_id:#x}; join again",
+                worker_id=worker_id,
+            )
+        member = self.get(worker_id)
+        if member is None or member.token != token:
+            state = "unknown" if not 0 <= worker_id < self.world_size else "not a member any more"
+            raise FailedPreconditionError(
+                f"worker {worker_id} is {state} (evicted or replaced); join again",
+                worker_id=worker_id,
+            )
+        if not self._complete.is_set():
+            raise FailedPreconditionError(
+                f"worker {worker_id} opened a stream before the world was complete",
+                worker_id=worker_id,
+            )
+        return member
+
+    def remove(self, member: Member, reason: str, *, expected: bool = False) -> bool:
+        """Frees the member's place; False when it was already freed or taken by another."""
+        if self._members[member.worker_id] is not member:
+            return False
+        self._vacate(member)
+        level = logging.INFO if expected else logging.WARNING
+        log.log(level, "worker %d (node %r) %s", member.worker_id, member.node_id, reason)
+        return True
+
+    def _vacate(self, member: Member) -> None:
+        if self._members[member.worker_id] is member:
+            self._members[member.worker_id] = None

@@ -1,0 +1,556 @@
+"""The coordinator's reduction table: which contributions are pending, and what to send when.
+
+Pure bookkeeping with no I/O: every call returns the messages to send (`Outgoing`) and the
+coordinator delivers them. One pending slot exists per key identity (a block index, a non-block
+component, the whole model) and holds only the chunks that not every worker has sent yet; a chunk
+is averaged as soon as the last worker's copy arrives and its buffers are freed.
+
+Rules (docs/PROTOCOL.md lists them with their status codes):
+- A step either completes for every key or fails for all workers at once; the failure is
+  broadcast as one step-wide error and late contributions to it are answered, never counted.
+- A message that is wrong on its own (stale or future step, duplicate) is rejected to its sender
+  without changing any state, so what was already accepted stays counted exactly once.
+- A message that disagrees with what other workers sent for the same key (sizes, num_blocks),
+  a non-finite value, a lost worker, a worker that moved to a later step without sending a key,
+  or a timeout fails the step: the culprit gets its own code, everyone else ABORTED.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+
+from gradserver.common.chunking import chunk_count
+from gradserver.common.errors import GradServerError
+from gradserver.common.messages import (
+    AveragedChunkOut,
+    BarrierIn,
+    BarrierReleaseOut,
+    ChunkHeader,
+    ChunkIn,
+    ErrorOut,
+    KeyKind,
+    SampleStats,
+    ServerEvent,
+    ShardAssignmentOut,
+    ShardRequestIn,
+    TensorKey,
+)
+from gradserver.common.sharding import step_shard
+
+from .averaging import NonFiniteContribution, average_chunk
+
+log = logging.getLogger("gradserver.server.reduction")
+
+_FAILED_STEPS_KEPT = 64
+_ABORTED = grpc.StatusCode.ABORTED
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@dataclasses.dataclass(frozen=True)
+class Outgoing:
+    """One message for the listed workers (each gets the very same encoded bytes)."""
+
+    to: tuple[int, ...]
+    event: ServerEvent
+
+
+@dataclasses.dataclass
+class _Slot:
+    key: TensorKey
+    header: ChunkHeader
+    num_chunks: int
+    deadline: float
+    world_size: int
+    chunks: dict[int, list[bytes | None]] = dataclasses.field(default_factory=dict)
+    received: list[set[int]] = dataclasses.field(default_factory=list)
+    stats: list[SampleStats | None] = dataclasses.field(default_factory=list)
+    reduced: int = 0
+
+    def __post_init__(self) -> None:
+        self.received = [set() for _ in range(self.world_size)]
+        self.stats = [None] * self.world_size
+
+    def missing_workers(self) -> list[int]:
+        return [w for w, got in enumerate(self.received) if len(got) < self.num_chunks]
+
+
+@dataclasses.dataclass
+class _Barrier:
+    step: int
+    name: str
+    deadline: float
+    arrived: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class _Failure:
+    code: grpc.StatusCode
+    message: str
+    culprit: int | None
+    culprit_code: grpc.StatusCode
+    answered: set[tuple[int, TensorKey | str]] = dataclasses.field(default_factory=set)
+
+    def code_for(self, worker_id: int) -> grpc.StatusCode:
+        return self.culprit_code if worker_id == self.culprit else self.code
+
+
+@dataclasses.dataclass
+class _StepStats:
+    keys: int = 0
+    bytes_in: int = 0
+    started: float = 0.0
+
+
+class ReductionTable:
+    """All reductions of one job. Not thread-safe: the coordinator calls it from its event loop."""
+
+    def __init__(
+        self,
+        world_size: int,
+        chunk_elements: int,
+        step_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.world_size = world_size
+        self.chunk_elements = chunk_elements
+        self.step_timeout = step_timeout
+        self._clock = clock
+        self._pending: dict[tuple[KeyKind, int], _Slot] = {}
+        self._barriers: dict[tuple[int, str], _Barrier] = {}
+        self._last_step: dict[tuple[KeyKind, int], int] = {}
+        self._last_barrier: dict[str, int] = {}
+        self._worker_step: list[int | None] = [None] * world_size
+        self._failed: collections.OrderedDict[int, _Failure] = collections.OrderedDict()
+        self._vacant: dict[int, str] = {}
+        self._buffered = [0] * world_size
+        self._shard_shape: tuple[int, int] | None = None
+        self._step_stats: collections.OrderedDict[int, _StepStats] = collections.OrderedDict()
+        self.steps_completed = 0
+        self.contributions_counted = 0
+        self._last_completed_step: int | None = None
+
+    # --- queries ------------------------------------------------------------------------------
+
+    def buffered_bytes(self, worker_id: int) -> int:
+        """Bytes of `worker_id`'s contributions held while waiting for other workers."""
+        return self._buffered[worker_id]
+
+    def has_pending(self) -> bool:
+        return bool(self._pending or self._barriers)
+
+    def pending_steps(self) -> set[int]:
+        steps = {slot.key.step for slot in self._pending.values()}
+        steps.update(b.step for b in self._barriers.values())
+        return steps
+
+    @property
+    def last_completed_step(self) -> int | None:
+        return self._last_completed_step
+
+    def live_workers(self) -> tuple[int, ...]:
+        return tuple(w for w in range(self.world_size) if w not in self._vacant)
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def worker_lost(self, worker_id: int, reason: str) -> list[Outgoing]:
+        """Fails every step in flight and refuses new keys until a replacement joins."""
+        self._vacant[worker_id] = reason
+        self._worker_step[worker_id] = None
+        out: list[Outgoing] = []
+        for step in sorted(self.pending_steps()):
+            out += self._fail_step(
+                step, f"step {step} aborted: worker {worker_id} {reason}", culprit=worker_id
+            )
+        return out
+
+    def worker_joined(self, worker_id: int) -> None:
+        self._vacant.pop(worker_id, None)
+        self._worker_step[worker_id] = None
+
+    # --- contributions ------------------------------------------------------------------------
+
+    def contribute(self, chunk: ChunkIn) -> list[Outgoing]:
+        """Accepts, rejects or reduces one chunk of one worker's contribution."""
+        w, key = chunk.worker_id, chunk.key
+        rejected = self._admit(w, key.step, key, what=str(key))
+        if rejected is not None:
+            return rejected
+        slot = self._pending.get(key.slot)
+        if slot is not None and slot.key.step != key.step:
+            return self._reject(
+                w, key.step, _PRECONDITION, key,
+                f"worker {w} sent {key}, but {key.describe()} is being reduced at step "
+                f"{slot.key.step}",
+            )
+        if slot is None:
+            last = self._last_step.get(key.slot)
+            if last is not None and key.step <= last:
+                if key.step == last:
+                    return self._reject(
+                        w, key.step, _INVALID, key,
+                        f"worker {w} sent {key} again after it was reduced; the first copy counts",
+                    )
+                return self._reject(
+                    w, key.step, _PRECONDITION, key,
+                    f"worker {w} sent {key}, which is stale: {key.describe()} was reduced at "
+                    f"step {last}",
+                )
+        out = self._advance_worker(w, key.step)
+        if slot is None:
+            slot = self._open(key, chunk.header)
+        elif (mismatch := self._header_mismatch(slot, chunk)) is not None:
+            return out + self._fail_step(
+                key.step, mismatch, culprit=w, culprit_code=_INVALID, key=key
+            )
+        index = chunk.offset // self.chunk_elements
+        if index in slot.received[w]:
+            return out + self._reject(
+                w, key.step, _INVALID, key,
+                f"worker {w} sent the chunk at offset {chunk.offset} of {key} twice; "
+                "the first copy counts",
+            )
+        if key.kind is KeyKind.WHOLE_MODEL:
+            known = slot.stats[w]
+            if known is not None and known != chunk.stats:
+                return out + self._reject(
+                    w, key.step, _INVALID, key,
+                    f"worker {w} sent sample stats {chunk.stats} in one chunk of {key} and "
+                    f"{known} in another",
+                )
+            slot.stats[w] = chunk.stats
+        slot.received[w].add(index)
+        parts = slot.chunks.setdefault(index, [None] * self.world_size)
+        parts[w] = chunk.data
+        self._buffered[w] += len(chunk.data)
+        self._stats_for(key.step).bytes_in += len(chunk.data)
+        if all(p is not None for p in parts):
+            out += self._reduce(slot, index)
+        return out
+
+    def barrier(self, arrival: BarrierIn) -> list[Outgoing]:
+        w, step, name = arrival.worker_id, arrival.step, arrival.name
+        what = f"step {step} barrier {name!r}"
+        rejected = self._admit(w, step, name, what=what)
+        if rejected is not None:
+            return rejected
+        last = self._last_barrier.get(name)
+        if last is not None and step <= last:
+            return self._barrier_error(
+                w, step, name, _PRECONDITION,
+                f"worker {w} arrived at {what}, but barrier {name!r} was already released at "
+                f"step {last}",
+            )
+        out = self._advance_worker(w, step)
+        bar = self._barriers.get((step, name))
+        if bar is None:
+            bar = self._barriers[(step, name)] = _Barrier(step, name, self._clock() + self.step_timeout)
+        if w in bar.arrived:
+            return out + self._barrier_error(
+                w, step, name, _INVALID, f"worker {w} arrived at {what} twice"
+            )
+        bar.arrived.add(w)
+        if len(bar.arrived) == self.world_size:
+            del self._barriers[(step, name)]
+            self._last_barrier[name] = step
+            out.append(Outgoing(self.live_workers(), BarrierReleaseOut(step, name)))
+        return out
+
+    def shard(self, request: ShardRequestIn) -> list[Outgoing]:
+        """Answers a shard request; every worker must describe the same data set and batch."""
+        w = request.worker_id
+        shape = (request.dataset_size, request.batch_size)
+        if self._shard_shape is None:
+            self._shard_shape = shape
+        try:
+            if shape != self._shard_shape:
+                raise GradServerError(
+                    f"worker {w} asked for step {request.step} shards of a data set of "
+                    f"{shape[0]} samples with batch {shape[1]}, but this job uses "
+                    f"{self._shard_shape[0]} samples with batch {self._shard_shape[1]}"
+                )
+            ranges = step_shard(request.step, w, self.world_size, *shape)
+        except GradServerError as exc:
+            return [
+                Outgoing(
+                    (w,),
+                    ErrorOut(int(_INVALID.value[0]), exc.message, request.step, shard_step=request.step),
+                )
+            ]
+        return [Outgoing((w,), ShardAssignmentOut(request.step, w, ranges))]
+
+    def expire(self) -> list[Outgoing]:
+        """Fails every step that has a key or barrier past its deadline."""
+        now = self._clock()
+        out: list[Outgoing] = []
+        for slot in list(self._pending.values()):
+            if slot.deadline <= now and slot.key.slot in self._pending:
+                missing = ", ".join(map(str, slot.missing_workers()))
+                out += self._fail_step(
+                    slot.key.step,
+                    f"{slot.key}: no complete contribution from worker(s) {missing} within the "
+                    f"step timeout of {self.step_timeout:g} s",
+                    code=_DEADLINE,
+                )
+        for bar in list(self._barriers.values()):
+            if bar.deadline <= now and (bar.step, bar.name) in self._barriers:
+                missing = ", ".join(str(w) for w in range(self.world_size) if w not in bar.arrived)
+                out += self._fail_step(
+                    bar.step,
+                    f"step {bar.step} barrier {bar.name!r}: worker(s) {missing} did not arrive "
+                    f"within the step timeout of {self.step_timeout:g} s",
+                    code=_DEADLINE,
+                )
+        return out
+
+    def fail_all(self, code: grpc.StatusCode, reason: str) -> list[Outgoing]:
+        """Fails every step in flight (used by a shutdown that cannot wait any longer)."""
+        out: list[Outgoing] = []
+        for step in sorted(self.pending_steps()):
+            out += self._fail_step(step, f"step {step} aborted: {reason}", code=code)
+        return out
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _admit(self, w: int, step: int, subject: TensorKey | str, *, what: str) -> list[Outgoing] | None:
+        """Checks that apply to every message of a step; returns the answer when it is refused."""
+        failure = self._failed.get(step)
+        if failure is not None:
+            if (w, subject) in failure.answered:
+                return []
+            failure.answered.add((w, subject))
+            refusal = self._error_to(w, step, failure.code_for(w), failure.message, subject)
+            event = dataclasses.replace(refusal.event, step_failed=True)  # type: ignore[type-var]
+            return [Outgoing(refusal.to, event)]
+        if self._vacant:
+            lost = ", ".join(f"worker {v} {why}" for v, why in sorted(self._vacant.items()))
+            return [
+                self._error_to(
+                    w, step, _ABORTED,
+                    f"{what} refused: the world is incomplete ({lost}); waiting for a "
+                    "replacement to join",
+                    subject,
+                    culprit=min(self._vacant),
+                )
+            ]
+        known = self._worker_step[w]
+        if known is not None and step < known:
+            return [
+                self._error_to(
+                    w, step, _PRECONDITION,
+                    f"worker {w} sent {what}, but it already sent step {known}; steps only move "
+                    "forward",
+                    subject,
+                )
+            ]
+        return None
+
+    def _advance_worker(self, w: int, step: int) -> list[Outgoing]:
+        """Records that `w` reached `step`; fails older steps it left without contributing."""
+        known = self._worker_step[w]
+        self._worker_step[w] = step if known is None else max(known, step)
+        if known is None or step <= known:
+            return []
+        out: list[Outgoing] = []
+        abandoned = [
+            (slot.key.step, str(slot.key))
+            for slot in self._pending.values()
+            if slot.key.step < step and w in slot.missing_workers()
+        ]
+        abandoned += [
+            (bar.step, f"step {bar.step} barrier {bar.name!r}")
+            for bar in self._barriers.values()
+            if bar.step < step and w not in bar.arrived
+        ]
+        for old_step, what in sorted(abandoned):
+            if old_step in self._failed:
+                continue
+            out += self._fail_step(
+                old_step,
+                f"worker {w} moved on to step {step} without completing {what}",
+                culprit=w,
+                culprit_code=_PRECONDITION,
+            )
+        return out
+
+    def _open(self, key: TensorKey, header: ChunkHeader) -> _Slot:
+        if key.step not in self._step_stats:
+            self._log_previous_steps(key.step)
+            self._step_stats[key.step] = _StepStats(started=self._clock())
+        self._stats_for(key.step).keys += 1
+        slot = _Slot(
+            key=key,
+            header=header,
+            num_chunks=chunk_count(header.total_elements, self.chunk_elements),
+            deadline=self._clock() + self.step_timeout,
+            world_size=self.world_size,
+        )
+        self._pending[key.slot] = slot
+        return slot
+
+    def _header_mismatch(self, slot: _Slot, chunk: ChunkIn) -> str | None:
+        ref, got, w = slot.header, chunk.header, chunk.worker_id
+        first = min((v for v, r in enumerate(slot.received) if r), default=None)
+        other = f"worker {first}'s" if first is not None else "the first contributor's"
+        if chunk.key.num_blocks != slot.key.num_blocks:
+            return (
+                f"worker {w} sent {chunk.key} with num_blocks {chunk.key.num_blocks}, but "
+                f"{other} says {slot.key.num_blocks}"
+            )
+        if got.component_sizes != ref.component_sizes:
+            return (
+                f"worker {w} sent {chunk.key} with component_sizes {list(got.component_sizes)}, "
+                f"which differ from {other} {list(ref.component_sizes)}"
+            )
+        if got.total_elements != ref.total_elements or got.dtype != ref.dtype:
+            return (
+                f"worker {w} sent {chunk.key} as {got.total_elements} {got.dtype.name} elements, "
+                f"but {other} has {ref.total_elements} {ref.dtype.name} elements"
+            )
+        return None
+
+    def _reduce(self, slot: _Slot, index: int) -> list[Outgoing]:
+        parts = slot.chunks[index]
+        data = [p for p in parts if p is not None]
+        try:
+            averaged = average_chunk(data)
+        except NonFiniteContribution as exc:
+            culprit = exc.position
+            element = index * self.chunk_elements + exc.element
+            return self._fail_step(
+                slot.key.step,
+                f"worker {culprit} sent a non-finite value (NaN or Inf) in {slot.key} at element "
+                f"{element}; the step is halted",
+                culprit=culprit,
+                culprit_code=_INVALID,
+                key=slot.key,
+            )
+        del slot.chunks[index]
+        for w, part in enumerate(parts):
+            self._buffered[w] -= len(part or b"")
+        slot.reduced += 1
+        stats = self._global_stats(slot) if slot.key.kind is KeyKind.WHOLE_MODEL else None
+        out = [
+            Outgoing(
+                self.live_workers(),
+                AveragedChunkOut(
+                    key=slot.key,
+                    header=slot.header,
+                    offset=index * self.chunk_elements,
+                    data=averaged,
+                    num_contributors=self.world_size,
+                    stats=stats,
+                ),
+            )
+        ]
+        if slot.reduced == slot.num_chunks:
+            del self._pending[slot.key.slot]
+            self._last_step[slot.key.slot] = slot.key.step
+            self.contributions_counted += self.world_size
+            if self._last_completed_step != slot.key.step:
+                self._last_completed_step = slot.key.step
+                self.steps_completed += 1
+        return out
+
+    @staticmethod
+    def _global_stats(slot: _Slot) -> SampleStats:
+        stats = [s for s in slot.stats if s is not None]
+        total = sum(s.total for s in stats)
+        if total:
+            loss = sum(s.loss * s.total for s in stats) / total
+        else:
+            loss = sum(s.loss for s in stats) / len(stats)
+        return SampleStats(loss, sum(s.correct for s in stats), total)
+
+    def _fail_step(
+        self,
+        step: int,
+        message: str,
+        *,
+        culprit: int | None = None,
+        culprit_code: grpc.StatusCode = _ABORTED,
+        code: grpc.StatusCode = _ABORTED,
+        key: TensorKey | None = None,
+    ) -> list[Outgoing]:
+        """Drops everything of `step` and tells every live worker once."""
+        if step in self._failed:
+            return []
+        failure = _Failure(code, message, culprit, culprit_code)
+        self._failed[step] = failure
+        while len(self._failed) > _FAILED_STEPS_KEPT:
+            self._failed.popitem(last=False)
+        for ident, slot in list(self._pending.items()):
+            if slot.key.step == step:
+                for index in slot.chunks:
+                    for w, part in enumerate(slot.chunks[index]):
+                        self._buffered[w] -= len(part or b"")
+                del self._pending[ident]
+                self._last_step[ident] = step
+        for ident2 in [k for k, b in self._barriers.items() if b.step == step]:
+            del self._barriers[ident2]
+        log.warning("step %d failed: %s", step, message)
+        out: list[Outgoing] = []
+        live = self.live_workers()
+        others = tuple(w for w in live if w != culprit)
+        for code_, to in ((code, others), (culprit_code, (culprit,) if culprit in live else ())):
+            if to:
+                event = ErrorOut(int(code_.value[0]), message, step, key, culprit, step_failed=True)
+                out.append(Outgoing(to, event))
+        return out
+
+    def _reject(
+        self, w: int, step: int, code: grpc.StatusCode, key: TensorKey, message: str
+    ) -> list[Outgoing]:
+        log.info("rejected: %s", message)
+        return [self._error_to(w, step, code, message, key)]
+
+    def _barrier_error(
+        self, w: int, step: int, name: str, code: grpc.StatusCode, message: str
+    ) -> list[Outgoing]:
+        log.info("rejected: %s", message)
+        return [self._error_to(w, step, code, message, name)]
+
+    @staticmethod
+    def _error_to(
+        w: int,
+        step: int,
+        code: grpc.StatusCode,
+        message: str,
+        subject: TensorKey | str,
+        culprit: int | None = None,
+    ) -> Outgoing:
+        if isinstance(subject, TensorKey):
+            event = ErrorOut(int(code.value[0]), message, step, key=subject, culprit_worker_id=culprit)
+        else:
+            event = ErrorOut(
+                int(code.value[0]), message, step, culprit_worker_id=culprit, barrier_name=subject
+            )
+        return Outgoing((w,), event)
+
+    def _stats_for(self, step: int) -> _StepStats:
+        stats = self._step_stats.get(step)
+        if stats is None:
+            stats = self._step_stats[step] = _StepStats(started=self._clock())
+        return stats
+
+    def _log_previous_steps(self, new_step: int) -> None:
+        for step in [s for s in self._step_stats if s < new_step]:
+            stats = self._step_stats.pop(step)
+            if log.isEnabledFor(logging.DEBUG):
+                state = "failed" if step in self._failed else "done"
+                log.debug(
+                    "step %d %s: %d keys, %.1f MiB in, %.3f s",
+                    step, state, stats.keys, stats.bytes_in / 2**20, self._clock() - stats.started,
+                )
+
+
+def recipients(outgoing: Iterable[Outgoing]) -> set[int]:
+    """Every worker that one of `outgoing` is addressed to."""
+    return {w for o in outgoing for w in o.to}

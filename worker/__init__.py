@@ -1,0 +1,21 @@
+"""gradserver.worker: the client a training process uses to average gradients.
+
+    from gradserver.worker import WorkerClient
+    with WorkerClient.connect("127.0.0.1:50051", node_id="n0", backend="cpu") as client:
+        client.send_block_gradient(step, block_idx, num_blocks, grads, component_sizes)
+        avg = client.receive_averaged_block()
+"""
+
+from gradserver.common.timeouts import Timeouts
+
+from .client import WorkerClient
+from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
+
+__all__ = [
+    "AveragedBlock",
+    "AveragedGradients",
+    "AveragedNonBlock",
+    "ShardAssignment",
+    "Timeouts",
+    "WorkerClient",
+]

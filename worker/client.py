@@ -1,0 +1,340 @@
+"""WorkerClient: the blocking API a training process uses to average gradients.
+
+Names follow the reference WorkerClient. Sends return once the data is queued for the
+transport; each receive returns the next average of that kind in the order this worker sent its
+keys, so lockstep use (send block i, receive block i) and pipelined use (send all, then receive
+all) both work. Every call has a deadline (`Timeouts`), and every failure is an exception of
+`gradserver.common.errors`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+from typing import Any
+
+import grpc
+import numpy as np
+
+from gradserver.common import codec
+from gradserver.common.chunking import chunk_spans
+from gradserver.common.components import (
+    BLOCK_GRAD_COMPONENTS,
+    NonBlockComponent,
+    parse_non_block_component,
+)
+from gradserver.common.config import parse_address
+from gradserver.common.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+    error_from_status,
+)
+from gradserver.common.messages import (
+    BarrierIn,
+    ChunkHeader,
+    ChunkIn,
+    DType,
+    HeartbeatIn,
+    JoinAccepted,
+    JoinRequestIn,
+    KeyKind,
+    SampleStats,
+    ShardRequestIn,
+    TensorKey,
+)
+from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
+from gradserver.common.timeouts import Timeouts
+
+from ._exchange import ExchangeStream, PendingResult
+from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
+from .tensors import as_float32_array
+
+log = logging.getLogger("gradserver.worker")
+
+
+class WorkerClient:
+    """A joined worker with one open Exchange stream. Create it with `WorkerClient.connect`."""
+
+    def __init__(self, channel: grpc.Channel, accepted: JoinAccepted, timeouts: Timeouts, address: str) -> None:
+        self._channel = channel
+        self._accepted = accepted
+        self.timeouts = timeouts
+        self.address = address
+        self._stream = ExchangeStream(channel, accepted, timeouts)
+        self._sent: dict[KeyKind, collections.deque[TensorKey]] = {
+            kind: collections.deque() for kind in KeyKind
+        }
+        self._closed = False
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        node_id: str = "",
+        gpu_count: int = 0,
+        backend: str = "cpu",
+        timeout: float | Timeouts | None = None,
+    ) -> WorkerClient:
+        """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
+        the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`."""
+        timeouts = Timeouts.of(timeout)
+        parse_address(address, what="coordinator address")
+        node_id = node_id or socket.gethostname()
+        channel = grpc.insecure_channel(address, options=worker_channel_options())
+        try:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeouts.connect)
+            except grpc.FutureTimeoutError:
+                raise UnavailableError(
+                    f"cannot reach the coordinator at {address} within {timeouts.connect:g} s"
+                ) from None
+            join = channel.unary_unary(JOIN_METHOD)
+            request = JoinRequestIn(node_id, gpu_count, backend, codec.PROTOCOL_VERSION)
+            try:
+                raw = join(codec.encode_join_request(request), timeout=timeouts.join)
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED and "join timed out" not in details:
+                    details = f"join did not complete within {timeouts.join:g} s ({details})"
+                raise error_from_status(code, details) from exc
+            accepted = codec.decode_join_accepted(raw)
+            log.info(
+                "joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers
+            )
+            return cls(channel, accepted, timeouts, address)
+        except BaseException:
+            channel.close()
+            raise
+
+    # --- identity -----------------------------------------------------------------------------
+
+    @property
+    def worker_id(self) -> int:
+        return self._accepted.worker_id
+
+    @property
+    def total_workers(self) -> int:
+        return self._accepted.total_workers
+
+    @property
+    def session_id(self) -> int:
+        return self._accepted.session_id
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._accepted.chunk_bytes
+
+    @property
+    def max_steps(self) -> int:
+        """The coordinator's --max-steps (0: no limit)."""
+        return self._accepted.max_steps
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        return self._accepted.heartbeat_timeout_s
+
+    # --- per-block gradients ------------------------------------------------------------------
+
+    def send_block_gradient(
+        self,
+        step: int,
+        block_idx: int,
+        num_blocks: int,
+        gradients: Any,
+        component_sizes: tuple[int, ...] | list[int],
+    ) -> None:
+        """Contributes one block's flat gradient (9 components in protocol order)."""
+        self._check_step(step)
+        if not 0 <= block_idx < num_blocks:
+            raise InvalidArgumentError(
+                f"step {step}: block_idx {block_idx} is out of range for num_blocks {num_blocks}",
+                step=step,
+            )
+        key = TensorKey.block(step, block_idx, num_blocks)
+        sizes = tuple(int(s) for s in component_sizes)
+        if len(sizes) != BLOCK_GRAD_COMPONENTS or any(s < 0 for s in sizes):
+            raise InvalidArgumentError(
+                f"{key}: need {BLOCK_GRAD_COMPONENTS} non-negative component_sizes, got {list(sizes)}",
+                step=step,
+                key=str(key),
+            )
+        array = as_float32_array(gradients, what=str(key))
+        if array.size != sum(sizes):
+            raise InvalidArgumentError(
+                f"{key}: data length {array.size} != sum(component_sizes) {sum(sizes)}",
+                step=step,
+                key=str(key),
+            )
+        self._send_tensor(key, array, sizes)
+
+    def receive_averaged_block(self, timeout: float | None = None) -> AveragedBlock:
+        """The average of the oldest block this worker sent and has not received yet."""
+        key, result = self._receive(KeyKind.BLOCK, timeout)
+        return AveragedBlock(
+            step=key.step,
+            block_idx=key.index,
+            num_blocks=key.num_blocks,
+            gradients=result.array,
+            component_sizes=result.component_sizes,
+            num_contributors=result.num_contributors,
+        )
+
+    # --- non-block gradients ------------------------------------------------------------------
+
+    def send_non_block_gradient(
+        self, step: int, component: int | str | NonBlockComponent, gradients: Any
+    ) -> None:
+        """Contributes the LM head (0), final norm (1) or embedding (2) gradient."""
+        self._check_step(step)
+        key = TensorKey.non_block(step, parse_non_block_component(component))
+        self._send_tensor(key, as_float32_array(gradients, what=str(key)), ())
+
+    def receive_averaged_non_block(self, timeout: float | None = None) -> AveragedNonBlock:
+        key, result = self._receive(KeyKind.NON_BLOCK, timeout)
+        return AveragedNonBlock(
+            step=key.step,
+            component=NonBlockComponent(key.index),
+            gradients=result.array,
+            num_contributors=result.num_contributors,
+        )
+
+    # --- whole-model gradients ----------------------------------------------------------------
+
+    def send_gradients(
+        self, step: int, gradients: Any, loss: float, correct: int, total: int
+    ) -> None:
+        """Contributes a whole-model gradient with this worker's loss and sample counts."""
+        self._check_step(step)
+        key = TensorKey.whole_model(step)
+        if not np.isfinite(loss) or correct < 0 or total < 0 or correct > total:
+            raise InvalidArgumentError(
+                f"{key}: need a finite loss and 0 <= correct <= total, got loss={loss} "
+                f"correct={correct} total={total}",
+                step=step,
+                key=str(key),
+            )
+        stats = SampleStats(float(loss), int(correct), int(total))
+        self._send_tensor(key, as_float32_array(gradients, what=str(key)), (), stats)
+
+    def receive_averaged(self, timeout: float | None = None) -> AveragedGradients:
+        key, result = self._receive(KeyKind.WHOLE_MODEL, timeout)
+        stats = result.stats or SampleStats(float("nan"), 0, 0)
+        return AveragedGradients(
+            step=key.step,
+            gradients=result.array,
+            global_loss=stats.loss,
+            correct=stats.correct,
+            total=stats.total,
+            num_contributors=result.num_contributors,
+        )
+
+    # --- barrier, shards, heartbeat -----------------------------------------------------------
+
+    def barrier(self, step: int, name: str = "", timeout: float | None = None) -> None:
+        """Returns when every worker has reached barrier `name` of `step`."""
+        self._check_step(step)
+        bar = self._stream.expect_barrier(step, name)
+        try:
+            self._stream.send(BarrierIn(self.worker_id, step, name))
+        except BaseException:
+            self._stream.forget_barrier(step, name)
+            raise
+        self._stream.wait_barrier(step, name, bar, timeout)
+
+    def request_shard(self, step: int, dataset_size: int, batch_size: int) -> None:
+        """Asks which samples this worker trains on at `step`; see `receive_shard`."""
+        self._check_step(step)
+        if dataset_size < 1 or batch_size < 1:
+            raise InvalidArgumentError(
+                f"step {step}: dataset_size and batch_size must be positive, got "
+                f"{dataset_size} and {batch_size}",
+                step=step,
+            )
+        self._stream.send(ShardRequestIn(self.worker_id, step, dataset_size, batch_size))
+
+    def receive_shard(self, timeout: float | None = None) -> ShardAssignment:
+        shard = self._stream.wait_shard(timeout)
+        return ShardAssignment(shard.step, shard.worker_id, shard.ranges)
+
+    def get_shard(self, step: int, dataset_size: int, batch_size: int) -> ShardAssignment:
+        self.request_shard(step, dataset_size, batch_size)
+        return self.receive_shard()
+
+    def send_heartbeat(self) -> None:
+        """Sends one heartbeat now (a background thread already sends them periodically)."""
+        self._stream.send(HeartbeatIn(self.worker_id, 0))
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leaves the job and closes the connection. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stream.close()
+        finally:
+            self._channel.close()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _check_step(self, step: int) -> None:
+        if self._closed:
+            raise UnavailableError("this WorkerClient is closed")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative integer, got {step!r}")
+
+    def _send_tensor(
+        self,
+        key: TensorKey,
+        array: np.ndarray,
+        sizes: tuple[int, ...],
+        stats: SampleStats | None = None,
+    ) -> None:
+        limit = self._accepted.max_tensor_elements
+        if array.size > limit:
+            raise InvalidArgumentError(
+                f"{key}: {array.size} elements exceed the coordinator's limit of {limit}",
+                step=key.step,
+                key=str(key),
+            )
+        self._stream.raise_if_broken()
+        header = ChunkHeader(DType.FLOAT32, int(array.size), sizes)
+        self._stream.expect(key, sizes, int(array.size))
+        try:
+            for offset, length in chunk_spans(int(array.size), self.chunk_bytes // 4):
+                data = memoryview(array[offset : offset + length])
+                self._stream.send(ChunkIn(self.worker_id, key, header, offset, data, stats))
+        except BaseException:
+            self._stream.forget(key)
+            raise
+        self._sent[key.kind].append(key)
+
+    def _receive(self, kind: KeyKind, timeout: float | None) -> tuple[TensorKey, PendingResult]:
+        if self._closed:
+            raise UnavailableError("this WorkerClient is closed")
+        sent = self._sent[kind]
+        if not sent:
+            raise FailedPreconditionError(
+                f"nothing to receive: this worker has no {kind.value.replace('_', '-')} gradient "
+                "awaiting its average"
+            )
+        key = sent[0]
+        try:
+            result = self._stream.wait_result(key, timeout)
+        except DeadlineExceededError:
+            raise  # the key stays first in line: a later receive keeps waiting for it
+        except BaseException:
+            sent.popleft()
+            raise
+        sent.popleft()
+        return key, result
