@@ -37,9 +37,7 @@ def expected_chunk_length(total: int, chunk_elements: int, offset: int, *, conte
     return min(chunk_elements, total - offset)
 
 
-def check_chunk_length(
-    total: int, chunk_elements: int, offset: int, got: int, *, context: str
-) -> None:
+def check_chunk_length(total: int, chunk_elements: int, offset: int, got: int, *, context: str) -> None:
     """Raises unless a chunk at `offset` holds exactly the elements its span needs."""
     if got > chunk_elements:
         raise ResourceExhaustedError(

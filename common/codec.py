@@ -95,9 +95,7 @@ def _with_payload(outer_field: int, header: bytes, data_field: int, data: bytes 
 
 def _key_to_pb(key: TensorKey) -> pb.TensorKey:
     if key.kind is KeyKind.BLOCK:
-        return pb.TensorKey(
-            step=key.step, block=pb.BlockKey(block_idx=key.index, num_blocks=key.num_blocks)
-        )
+        return pb.TensorKey(step=key.step, block=pb.BlockKey(block_idx=key.index, num_blocks=key.num_blocks))
     if key.kind is KeyKind.NON_BLOCK:
         return pb.TensorKey(step=key.step, non_block=key.index)  # type: ignore[arg-type]
     return pb.TensorKey(step=key.step, whole_model=pb.WholeModelKey())
@@ -124,8 +122,7 @@ def _key_from_pb(msg: pb.TensorKey, *, who: str, limits: WireLimits | None) -> T
         except ValueError:
             names = ", ".join(f"{c.name}={c.value}" for c in NonBlockComponent)
             raise InvalidArgumentError(
-                f"{who}, step {msg.step}: unknown non-block component {msg.non_block} "
-                f"(known: {names})",
+                f"{who}, step {msg.step}: unknown non-block component {msg.non_block} (known: {names})",
                 step=msg.step,
             ) from None
         return TensorKey.non_block(msg.step, component)
@@ -161,7 +158,9 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
 def decode_join_request(raw: bytes) -> JoinRequestIn:
     msg = _parse(pb.JoinRequest, raw, "JoinRequest")
     if len(msg.node_id) > MAX_NAME_LENGTH or len(msg.backend) > MAX_NAME_LENGTH:
-        raise InvalidArgumentError(f"JoinRequest: node_id and backend are limited to {MAX_NAME_LENGTH} characters")
+        raise InvalidArgumentError(
+            f"JoinRequest: node_id and backend are limited to {MAX_NAME_LENGTH} characters"
+        )
     return JoinRequestIn(msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version)
 
 
@@ -236,9 +235,7 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
             )
         )
     elif isinstance(event, HeartbeatIn):
-        msg = pb.WorkerMessage(
-            heartbeat=pb.Heartbeat(worker_id=event.worker_id, sequence=event.sequence)
-        )
+        msg = pb.WorkerMessage(heartbeat=pb.Heartbeat(worker_id=event.worker_id, sequence=event.sequence))
     else:
         msg = pb.WorkerMessage(shutdown=pb.Shutdown(reason=event.reason))
     return msg.SerializeToString()
@@ -390,7 +387,9 @@ def encode_server_event(event: ServerEvent) -> bytes:
             avg.global_loss = event.stats.loss
             avg.correct = event.stats.correct
             avg.total = event.stats.total
-        return _with_payload(_SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data)
+        return _with_payload(
+            _SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data
+        )
     if isinstance(event, BarrierReleaseOut):
         msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
     elif isinstance(event, ShardAssignmentOut):
@@ -406,9 +405,7 @@ def encode_server_event(event: ServerEvent) -> bytes:
     elif isinstance(event, ShutdownOut):
         msg = pb.ServerMessage(shutdown=pb.Shutdown(reason=event.reason))
     else:
-        err = pb.Error(
-            code=event.code, message=event.message, step=event.step, step_failed=event.step_failed
-        )
+        err = pb.Error(code=event.code, message=event.message, step=event.step, step_failed=event.step_failed)
         if event.key is not None:
             err.key.CopyFrom(_key_to_pb(event.key))
         if event.culprit_worker_id is not None:
@@ -433,9 +430,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
             a = msg.averaged_chunk
             key = _key_from_pb(a.key, who="coordinator", limits=None)
             stats = (
-                SampleStats(a.global_loss, a.correct, a.total)
-                if key.kind is KeyKind.WHOLE_MODEL
-                else None
+                SampleStats(a.global_loss, a.correct, a.total) if key.kind is KeyKind.WHOLE_MODEL else None
             )
             return AveragedChunkOut(
                 key=key,

@@ -124,19 +124,23 @@ class CoordinatorConfig:
 
 def _require(ok: bool, field: str, value: object, what: str) -> None:
     if not ok:
-        raise InvalidArgumentError(
-            f"{flag_name(field)} / {env_name(field)} must be {what}, got {value!r}"
-        )
+        raise InvalidArgumentError(f"{flag_name(field)} / {env_name(field)} must be {what}, got {value!r}")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
     """Adds one flag per dataclass field; defaults stay None so the environment can fill them."""
     for field in dataclasses.fields(cls):
-        help_text = f"{field.metadata.get('help', '')} [env {env_name(field.name)}, default {field.default!r}]"
+        help_text = (
+            f"{field.metadata.get('help', '')} [env {env_name(field.name)}, default {field.default!r}]"
+        )
         if isinstance(field.default, bool):
             parser.add_argument(
-                flag_name(field.name), dest=field.name, default=None, action="store_const",
-                const="true", help=help_text,
+                flag_name(field.name),
+                dest=field.name,
+                default=None,
+                action="store_const",
+                const="true",
+                help=help_text,
             )
         else:
             parser.add_argument(flag_name(field.name), dest=field.name, default=None, help=help_text)
@@ -161,7 +165,7 @@ def config_from_sources(
 
 
 def _convert(field: dataclasses.Field[Any], raw: str, source: str) -> Any:
-    kind = type(field.default)
+    kind: type[Any] = type(field.default)
     if kind is bool:
         lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):

@@ -68,6 +68,7 @@ class _WorkerStream:
         self.room = asyncio.Event()
         self.room.set()
         self.paused = False
+        self.said_goodbye = False
         self.ended: asyncio.Future[tuple[grpc.StatusCode, str] | None] = (
             asyncio.get_running_loop().create_future()
         )
@@ -148,7 +149,9 @@ class GradientServer:
             os.replace(tmp, self.config.port_file)
         log.info(
             "coordinator listening on %s for %d worker(s), session %#x",
-            self.address, self.config.world_size, self.session_id,
+            self.address,
+            self.config.world_size,
+            self.session_id,
         )
         return self.port
 
@@ -158,6 +161,10 @@ class GradientServer:
         if self._stopping is None:
             self._stopping = asyncio.create_task(self._shutdown(reason))
         await asyncio.shield(self._stopping)
+
+    def pending_steps(self) -> set[int]:
+        """Steps with a key or barrier waiting for contributions (read on the server's loop)."""
+        return self._table.pending_steps()
 
     async def wait_for_termination(self) -> None:
         await self._stopped.wait()
@@ -272,9 +279,13 @@ class GradientServer:
             reader.cancel()
             if cancelled:
                 why = "disconnected (its stream was cancelled)"
+            elif status is not None:
+                why = status[1]
+            elif stream.said_goodbye:
+                why = "left the job"
             else:
-                why = "left the job" if status is None else status[1]
-            if self._membership.remove(member, why, expected=not cancelled and status is None):
+                why = "disconnected (its stream ended without a goodbye)"
+            if self._membership.remove(member, why, expected=why == "left the job"):
                 self._deliver(self._table.worker_lost(member.worker_id, why))
             stream.outbound.put_nowait(_STOP)
             try:
@@ -333,9 +344,7 @@ class GradientServer:
             except GradServerError as exc:
                 log.info("worker %d: rejected message: %s", w, exc.message)
                 stream.send(
-                    codec.encode_server_event(
-                        ErrorOut(int(exc.code.value[0]), exc.message, exc.step or 0)
-                    )
+                    codec.encode_server_event(ErrorOut(int(exc.code.value[0]), exc.message, exc.step or 0))
                 )
 
     def _handle(self, stream: _WorkerStream, event: WorkerEvent) -> bool:
@@ -343,6 +352,7 @@ class GradientServer:
         w = stream.member.worker_id
         if isinstance(event, LeaveIn):
             log.info("worker %d is leaving: %s", w, event.reason or "no reason given")
+            stream.said_goodbye = True
             return True
         if event.worker_id != w:
             raise FailedPreconditionError(
@@ -373,7 +383,9 @@ class GradientServer:
             f"steps (last step {self._final_step})"
         )
         stream.send(
-            codec.encode_server_event(ErrorOut(int(grpc.StatusCode.FAILED_PRECONDITION.value[0]), message, step))
+            codec.encode_server_event(
+                ErrorOut(int(grpc.StatusCode.FAILED_PRECONDITION.value[0]), message, step)
+            )
         )
         self.request_stop(f"reached --max-steps {self.config.max_steps}")
         return True
@@ -438,19 +450,16 @@ class GradientServer:
                 if stream is not None and stream.paused:
                     continue
                 silent = now - member.last_seen
-                if member.streaming or self._joined_long_ago(member, now):
-                    if silent > self.config.heartbeat_timeout:
-                        self._evict(
-                            member,
-                            f"lost: no message for {silent:.1f} s (heartbeat timeout "
-                            f"{self.config.heartbeat_timeout:g} s)",
-                        )
+                # A member that never opened its stream is silent too, once the world is
+                # complete (before that, Join itself is still waiting for others).
+                watched = member.streaming or self._membership.joined == self.config.world_size
+                if watched and silent > self.config.heartbeat_timeout:
+                    self._evict(
+                        member,
+                        f"lost: no message for {silent:.1f} s (heartbeat timeout "
+                        f"{self.config.heartbeat_timeout:g} s)",
+                    )
             self._deliver(self._table.expire())
-
-    def _joined_long_ago(self, member: Member, now: float) -> bool:
-        """A member that never opened its stream counts as silent once the world is complete."""
-        assert self._membership is not None
-        return self._membership.joined == self.config.world_size and not member.streaming
 
     def _evict(self, member: Member, reason: str) -> None:
         assert self._membership is not None

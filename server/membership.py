@@ -75,7 +75,12 @@ class Membership:
         self._members[worker_id] = member
         log.info(
             "worker %d joined: node %r, %d GPU(s), backend %r (%d of %d)",
-            worker_id, request.node_id, request.gpu_count, request.backend, self.joined, self.world_size,
+            worker_id,
+            request.node_id,
+            request.gpu_count,
+            request.backend,
+            self.joined,
+            self.world_size,
         )
         if self.joined == self.world_size:
             self._complete.set()
@@ -85,8 +90,7 @@ class Membership:
             joined = self.joined
             self._vacate(member)
             raise DeadlineExceededError(
-                f"join timed out after {self.join_timeout:g} s: {joined} of {self.world_size} "
-                "workers joined",
+                f"join timed out after {self.join_timeout:g} s: {joined} of {self.world_size} workers joined",
                 worker_id=worker_id,
             ) from None
         except asyncio.CancelledError:

@@ -186,49 +186,59 @@ class ReductionTable:
         slot = self._pending.get(key.slot)
         if slot is not None and slot.key.step != key.step:
             return self._reject(
-                w, key.step, _PRECONDITION, key,
-                f"worker {w} sent {key}, but {key.describe()} is being reduced at step "
-                f"{slot.key.step}",
+                w,
+                key.step,
+                _PRECONDITION,
+                key,
+                f"worker {w} sent {key}, but {key.describe()} is being reduced at step {slot.key.step}",
             )
         if slot is None:
             last = self._last_step.get(key.slot)
             if last is not None and key.step <= last:
                 if key.step == last:
                     return self._reject(
-                        w, key.step, _INVALID, key,
+                        w,
+                        key.step,
+                        _INVALID,
+                        key,
                         f"worker {w} sent {key} again after it was reduced; the first copy counts",
                     )
                 return self._reject(
-                    w, key.step, _PRECONDITION, key,
-                    f"worker {w} sent {key}, which is stale: {key.describe()} was reduced at "
-                    f"step {last}",
+                    w,
+                    key.step,
+                    _PRECONDITION,
+                    key,
+                    f"worker {w} sent {key}, which is stale: {key.describe()} was reduced at step {last}",
                 )
         out = self._advance_worker(w, key.step)
         if slot is None:
             slot = self._open(key, chunk.header)
         elif (mismatch := self._header_mismatch(slot, chunk)) is not None:
-            return out + self._fail_step(
-                key.step, mismatch, culprit=w, culprit_code=_INVALID, key=key
-            )
+            return out + self._fail_step(key.step, mismatch, culprit=w, culprit_code=_INVALID, key=key)
         index = chunk.offset // self.chunk_elements
         if index in slot.received[w]:
             return out + self._reject(
-                w, key.step, _INVALID, key,
-                f"worker {w} sent the chunk at offset {chunk.offset} of {key} twice; "
-                "the first copy counts",
+                w,
+                key.step,
+                _INVALID,
+                key,
+                f"worker {w} sent the chunk at offset {chunk.offset} of {key} twice; the first copy counts",
             )
         if key.kind is KeyKind.WHOLE_MODEL:
             known = slot.stats[w]
             if known is not None and known != chunk.stats:
                 return out + self._reject(
-                    w, key.step, _INVALID, key,
+                    w,
+                    key.step,
+                    _INVALID,
+                    key,
                     f"worker {w} sent sample stats {chunk.stats} in one chunk of {key} and "
                     f"{known} in another",
                 )
             slot.stats[w] = chunk.stats
         slot.received[w].add(index)
         parts = slot.chunks.setdefault(index, [None] * self.world_size)
-        parts[w] = chunk.data
+        parts[w] = chunk.data if isinstance(chunk.data, bytes) else bytes(chunk.data)
         self._buffered[w] += len(chunk.data)
         self._stats_for(key.step).bytes_in += len(chunk.data)
         if all(p is not None for p in parts):
@@ -244,18 +254,18 @@ class ReductionTable:
         last = self._last_barrier.get(name)
         if last is not None and step <= last:
             return self._barrier_error(
-                w, step, name, _PRECONDITION,
-                f"worker {w} arrived at {what}, but barrier {name!r} was already released at "
-                f"step {last}",
+                w,
+                step,
+                name,
+                _PRECONDITION,
+                f"worker {w} arrived at {what}, but barrier {name!r} was already released at step {last}",
             )
         out = self._advance_worker(w, step)
         bar = self._barriers.get((step, name))
         if bar is None:
             bar = self._barriers[(step, name)] = _Barrier(step, name, self._clock() + self.step_timeout)
         if w in bar.arrived:
-            return out + self._barrier_error(
-                w, step, name, _INVALID, f"worker {w} arrived at {what} twice"
-            )
+            return out + self._barrier_error(w, step, name, _INVALID, f"worker {w} arrived at {what} twice")
         bar.arrived.add(w)
         if len(bar.arrived) == self.world_size:
             del self._barriers[(step, name)]
@@ -326,16 +336,15 @@ class ReductionTable:
             if (w, subject) in failure.answered:
                 return []
             failure.answered.add((w, subject))
-            refusal = self._error_to(w, step, failure.code_for(w), failure.message, subject)
-            event = dataclasses.replace(refusal.event, step_failed=True)  # type: ignore[type-var]
-            return [Outgoing(refusal.to, event)]
+            return [self._error_to(w, step, failure.code_for(w), failure.message, subject, step_failed=True)]
         if self._vacant:
             lost = ", ".join(f"worker {v} {why}" for v, why in sorted(self._vacant.items()))
             return [
                 self._error_to(
-                    w, step, _ABORTED,
-                    f"{what} refused: the world is incomplete ({lost}); waiting for a "
-                    "replacement to join",
+                    w,
+                    step,
+                    _ABORTED,
+                    f"{what} refused: the world is incomplete ({lost}); waiting for a replacement to join",
                     subject,
                     culprit=min(self._vacant),
                 )
@@ -344,9 +353,10 @@ class ReductionTable:
         if known is not None and step < known:
             return [
                 self._error_to(
-                    w, step, _PRECONDITION,
-                    f"worker {w} sent {what}, but it already sent step {known}; steps only move "
-                    "forward",
+                    w,
+                    step,
+                    _PRECONDITION,
+                    f"worker {w} sent {what}, but it already sent step {known}; steps only move forward",
                     subject,
                 )
             ]
@@ -356,7 +366,7 @@ class ReductionTable:
         """Records that `w` reached `step`; fails older steps it left without contributing."""
         known = self._worker_step[w]
         self._worker_step[w] = step if known is None else max(known, step)
-        if known is None or step <= known:
+        if known is not None and step <= known:
             return []
         out: list[Outgoing] = []
         abandoned = [
@@ -525,13 +535,20 @@ class ReductionTable:
         message: str,
         subject: TensorKey | str,
         culprit: int | None = None,
+        *,
+        step_failed: bool = False,
     ) -> Outgoing:
-        if isinstance(subject, TensorKey):
-            event = ErrorOut(int(code.value[0]), message, step, key=subject, culprit_worker_id=culprit)
-        else:
-            event = ErrorOut(
-                int(code.value[0]), message, step, culprit_worker_id=culprit, barrier_name=subject
-            )
+        key = subject if isinstance(subject, TensorKey) else None
+        barrier = subject if isinstance(subject, str) else None
+        event = ErrorOut(
+            int(code.value[0]),
+            message,
+            step,
+            key=key,
+            culprit_worker_id=culprit,
+            barrier_name=barrier,
+            step_failed=step_failed,
+        )
         return Outgoing((w,), event)
 
     def _stats_for(self, step: int) -> _StepStats:
@@ -547,7 +564,11 @@ class ReductionTable:
                 state = "failed" if step in self._failed else "done"
                 log.debug(
                     "step %d %s: %d keys, %.1f MiB in, %.3f s",
-                    step, state, stats.keys, stats.bytes_in / 2**20, self._clock() - stats.started,
+                    step,
+                    state,
+                    stats.keys,
+                    stats.bytes_in / 2**20,
+                    self._clock() - stats.started,
                 )
 
 

@@ -1,9 +1,9 @@
 """gradserver.worker: the client a training process uses to average gradients.
 
-    from gradserver.worker import WorkerClient
-    with WorkerClient.connect("127.0.0.1:50051", node_id="n0", backend="cpu") as client:
-        client.send_block_gradient(step, block_idx, num_blocks, grads, component_sizes)
-        avg = client.receive_averaged_block()
+from gradserver.worker import WorkerClient
+with WorkerClient.connect("127.0.0.1:50051", node_id="n0", backend="cpu") as client:
+    client.send_block_gradient(step, block_idx, num_blocks, grads, component_sizes)
+    avg = client.receive_averaged_block()
 """
 
 from gradserver.common.timeouts import Timeouts

@@ -11,6 +11,7 @@ every waiter with the error that explains it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -258,7 +259,7 @@ class ExchangeStream:
                 self._break(error_from_status(code, details))
         except GradServerError as exc:
             self._break(exc)
-        except Exception as exc:  # noqa: BLE001 - a receiver crash must wake every waiter
+        except Exception as exc:
             log.exception("receiver thread failed")
             self._break(InternalError(f"receiver failed: {exc!r}"))
 
@@ -343,9 +344,9 @@ class ExchangeStream:
             if target is not None and not target.done:
                 target.error = error
         elif event.barrier_name is not None:
-            bar = self._barriers.get((event.step, event.barrier_name))
-            if bar is not None:
-                bar.error = error
+            refused = self._barriers.get((event.step, event.barrier_name))
+            if refused is not None:
+                refused.error = error
         elif event.shard_step is not None:
             self._shards.append(error)
         else:
@@ -363,12 +364,10 @@ class ExchangeStream:
         while not self._stop_heartbeat.wait(interval):
             sequence += 1
             raw = codec.encode_worker_event(HeartbeatIn(self.accepted.worker_id, sequence))
-            try:
-                # A full queue means chunks are flowing or the coordinator is holding this
-                # worker back on purpose; either way a heartbeat would add nothing.
+            # A full queue means chunks are flowing or the coordinator is holding this worker
+            # back on purpose; either way a heartbeat would add nothing.
+            with contextlib.suppress(queue.Full):
                 self._outbound.put_nowait(raw)
-            except queue.Full:
-                pass
 
     def close(self) -> None:
         """Says goodbye, half-closes the stream and waits (bounded) for the coordinator's end."""
@@ -378,7 +377,9 @@ class ExchangeStream:
         self._stop_heartbeat.set()
         if self._broken is None:
             try:
-                self._outbound.put(codec.encode_worker_event(LeaveIn("worker closed")), timeout=self.timeouts.close)
+                self._outbound.put(
+                    codec.encode_worker_event(LeaveIn("worker closed")), timeout=self.timeouts.close
+                )
                 self._outbound.put(_END, timeout=self.timeouts.close)
             except queue.Full:
                 pass

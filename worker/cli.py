@@ -82,9 +82,7 @@ def run(args: argparse.Namespace) -> int:
     config: WorkerConfig = config_from_sources(WorkerConfig, args)
     configure_logging(config.log_level, "worker")
     shape = config.shape()
-    non_block = tuple(
-        parse_non_block_component(name) for name in config.non_block.split(",") if name.strip()
-    )
+    non_block = tuple(parse_non_block_component(name) for name in config.non_block.split(",") if name.strip())
     if config.steps < 0:
         raise InvalidArgumentError(f"--steps must be >= 0, got {config.steps}")
     timeouts = Timeouts.of(config.timeout or None)

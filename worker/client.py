@@ -58,7 +58,9 @@ log = logging.getLogger("gradserver.worker")
 class WorkerClient:
     """A joined worker with one open Exchange stream. Create it with `WorkerClient.connect`."""
 
-    def __init__(self, channel: grpc.Channel, accepted: JoinAccepted, timeouts: Timeouts, address: str) -> None:
+    def __init__(
+        self, channel: grpc.Channel, accepted: JoinAccepted, timeouts: Timeouts, address: str
+    ) -> None:
         self._channel = channel
         self._accepted = accepted
         self.timeouts = timeouts
@@ -101,9 +103,7 @@ class WorkerClient:
                     details = f"join did not complete within {timeouts.join:g} s ({details})"
                 raise error_from_status(code, details) from exc
             accepted = codec.decode_join_accepted(raw)
-            log.info(
-                "joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers
-            )
+            log.info("joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers)
             return cls(channel, accepted, timeouts, address)
         except BaseException:
             channel.close()
@@ -203,9 +203,7 @@ class WorkerClient:
 
     # --- whole-model gradients ----------------------------------------------------------------
 
-    def send_gradients(
-        self, step: int, gradients: Any, loss: float, correct: int, total: int
-    ) -> None:
+    def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
         """Contributes a whole-model gradient with this worker's loss and sample counts."""
         self._check_step(step)
         key = TensorKey.whole_model(step)
@@ -312,7 +310,7 @@ class WorkerClient:
         self._stream.expect(key, sizes, int(array.size))
         try:
             for offset, length in chunk_spans(int(array.size), self.chunk_bytes // 4):
-                data = memoryview(array[offset : offset + length])
+                data = array[offset : offset + length].data
                 self._stream.send(ChunkIn(self.worker_id, key, header, offset, data, stats))
         except BaseException:
             self._stream.forget(key)

@@ -68,10 +68,14 @@ def run(args: argparse.Namespace) -> int:
             coordinator = _start(
                 gradserver_command(
                     "coordinator",
-                    "--bind", "127.0.0.1:0",
-                    "--world-size", str(args.workers),
-                    "--max-steps", str(args.steps),
-                    "--port-file", str(port_file),
+                    "--bind",
+                    "127.0.0.1:0",
+                    "--world-size",
+                    str(args.workers),
+                    "--max-steps",
+                    str(args.steps),
+                    "--port-file",
+                    str(port_file),
                 ),
                 "[coordinator]",
             )
@@ -88,8 +92,16 @@ def run(args: argparse.Namespace) -> int:
             workers = [
                 _start(
                     gradserver_command(
-                        "worker", "--coordinator", address, "--node-id", f"local-{i}",
-                        "--steps", str(args.steps), "--model", args.model, *extra,
+                        "worker",
+                        "--coordinator",
+                        address,
+                        "--node-id",
+                        f"local-{i}",
+                        "--steps",
+                        str(args.steps),
+                        "--model",
+                        args.model,
+                        *extra,
                     ),
                     f"[local-{i}]",
                 )

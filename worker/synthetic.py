@@ -140,7 +140,9 @@ def run_exchange(
                 avg = client.receive_averaged_block()
                 check(_block_tag(avg.block_idx), avg.gradients, f"block {avg.block_idx}")
         for component in non_block:
-            grads = synthetic_gradient(seed, step, me, _non_block_tag(component), shape.non_block_size(component))
+            grads = synthetic_gradient(
+                seed, step, me, _non_block_tag(component), shape.non_block_size(component)
+            )
             client.send_non_block_gradient(step, component, grads)
             sent += grads.nbytes
             del grads

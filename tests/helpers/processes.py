@@ -1,0 +1,154 @@
+"""Real processes for tests: the CLIs and scripted workers, with fault injection.
+
+`ProcessGroup` owns every process a test starts and ends them all in its `close()` (the fixture's
+`finally`). Output is read by a thread into a list so a test can wait for a line (bounded) and
+inject a fault when a given worker reaches a given step: `kill`, `stop` (SIGSTOP), `resume`,
+`slow` (stopped for a while, then resumed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ManagedProcess:
+    def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=full_env,
+            cwd=ROOT,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+        """The first output line matching `pattern`; fails with the output if none comes."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                seen = len(self.lines)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(
+                        f"{self.name}: no line matching {pattern!r} within {timeout} s "
+                        f"(exit {self.proc.poll()}); output:\n{self.output}"
+                    )
+                self._cond.wait(min(remaining, 0.5))
+
+    def wait(self, timeout: float = 30.0) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} still running after {timeout} s:\n{self.output}") from None
+        self._reader.join(5)
+        return code
+
+    # --- faults ---------------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def slow(self, seconds: float) -> None:
+        self.stop()
+        timer = threading.Timer(seconds, self.resume)
+        timer.daemon = True
+        timer.start()
+
+    def ensure_ended(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+            self.proc.kill()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class ProcessGroup:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[ManagedProcess] = []
+
+    def start(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> ManagedProcess:
+        proc = ManagedProcess(argv, name, env)
+        self.procs.append(proc)
+        return proc
+
+    def gradserver(self, *args: str, name: str, env: dict[str, str] | None = None) -> ManagedProcess:
+        return self.start([sys.executable, "-m", "gradserver.common.cli", *args], name, env)
+
+    def coordinator(self, *args: str, env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
+        """Starts `gradserver coordinator` on 127.0.0.1:0 and returns it with its address."""
+        port_file = self.tmp / f"port-{len(self.procs)}"
+        proc = self.gradserver(
+            "coordinator",
+            "--bind",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+            *args,
+            name="coordinator",
+            env=env,
+        )
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            if proc.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"coordinator did not start:\n{proc.output}")
+            time.sleep(0.02)
+        return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+    def scripted_worker(self, address: str, *args: str, name: str) -> ManagedProcess:
+        """A worker driven by tests/helpers/scripted_worker.py (full steps, then a fault point)."""
+        return self.start(
+            [sys.executable, "-m", "tests.helpers.scripted_worker", "--coordinator", address, *args], name
+        )
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.ensure_ended()

@@ -1,0 +1,52 @@
+"""Deterministic averaging: worker-id order, float64 accuracy, exact single-worker pass-through."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradserver.server.averaging import NonFiniteContribution, average_chunk
+
+
+def _parts(n: int, size: int = 4096) -> list[bytes]:
+    rng = np.random.default_rng(n)
+    return [
+        (rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3)).astype("<f4").tobytes() for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_matches_float64_mean_within_half_an_ulp(n: int) -> None:
+    parts = _parts(n)
+    got = np.frombuffer(average_chunk(parts), "<f4").astype(np.float64)
+    want = np.mean([np.frombuffer(p, "<f4").astype(np.float64) for p in parts], axis=0)
+    # One rounding of an exact float64 sum: at most half a float32 ulp away.
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(got - want) <= 0.5 * ulp + 1e-45)
+
+
+def test_cancellation_does_not_lose_relative_accuracy() -> None:
+    a = np.array([1e8, 1.0, -3.0], "<f4")
+    b = np.array([-1e8, 2.0, 3.0], "<f4")
+    got = np.frombuffer(average_chunk([a.tobytes(), b.tobytes()]), "<f4")
+    assert got.tolist() == [0.0, 1.5, 0.0]
+
+
+def test_single_contribution_comes_back_byte_for_byte() -> None:
+    part = _parts(1)[0]
+    assert average_chunk([part]) is part
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_names_the_contribution_and_element(value: float) -> None:
+    parts = [np.ones(10, "<f4"), np.ones(10, "<f4"), np.ones(10, "<f4")]
+    parts[2][6] = value
+    with pytest.raises(NonFiniteContribution) as info:
+        average_chunk([p.tobytes() for p in parts])
+    assert (info.value.position, info.value.element) == (2, 6)
+
+
+def test_opposite_infinities_are_caught() -> None:
+    a, b = np.array([np.inf], "<f4"), np.array([-np.inf], "<f4")
+    with pytest.raises(NonFiniteContribution):
+        average_chunk([a.tobytes(), b.tobytes()])

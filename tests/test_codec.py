@@ -1,0 +1,228 @@
+"""Unit tests of the wire codec and chunking: round trips, the single-copy payload path, and
+validation of everything one message can be judged on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradserver.common import codec
+from gradserver.common._pb import gradient_server_pb2 as pb
+from gradserver.common.chunking import chunk_spans
+from gradserver.common.components import NonBlockComponent, compute_block_sizes
+from gradserver.common.errors import InvalidArgumentError, ResourceExhaustedError
+from gradserver.common.messages import (
+    AveragedChunkOut,
+    BarrierIn,
+    BarrierReleaseOut,
+    ChunkHeader,
+    ChunkIn,
+    DType,
+    ErrorOut,
+    HeartbeatAckOut,
+    HeartbeatIn,
+    LeaveIn,
+    SampleRange,
+    SampleStats,
+    ShardAssignmentOut,
+    ShardRequestIn,
+    ShutdownOut,
+    TensorKey,
+)
+
+CHUNK = 1000
+LIMITS = codec.WireLimits(chunk_elements=CHUNK, max_tensor_elements=10**9)
+SIZES = compute_block_sizes(8, 4, 16)
+
+
+@pytest.mark.parametrize("total", [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 7 * CHUNK + 123])
+def test_chunk_and_reassemble_round_trip(total: int) -> None:
+    data = np.random.default_rng(total).standard_normal(total).astype(np.float32)
+    key = TensorKey.non_block(3, NonBlockComponent.LM_HEAD)
+    out = np.empty(total, np.float32)
+    spans = list(chunk_spans(total, CHUNK))
+    assert spans[0][0] == 0 and sum(n for _, n in spans) == total
+    for offset, n in spans:
+        raw = codec.encode_worker_event(
+            ChunkIn(
+                2, key, ChunkHeader(DType.FLOAT32, total, ()), offset, memoryview(data[offset : offset + n])
+            )
+        )
+        event = codec.decode_worker_message(raw, LIMITS)
+        assert isinstance(event, ChunkIn) and event.key == key and event.offset == offset
+        out[offset : offset + n] = np.frombuffer(event.data, "<f4")
+    assert out.tobytes() == data.tobytes()
+
+
+def test_random_sizes_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        total = int(rng.integers(0, 5 * CHUNK))
+        assert sum(n for _, n in chunk_spans(total, CHUNK)) == total
+
+
+def test_single_copy_payload_encoding_is_standard_protobuf() -> None:
+    data = np.arange(10, dtype=np.float32)
+    event = ChunkIn(
+        1,
+        TensorKey.block(4, 2, 3),
+        ChunkHeader(DType.FLOAT32, 10, (1, 1, 1, 1, 1, 1, 1, 1, 2)),
+        0,
+        memoryview(data),
+    )
+    parsed = pb.WorkerMessage.FromString(codec.encode_worker_event(event))
+    assert parsed.chunk.data == data.tobytes()
+    assert parsed.chunk.key.block.block_idx == 2 and parsed.chunk.worker_id == 1
+    reference = pb.WorkerMessage()
+    reference.CopyFrom(parsed)
+    assert pb.WorkerMessage.FromString(reference.SerializeToString()) == parsed
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        AveragedChunkOut(
+            TensorKey.whole_model(9),
+            ChunkHeader(DType.FLOAT32, 2, ()),
+            0,
+            np.ones(2, np.float32).tobytes(),
+            3,
+            SampleStats(1.5, 2, 4),
+        ),
+        AveragedChunkOut(
+            TensorKey.block(1, 0, 2),
+            ChunkHeader(DType.FLOAT32, sum(SIZES), SIZES),
+            0,
+            b"\0" * 4 * sum(SIZES),
+            2,
+        ),
+        BarrierReleaseOut(4, "epoch"),
+        ShardAssignmentOut(3, 1, (SampleRange(1, 10, 3), SampleRange(0, 4, 3))),
+        HeartbeatAckOut(12),
+        ShutdownOut("bye"),
+        ErrorOut(
+            10, "step 3 aborted", 3, TensorKey.non_block(3, NonBlockComponent.EMBEDDING), 1, step_failed=True
+        ),
+        ErrorOut(3, "bad barrier", 2, barrier_name="x"),
+        ErrorOut(3, "bad shards", 2, shard_step=2),
+    ],
+)
+def test_server_events_round_trip(event) -> None:
+    decoded = codec.decode_server_message(codec.encode_server_event(event))
+    if isinstance(event, AveragedChunkOut):
+        assert bytes(decoded.data) == bytes(event.data)
+        decoded = type(decoded)(**{**decoded.__dict__, "data": event.data})
+    assert decoded == event
+
+
+@pytest.mark.parametrize(
+    "event",
+    [BarrierIn(1, 2, "sync"), ShardRequestIn(0, 5, 100, 4), HeartbeatIn(2, 7), LeaveIn("done")],
+)
+def test_worker_events_round_trip(event) -> None:
+    assert codec.decode_worker_message(codec.encode_worker_event(event), LIMITS) == event
+
+
+def _chunk(**fields) -> bytes:
+    base = {
+        "worker_id": 1,
+        "key": pb.TensorKey(step=4, non_block=0),
+        "dtype": pb.DTYPE_FLOAT32,
+        "total_elements": 4,
+        "offset": 0,
+        "data": b"\0" * 16,
+    }
+    base.update(fields)
+    return pb.WorkerMessage(chunk=pb.GradientChunk(**base)).SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("raw", "error", "text"),
+    [
+        (b"\x0a\xff\xff", InvalidArgumentError, "malformed WorkerMessage"),
+        (pb.WorkerMessage().SerializeToString(), InvalidArgumentError, "carries no message kind"),
+        (_chunk(key=pb.TensorKey(step=4)), InvalidArgumentError, "key names no tensor kind"),
+        (
+            _chunk(key=pb.TensorKey(step=4, non_block=5)),
+            InvalidArgumentError,
+            "unknown non-block component 5",
+        ),
+        (
+            _chunk(key=pb.TensorKey(step=4, block=pb.BlockKey(block_idx=3, num_blocks=3))),
+            InvalidArgumentError,
+            "block_idx 3 is out of range for num_blocks 3",
+        ),
+        (
+            _chunk(key=pb.TensorKey(step=4, block=pb.BlockKey(block_idx=0, num_blocks=70000))),
+            InvalidArgumentError,
+            "num_blocks 70000 exceeds the limit",
+        ),
+        (_chunk(dtype=pb.DTYPE_FLOAT16), InvalidArgumentError, "FLOAT16 is reserved"),
+        (_chunk(dtype=9), InvalidArgumentError, "unknown dtype 9"),
+        (_chunk(total_elements=2**40), ResourceExhaustedError, "declared 1099511627776 elements"),
+        (_chunk(data=b"\0" * 12), InvalidArgumentError, "holds 3 elements, expected 4"),
+        (_chunk(total_elements=3000, offset=500, data=b"\0" * 16), InvalidArgumentError, "not a multiple"),
+        (
+            _chunk(total_elements=3000, data=b"\0" * 4 * (CHUNK + 1)),
+            ResourceExhaustedError,
+            "exceeds the chunk size",
+        ),
+        (_chunk(component_sizes=[4]), InvalidArgumentError, "only for block keys"),
+        (
+            _chunk(
+                key=pb.TensorKey(step=4, block=pb.BlockKey(block_idx=0, num_blocks=1)),
+                component_sizes=[1] * 9,
+                total_elements=4,
+            ),
+            InvalidArgumentError,
+            r"data length 4 != sum(component_sizes) 9",
+        ),
+        (
+            pb.WorkerMessage(
+                chunk=pb.GradientChunk(
+                    worker_id=1,
+                    key=pb.TensorKey(step=4, non_block=0),
+                    dtype=pb.DTYPE_FLOAT32,
+                    total_elements=4,
+                    shm=pb.SharedMemoryRef(name="x"),
+                )
+            ).SerializeToString(),
+            InvalidArgumentError,
+            "shared-memory payload",
+        ),
+        (
+            _chunk(key=pb.TensorKey(step=4, whole_model=pb.WholeModelKey())),
+            InvalidArgumentError,
+            "must carry sample stats",
+        ),
+        (
+            _chunk(stats=pb.SampleStats(loss=1.0, correct=1, total=1)),
+            InvalidArgumentError,
+            "only for whole-model keys",
+        ),
+        (
+            _chunk(
+                key=pb.TensorKey(step=4, whole_model=pb.WholeModelKey()),
+                stats=pb.SampleStats(loss=float("nan"), correct=1, total=1),
+            ),
+            InvalidArgumentError,
+            "loss must be finite",
+        ),
+        (
+            pb.WorkerMessage(shard_request=pb.ShardRequest(worker_id=0, step=1)).SerializeToString(),
+            InvalidArgumentError,
+            "positive dataset_size",
+        ),
+    ],
+)
+def test_decoder_rejects_with_a_named_reason(raw: bytes, error: type, text: str) -> None:
+    with pytest.raises(error) as info:
+        codec.decode_worker_message(raw, LIMITS)
+    assert text in info.value.message
+
+
+def test_chunk_errors_name_worker_step_and_key() -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        codec.decode_worker_message(_chunk(data=b"\0" * 12), LIMITS)
+    assert info.value.message.startswith("worker 1, step 4 non-block LM_HEAD")
+    assert (info.value.step, info.value.worker_id) == (4, 1)
