@@ -90,6 +90,65 @@ def _with_payload(outer_field: int, header: bytes, data_field: int, data: bytes 
     return b"".join([_varint(outer_field << 3 | _LENGTH_DELIMITED), _varint(inner_len), *inner])
 
 
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _split_payload(raw: bytes, outer_field: int, data_field: int) -> tuple[bytes, memoryview | None] | None:
+    """Counterpart of `_with_payload`: for a message {outer_field: {...}}, the inner message's
+    bytes without its `data_field`, and a zero-copy view of that field's payload.
+
+    Returns None when `raw` is not such a message or is malformed, so the caller falls back to
+    the protobuf parser (which then reports the problem).
+    """
+    view = memoryview(raw)
+    try:
+        tag, pos = _read_varint(view, 0)
+        if tag != (outer_field << 3 | _LENGTH_DELIMITED):
+            return None
+        length, pos = _read_varint(view, pos)
+        if pos + length != len(view):
+            return None
+        header: list[memoryview] = []
+        data: memoryview | None = None
+        while pos < len(view):
+            start = pos
+            tag, pos = _read_varint(view, pos)
+            wire = tag & 7
+            if wire == 0:
+                _, pos = _read_varint(view, pos)
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            elif wire == _LENGTH_DELIMITED:
+                size, pos = _read_varint(view, pos)
+                if tag >> 3 == data_field:
+                    data = view[pos : pos + size]
+                    pos += size
+                    if pos > len(view):
+                        return None
+                    continue
+                pos += size
+            else:
+                return None
+            if pos > len(view):
+                return None
+            header.append(view[start:pos])
+    except ValueError:
+        return None
+    return b"".join(header), data
+
+
 # --- keys -------------------------------------------------------------------------------------
 
 
@@ -243,10 +302,14 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
 
 def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
     """Parses and validates one message from a worker; raises naming what is wrong."""
+    split = _split_payload(raw, _WORKER_CHUNK_FIELD, _CHUNK_DATA_FIELD)
+    if split is not None:
+        header, data = split
+        return _decode_chunk(_parse(pb.GradientChunk, header, "WorkerMessage"), limits, data)
     msg = _parse(pb.WorkerMessage, raw, "WorkerMessage")
     kind = msg.WhichOneof("kind")
     if kind == "chunk":
-        return _decode_chunk(msg.chunk, limits)
+        return _decode_chunk(msg.chunk, limits, None)
     if kind == "barrier":
         b = msg.barrier
         if len(b.name) > MAX_NAME_LENGTH:
@@ -273,7 +336,7 @@ def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
     raise InvalidArgumentError("WorkerMessage carries no message kind")
 
 
-def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits) -> ChunkIn:
+def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview | None) -> ChunkIn:
     who = f"worker {chunk.worker_id}"
     key = _key_from_pb(chunk.key, who=who, limits=limits)
     context = f"{who}, {key}"
@@ -310,7 +373,9 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits) -> ChunkIn:
             worker_id=chunk.worker_id,
         )
     payload = chunk.WhichOneof("payload")
-    if payload != "data":
+    if data is None and payload == "data":
+        data = memoryview(chunk.data)
+    if data is None or payload == "shm":
         what = "a shared-memory payload" if payload == "shm" else "no payload"
         raise InvalidArgumentError(
             f"{context}: chunk carries {what}; this coordinator accepts inline data only",
@@ -318,7 +383,6 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits) -> ChunkIn:
             key=str(key),
             worker_id=chunk.worker_id,
         )
-    data = chunk.data
     if len(data) % 4:
         raise InvalidArgumentError(
             f"{context}: {len(data)} payload bytes is not a whole number of float32 elements",
@@ -420,14 +484,22 @@ def encode_server_event(event: ServerEvent) -> bytes:
 
 def decode_server_message(raw: bytes) -> ServerEvent:
     """Parses one message from the coordinator; a malformed one is an InternalError."""
+    data: memoryview | None = None
     try:
-        msg = pb.ServerMessage.FromString(raw)
+        split = _split_payload(raw, _SERVER_AVERAGED_FIELD, _AVERAGED_DATA_FIELD)
+        if split is not None:
+            header, data = split
+            msg = pb.ServerMessage(averaged_chunk=pb.AveragedChunk.FromString(header))
+        else:
+            msg = pb.ServerMessage.FromString(raw)
     except DecodeError as exc:
         raise InternalError(f"malformed message from the coordinator: {exc}") from exc
     kind = msg.WhichOneof("kind")
     try:
         if kind == "averaged_chunk":
             a = msg.averaged_chunk
+            if data is None:
+                data = memoryview(a.data)
             key = _key_from_pb(a.key, who="coordinator", limits=None)
             stats = (
                 SampleStats(a.global_loss, a.correct, a.total) if key.kind is KeyKind.WHOLE_MODEL else None
@@ -436,7 +508,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
                 key=key,
                 header=ChunkHeader(DType(a.dtype), a.total_elements, tuple(a.component_sizes)),
                 offset=a.offset,
-                data=a.data,
+                data=data,
                 num_contributors=a.num_contributors,
                 stats=stats,
             )

@@ -21,7 +21,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import grpc
 
@@ -43,7 +43,7 @@ from gradserver.common.messages import (
 )
 from gradserver.common.sharding import step_shard
 
-from .averaging import NonFiniteContribution, average_chunk
+from .averaging import Averager, NonFiniteContribution
 
 log = logging.getLogger("gradserver.server.reduction")
 
@@ -69,7 +69,7 @@ class _Slot:
     num_chunks: int
     deadline: float
     world_size: int
-    chunks: dict[int, list[bytes | None]] = dataclasses.field(default_factory=dict)
+    chunks: dict[int, list[bytes | memoryview | None]] = dataclasses.field(default_factory=dict)
     received: list[set[int]] = dataclasses.field(default_factory=list)
     stats: list[SampleStats | None] = dataclasses.field(default_factory=list)
     reduced: int = 0
@@ -123,6 +123,7 @@ class ReductionTable:
         self.chunk_elements = chunk_elements
         self.step_timeout = step_timeout
         self._clock = clock
+        self._averager = Averager()
         self._pending: dict[tuple[KeyKind, int], _Slot] = {}
         self._barriers: dict[tuple[int, str], _Barrier] = {}
         self._last_step: dict[tuple[KeyKind, int], int] = {}
@@ -238,9 +239,9 @@ class ReductionTable:
             slot.stats[w] = chunk.stats
         slot.received[w].add(index)
         parts = slot.chunks.setdefault(index, [None] * self.world_size)
-        parts[w] = chunk.data if isinstance(chunk.data, bytes) else bytes(chunk.data)
-        self._buffered[w] += len(chunk.data)
-        self._stats_for(key.step).bytes_in += len(chunk.data)
+        parts[w] = chunk.data
+        self._buffered[w] += _nbytes(chunk.data)
+        self._stats_for(key.step).bytes_in += _nbytes(chunk.data)
         if all(p is not None for p in parts):
             out += self._reduce(slot, index)
         return out
@@ -430,7 +431,7 @@ class ReductionTable:
         parts = slot.chunks[index]
         data = [p for p in parts if p is not None]
         try:
-            averaged = average_chunk(data)
+            averaged = self._averager.average(data)
         except NonFiniteContribution as exc:
             culprit = exc.position
             element = index * self.chunk_elements + exc.element
@@ -444,7 +445,7 @@ class ReductionTable:
             )
         del slot.chunks[index]
         for w, part in enumerate(parts):
-            self._buffered[w] -= len(part or b"")
+            self._buffered[w] -= _nbytes(part)
         slot.reduced += 1
         stats = self._global_stats(slot) if slot.key.kind is KeyKind.WHOLE_MODEL else None
         out = [
@@ -500,7 +501,7 @@ class ReductionTable:
             if slot.key.step == step:
                 for index in slot.chunks:
                     for w, part in enumerate(slot.chunks[index]):
-                        self._buffered[w] -= len(part or b"")
+                        self._buffered[w] -= _nbytes(part)
                 del self._pending[ident]
                 self._last_step[ident] = step
         for ident2 in [k for k, b in self._barriers.items() if b.step == step]:
@@ -572,6 +573,7 @@ class ReductionTable:
                 )
 
 
-def recipients(outgoing: Iterable[Outgoing]) -> set[int]:
-    """Every worker that one of `outgoing` is addressed to."""
-    return {w for o in outgoing for w in o.to}
+def _nbytes(data: bytes | memoryview | None) -> int:
+    if data is None:
+        return 0
+    return data.nbytes if isinstance(data, memoryview) else len(data)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradserver.server.averaging import NonFiniteContribution, average_chunk
+from gradserver.server.averaging import Averager, NonFiniteContribution, average_chunk
 
 
 def _parts(n: int, size: int = 4096) -> list[bytes]:
@@ -18,7 +18,7 @@ def _parts(n: int, size: int = 4096) -> list[bytes]:
 @pytest.mark.parametrize("n", [2, 3, 4, 7])
 def test_matches_float64_mean_within_half_an_ulp(n: int) -> None:
     parts = _parts(n)
-    got = np.frombuffer(average_chunk(parts), "<f4").astype(np.float64)
+    got = np.frombuffer(bytes(average_chunk(parts)), "<f4").astype(np.float64)
     want = np.mean([np.frombuffer(p, "<f4").astype(np.float64) for p in parts], axis=0)
     # One rounding of an exact float64 sum: at most half a float32 ulp away.
     ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
@@ -35,6 +35,14 @@ def test_cancellation_does_not_lose_relative_accuracy() -> None:
 def test_single_contribution_comes_back_byte_for_byte() -> None:
     part = _parts(1)[0]
     assert average_chunk([part]) is part
+
+
+def test_scratch_reuse_across_sizes_keeps_results_independent() -> None:
+    averager = Averager()
+    big, small = _parts(2, 4096), _parts(3, 100)
+    first = bytes(averager.average(big))
+    assert bytes(averager.average(small)) == bytes(average_chunk(small))
+    assert bytes(averager.average(big)) == first
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])

@@ -1,0 +1,238 @@
+"""Benchmark: one step of averaging a 350M-shaped gradient set, gradserver vs torch.distributed gloo.
+
+    python -m bench.exchange                 # 4 blocks of H=1024, D_kv=256, I=4096 + LM head; N=2, 4
+    python -m bench.exchange --full          # all 24 blocks + LM head
+    python -m bench.exchange --workers 2 --steps 5
+
+For each N, the same worker processes' buffers are averaged by (a) a gradserver coordinator
+process and N WorkerClient processes, sending every block in reverse order and then the LM head,
+pipelined, and (b) N processes calling torch.distributed.all_reduce (gloo) on the same buffers and
+dividing by N. Each step starts after a barrier; a step's time is the slowest worker's. The
+table shows median step time, algorithmic bandwidth (gradient bytes per worker / step time), the
+ratio gradserver/gloo, and the coordinator's peak RSS (VmHWM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SLICE = {"num_blocks": 4, "hidden": 1024, "kv_hidden": 256, "intermediate": 4096, "vocab": 32768}
+
+
+def _buffers(rank: int, shape: dict[str, int]) -> tuple[list[np.ndarray], tuple[int, ...], np.ndarray]:
+    from gradserver.common.components import compute_block_sizes
+
+    sizes = compute_block_sizes(shape["hidden"], shape["kv_hidden"], shape["intermediate"])
+    rng = np.random.default_rng(rank)
+    blocks = [rng.standard_normal(sum(sizes), dtype=np.float32) for _ in range(shape["num_blocks"])]
+    lm_head = rng.standard_normal(shape["vocab"] * shape["hidden"], dtype=np.float32)
+    return blocks, sizes, lm_head
+
+
+def _gradserver_worker(args: argparse.Namespace) -> dict[str, Any]:
+    from gradserver.worker import Timeouts, WorkerClient
+
+    shape = json.loads(args.shape)
+    client = WorkerClient.connect(
+        args.address, node_id=f"bench-{os.getpid()}", timeout=Timeouts(receive=300.0)
+    )
+    blocks, sizes, lm_head = _buffers(client.worker_id, shape)
+    times = []
+    with client:
+        for step in range(args.warmup + args.steps):
+            client.barrier(step)
+            started = time.perf_counter()
+            for b in reversed(range(len(blocks))):
+                client.send_block_gradient(step, b, len(blocks), blocks[b], sizes)
+            client.send_non_block_gradient(step, "lm_head", lm_head)
+            for _ in blocks:
+                client.receive_averaged_block()
+            client.receive_averaged_non_block()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - started)
+    return {"rank": client.worker_id, "times": times}
+
+
+def _gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    shape = json.loads(args.shape)
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world)
+    blocks, _, lm_head = _buffers(args.rank, shape)
+    tensors = [torch.from_numpy(b) for b in blocks] + [torch.from_numpy(lm_head)]
+    times = []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        started = time.perf_counter()
+        for t in [*reversed(tensors[:-1]), tensors[-1]]:
+            dist.all_reduce(t)
+            t.div_(args.world)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    return {"rank": args.rank, "times": times}
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _collect(procs: list[subprocess.Popen[str]], timeout: float) -> list[dict[str, Any]]:
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"benchmark worker failed ({proc.returncode}):\n{err[-3000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def _step_times(results: list[dict[str, Any]]) -> list[float]:
+    return [max(steps) for steps in zip(*(r["times"] for r in results), strict=True)]
+
+
+def _me(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "bench.exchange", *extra]
+
+
+def run_gradserver(
+    world: int, shape: dict[str, int], steps: int, warmup: int, timeout: float
+) -> tuple[list[float], float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        coord = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gradserver.common.cli",
+                "coordinator",
+                "--bind",
+                "127.0.0.1:0",
+                "--world-size",
+                str(world),
+                "--port-file",
+                str(port_file),
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not port_file.exists():
+                if coord.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("coordinator did not start")
+                time.sleep(0.02)
+            address = f"127.0.0.1:{port_file.read_text().strip()}"
+            common = ["--shape", json.dumps(shape), "--steps", str(steps), "--warmup", str(warmup)]
+            procs = [
+                subprocess.Popen(
+                    _me("--role", "gradserver-worker", "--address", address, *common),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(world)
+            ]
+            results = _collect(procs, timeout)
+            rss = _peak_rss_mib(coord.pid)
+        finally:
+            coord.terminate()
+            coord.wait(30)
+    return _step_times(results), rss
+
+
+def run_gloo(world: int, shape: dict[str, int], steps: int, warmup: int, timeout: float) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp) / "store"
+        common = ["--shape", json.dumps(shape), "--steps", str(steps), "--warmup", str(warmup)]
+        procs = [
+            subprocess.Popen(
+                _me(
+                    "--role",
+                    "gloo-worker",
+                    "--rank",
+                    str(r),
+                    "--world",
+                    str(world),
+                    "--store",
+                    str(store),
+                    *common,
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(world)
+        ]
+        return _step_times(_collect(procs, timeout))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--role", default="driver", choices=["driver", "gradserver-worker", "gloo-worker"])
+    parser.add_argument("--full", action="store_true", help="all 24 blocks instead of 4")
+    parser.add_argument("--workers", default="2,4", help="comma-separated world sizes")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--shape", default=json.dumps(SLICE))
+    parser.add_argument("--address", default="")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--store", default="")
+    args = parser.parse_args()
+    if args.role == "gradserver-worker":
+        print(json.dumps(_gradserver_worker(args)))
+        return 0
+    if args.role == "gloo-worker":
+        print(json.dumps(_gloo_worker(args)))
+        return 0
+    shape = dict(SLICE, num_blocks=24) if args.full else json.loads(args.shape)
+    from gradserver.common.components import compute_block_sizes
+
+    elements = shape["num_blocks"] * sum(
+        compute_block_sizes(shape["hidden"], shape["kv_hidden"], shape["intermediate"])
+    )
+    elements += shape["vocab"] * shape["hidden"]
+    gbytes = 4 * elements / 1e9
+    print(
+        f"gradient set: {shape['num_blocks']} blocks + LM head = {4 * elements / 2**20:.0f} MiB per worker "
+        f"(nproc={os.cpu_count()})"
+    )
+    print(
+        "| N | gradserver median s | gradserver GB/s | gloo median s | gloo GB/s | ratio | coordinator peak RSS MiB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for world in [int(w) for w in args.workers.split(",")]:
+        ours, rss = run_gradserver(world, shape, args.steps, args.warmup, args.timeout)
+        gloo = run_gloo(world, shape, args.steps, args.warmup, args.timeout)
+        a, b = statistics.median(ours), statistics.median(gloo)
+        print(
+            f"| {world} | {a:.3f} | {gbytes / a:.2f} | {b:.3f} | {gbytes / b:.2f} | {a / b:.2f} | {rss:.0f} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
