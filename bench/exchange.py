@@ -85,6 +85,93 @@ def _gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
     return {"rank": args.rank, "times": times}
 
 
+def _echo_server() -> None:
+    """A bare grpc.aio stream that sends every message straight back: the transport's floor."""
+    import asyncio
+
+    import grpc
+
+    async def main() -> None:
+        async def echo(_requests: Any, context: Any) -> None:
+            while (message := await context.read()) is not grpc.aio.EOF:
+                await context.write(message)
+
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        server = grpc.aio.server(options=options)
+        methods = {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("echo", methods),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _echo_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Sends as many bytes as a gradserver worker, in chunks of the same size, and reads them back."""
+    import queue
+    import threading
+
+    import grpc
+
+    shape = json.loads(args.shape)
+    blocks, _, lm_head = _buffers(0, shape)
+    total = sum(b.nbytes for b in blocks) + lm_head.nbytes
+    chunk = int(args.chunk_mib * 2**20)
+    payload = b"\0" * chunk
+    count = -(-total // chunk)
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    channel = grpc.insecure_channel(args.address, options=options)
+    outbound: queue.Queue[bytes | None] = queue.Queue(8)
+
+    def requests() -> Any:
+        while (item := outbound.get()) is not None:
+            yield item
+
+    def feed() -> None:
+        for _ in range(count):
+            outbound.put(payload)
+
+    call = channel.stream_stream("/echo/Echo")(requests())
+    times = []
+    for step in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        for _ in range(count):
+            next(call)
+        feeder.join()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    outbound.put(None)
+    return {"rank": 0, "times": times}
+
+
+def run_echo(
+    world: int, shape: dict[str, int], steps: int, warmup: int, chunk_mib: float, timeout: float
+) -> list[float]:
+    server = subprocess.Popen(_me("--role", "echo-server"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        address = f"127.0.0.1:{server.stdout.readline().strip()}"
+        common = ["--shape", json.dumps(shape), "--steps", str(steps), "--warmup", str(warmup)]
+        extra = ["--address", address, "--chunk-mib", str(chunk_mib), *common]
+        procs = [
+            subprocess.Popen(
+                _me("--role", "echo-worker", *extra),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(world)
+        ]
+        return _step_times(_collect(procs, timeout))
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def _peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -111,7 +198,7 @@ def _me(*extra: str) -> list[str]:
 
 
 def run_gradserver(
-    world: int, shape: dict[str, int], steps: int, warmup: int, timeout: float
+    world: int, shape: dict[str, int], steps: int, warmup: int, chunk_mib: float, timeout: float
 ) -> tuple[list[float], float]:
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
@@ -129,6 +216,12 @@ def run_gradserver(
                 str(port_file),
                 "--log-level",
                 "WARNING",
+                "--chunk-mib",
+                str(chunk_mib),
+                "--max-message-mib",
+                str(chunk_mib + 1),
+                "--max-inflight-mib",
+                str(max(64.0, 4 * chunk_mib)),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -189,11 +282,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--role", default="driver", choices=["driver", "gradserver-worker", "gloo-worker"])
+    roles = ["driver", "gradserver-worker", "gloo-worker", "echo-server", "echo-worker"]
+    parser.add_argument("--role", default="driver", choices=roles)
     parser.add_argument("--full", action="store_true", help="all 24 blocks instead of 4")
     parser.add_argument("--workers", default="2,4", help="comma-separated world sizes")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--chunk-mib", type=float, default=4.0, help="coordinator chunk size")
+    parser.add_argument("--floor", action="store_true", help="also time a bare gRPC echo of the same bytes")
+    parser.add_argument("--no-gloo", action="store_true", help="skip gloo (e.g. for an RSS-only run)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--shape", default=json.dumps(SLICE))
     parser.add_argument("--address", default="")
@@ -207,28 +304,42 @@ def main() -> int:
     if args.role == "gloo-worker":
         print(json.dumps(_gloo_worker(args)))
         return 0
+    if args.role == "echo-server":
+        _echo_server()
+        return 0
+    if args.role == "echo-worker":
+        print(json.dumps(_echo_worker(args)))
+        return 0
     shape = dict(SLICE, num_blocks=24) if args.full else json.loads(args.shape)
     from gradserver.common.components import compute_block_sizes
 
-    elements = shape["num_blocks"] * sum(
-        compute_block_sizes(shape["hidden"], shape["kv_hidden"], shape["intermediate"])
-    )
-    elements += shape["vocab"] * shape["hidden"]
+    block = sum(compute_block_sizes(shape["hidden"], shape["kv_hidden"], shape["intermediate"]))
+    elements = shape["num_blocks"] * block + shape["vocab"] * shape["hidden"]
     gbytes = 4 * elements / 1e9
     print(
-        f"gradient set: {shape['num_blocks']} blocks + LM head = {4 * elements / 2**20:.0f} MiB per worker "
-        f"(nproc={os.cpu_count()})"
+        f"gradient set: {shape['num_blocks']} blocks + LM head = {4 * elements / 2**20:.0f} MiB per worker; "
+        f"chunk {args.chunk_mib:g} MiB; median of {args.steps} steps after {args.warmup} warm-up; "
+        f"nproc={os.cpu_count()}"
     )
     print(
-        "| N | gradserver median s | gradserver GB/s | gloo median s | gloo GB/s | ratio | coordinator peak RSS MiB |"
+        "| N | gradserver s | GB/s | gloo s | GB/s | gradserver/gloo | gRPC echo floor s | floor/gloo "
+        "| coordinator peak RSS MiB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for world in [int(w) for w in args.workers.split(",")]:
-        ours, rss = run_gradserver(world, shape, args.steps, args.warmup, args.timeout)
-        gloo = run_gloo(world, shape, args.steps, args.warmup, args.timeout)
-        a, b = statistics.median(ours), statistics.median(gloo)
+        ours, rss = run_gradserver(world, shape, args.steps, args.warmup, args.chunk_mib, args.timeout)
+        a = statistics.median(ours)
+        gloo = [] if args.no_gloo else run_gloo(world, shape, args.steps, args.warmup, args.timeout)
+        echo = (
+            run_echo(world, shape, args.steps, args.warmup, args.chunk_mib, args.timeout)
+            if args.floor
+            else []
+        )
+        b = statistics.median(gloo) if gloo else float("nan")
+        f = statistics.median(echo) if echo else float("nan")
         print(
-            f"| {world} | {a:.3f} | {gbytes / a:.2f} | {b:.3f} | {gbytes / b:.2f} | {a / b:.2f} | {rss:.0f} |",
+            f"| {world} | {a:.3f} | {gbytes / a:.2f} | {b:.3f} | {gbytes / b:.2f} | {a / b:.2f} | {f:.3f} "
+            f"| {f / b:.2f} | {rss:.0f} |",
             flush=True,
         )
     return 0

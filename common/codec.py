@@ -540,7 +540,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
     raise InternalError("message from the coordinator carries no message kind")
 
 
-_M = TypeVar("_M", pb.WorkerMessage, pb.JoinRequest, pb.JoinResponse)
+_M = TypeVar("_M", pb.WorkerMessage, pb.GradientChunk, pb.JoinRequest, pb.JoinResponse)
 
 
 def _parse(cls: type[_M], raw: bytes, what: str) -> _M:
