@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -184,58 +184,50 @@ class ExchangeStream:
 
     # --- waiting ------------------------------------------------------------------------------
 
-    def wait_result(self, key: TensorKey, timeout: float | None = None) -> PendingResult:
-        """Blocks until the average of `key` is complete; raises its error or a timeout."""
+    def _wait(
+        self, ready: Callable[[], bool], timeout: float | None, what: str, step: int | None = None
+    ) -> None:
+        """Waits (holding the lock) until `ready()`; raises the stream's error or a timeout
+        naming `what`."""
         limit = self.timeouts.receive if timeout is None else timeout
         deadline = time.monotonic() + limit
+        while not ready():
+            if self._broken is not None:
+                raise self._broken
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError(f"{what} within {limit:g} s", step=step)
+            self._cond.wait(remaining)
+
+    def wait_result(self, key: TensorKey, timeout: float | None = None) -> PendingResult:
+        """Blocks until the average of `key` is complete; raises its error or a timeout."""
         with self._cond:
             pending = self._results[key]
-            while not pending.done and pending.error is None:
-                if self._broken is not None:
-                    raise self._broken
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceededError(
-                        f"no average for {key} within {limit:g} s",
-                        step=key.step,
-                        key=str(key),
-                    )
-                self._cond.wait(remaining)
+            self._wait(
+                lambda: pending.done or pending.error is not None, timeout, f"no average for {key}", key.step
+            )
             del self._results[key]
         if pending.error is not None:
             raise pending.error
         return pending
 
     def wait_barrier(self, step: int, name: str, bar: _PendingBarrier, timeout: float | None) -> None:
-        limit = self.timeouts.receive if timeout is None else timeout
-        deadline = time.monotonic() + limit
         with self._cond:
             try:
-                while not bar.released and bar.error is None:
-                    if self._broken is not None:
-                        raise self._broken
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise DeadlineExceededError(
-                            f"step {step} barrier {name!r} not released within {limit:g} s", step=step
-                        )
-                    self._cond.wait(remaining)
+                self._wait(
+                    lambda: bar.released or bar.error is not None,
+                    timeout,
+                    f"step {step} barrier {name!r} not released",
+                    step,
+                )
             finally:
                 self._barriers.pop((step, name), None)
         if bar.error is not None:
             raise bar.error
 
     def wait_shard(self, timeout: float | None) -> ShardAssignmentOut:
-        limit = self.timeouts.receive if timeout is None else timeout
-        deadline = time.monotonic() + limit
         with self._cond:
-            while not self._shards:
-                if self._broken is not None:
-                    raise self._broken
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceededError(f"no shard assignment within {limit:g} s")
-                self._cond.wait(remaining)
+            self._wait(lambda: bool(self._shards), timeout, "no shard assignment")
             item = self._shards.popleft()
         if isinstance(item, GradServerError):
             raise item
