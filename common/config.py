@@ -71,10 +71,19 @@ class CoordinatorConfig:
     drain_timeout: float = dataclasses.field(
         default=10.0, metadata={"help": "seconds a shutdown waits for steps in flight"}
     )
+    metrics_port: int = dataclasses.field(
+        default=-1,
+        metadata={
+            "help": "serve Prometheus metrics on this port of the --bind host (0: any free port, -1: off)"
+        },
+    )
     port_file: str = dataclasses.field(
         default="", metadata={"help": "write the bound port to this file once serving"}
     )
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
+    log_format: str = dataclasses.field(
+        default="text", metadata={"help": "text or json (one object per line)"}
+    )
 
     def __post_init__(self) -> None:
         parse_address(self.bind, what="--bind")
@@ -98,6 +107,10 @@ class CoordinatorConfig:
         _require(self.max_tensor_elements >= 1, "max_tensor_elements", self.max_tensor_elements, ">= 1")
         _require(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0")
         _require(
+            -1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "-1 (off) or a port 0..65535"
+        )
+        _require(self.log_format in ("text", "json"), "log_format", self.log_format, "text or json")
+        _require(
             self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
             "log_level",
             self.log_level,
@@ -120,6 +133,23 @@ class CoordinatorConfig:
     def heartbeat_interval(self) -> float:
         """How often workers are asked to send a heartbeat: four per timeout."""
         return self.heartbeat_timeout / 4
+
+
+def describe_config(
+    config: Any, namespace: argparse.Namespace | None, environ: Mapping[str, str] | None = None
+) -> str:
+    """The effective configuration, one `name = value  (source)` line per field."""
+    env = os.environ if environ is None else environ
+    lines = []
+    for field in dataclasses.fields(config):
+        if namespace is not None and getattr(namespace, field.name, None) is not None:
+            source = flag_name(field.name)
+        elif env.get(env_name(field.name)):
+            source = env_name(field.name)
+        else:
+            source = "default"
+        lines.append(f"{field.name} = {getattr(config, field.name)!r}  ({source})")
+    return "\n".join(lines)
 
 
 def _require(ok: bool, field: str, value: object, what: str) -> None:

@@ -1,4 +1,6 @@
-"""`gradserver coordinator`: run a GradientServer until SIGTERM/SIGINT or --max-steps."""
+"""`gradserver coordinator` runs a GradientServer until SIGTERM/SIGINT or --max-steps;
+`gradserver health HOST:PORT` asks a coordinator's standard gRPC health service (for container
+health checks: exit 0 when SERVING, 1 otherwise)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,13 @@ import asyncio
 import signal
 from typing import Any
 
-from gradserver.common.config import CoordinatorConfig, add_config_arguments, config_from_sources
+from gradserver.common.config import (
+    CoordinatorConfig,
+    add_config_arguments,
+    config_from_sources,
+    describe_config,
+    parse_address,
+)
 from gradserver.common.logs import configure_logging
 
 from .coordinator import GradientServer
@@ -21,12 +29,42 @@ def register(commands: Any) -> None:
         "environment variable shown with it.",
     )
     add_config_arguments(parser, CoordinatorConfig)
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective configuration and exit"
+    )
     parser.set_defaults(run=run)
+    health_parser: argparse.ArgumentParser = commands.add_parser(
+        "health", help="check a coordinator's gRPC health (exit 0 when SERVING)"
+    )
+    health_parser.add_argument("address", help="coordinator HOST:PORT")
+    health_parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    health_parser.add_argument("--service", default="", help="service name ('' is the whole server)")
+    health_parser.set_defaults(run=run_health)
+
+
+def run_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    parse_address(args.address, what="address")
+    with grpc.insecure_channel(args.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}")
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def run(args: argparse.Namespace) -> int:
     config: CoordinatorConfig = config_from_sources(CoordinatorConfig, args)
-    configure_logging(config.log_level, "coordinator")
+    if args.print_config:
+        print(describe_config(config, args))
+        return 0
+    configure_logging(config.log_level, "coordinator", config.log_format)
     return asyncio.run(serve(config))
 
 

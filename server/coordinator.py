@@ -28,6 +28,7 @@ from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
     UnavailableError,
+    status_code_from_value,
 )
 from gradserver.common.messages import (
     BarrierIn,
@@ -50,6 +51,7 @@ from gradserver.common.rpc import (
 )
 
 from .membership import Member, Membership
+from .metrics import CoordinatorMetrics
 from .reduction import Outgoing, ReductionTable
 
 log = logging.getLogger("gradserver.server")
@@ -103,7 +105,15 @@ class GradientServer:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._membership: Membership | None = None
-        self._table = ReductionTable(config.world_size, config.chunk_bytes // 4, config.step_timeout)
+        self.metrics = CoordinatorMetrics(config.world_size)
+        self._table = ReductionTable(
+            config.world_size,
+            config.chunk_bytes // 4,
+            config.step_timeout,
+            on_key_reduced=self.metrics.reduce_latency.observe,
+            on_barrier_released=self.metrics.barrier_wait.observe,
+        )
+        self._counted = (0, 0)  # steps and keys already added to the metrics
         self._streams: dict[int, _WorkerStream] = {}
         self._monitor: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
@@ -142,6 +152,9 @@ class GradientServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._monitor = asyncio.create_task(self._monitor_loop(), name="gradserver-monitor")
+        if self.config.metrics_port >= 0:
+            host, _ = parse_address(self.config.bind)
+            self.metrics.serve(host.strip("[]"), self.config.metrics_port)
         if self.config.port_file:
             tmp = f"{self.config.port_file}.tmp"
             with open(tmp, "w", encoding="ascii") as handle:
@@ -202,6 +215,7 @@ class GradientServer:
             self._monitor.cancel()
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        self.metrics.close()
         self._stopped.set()
         log.info("coordinator stopped")
 
@@ -224,8 +238,11 @@ class GradientServer:
                 raise UnavailableError("the coordinator is shutting down")
             member = await self._membership.join(request)
         except GradServerError as exc:
+            self.metrics.errors.labels(exc.code.name).inc()
             await context.abort(exc.code, exc.message)
             raise  # unreachable: abort raises
+        finally:
+            self.metrics.workers_joined.set(self._membership.joined)
         self._table.worker_joined(member.worker_id)
         cfg = self.config
         return codec.encode_join_accepted(
@@ -261,6 +278,7 @@ class GradientServer:
             if self._stopping is not None:
                 raise UnavailableError("the coordinator is shutting down")
         except GradServerError as exc:
+            self.metrics.errors.labels(exc.code.name).inc()
             await context.abort(exc.code, exc.message)
             raise
         stream = _WorkerStream(member, context)
@@ -286,7 +304,7 @@ class GradientServer:
             else:
                 why = "disconnected (its stream ended without a goodbye)"
             if self._membership.remove(member, why, expected=why == "left the job"):
-                self._deliver(self._table.worker_lost(member.worker_id, why))
+                self._worker_gone(member.worker_id, why, lost=why != "left the job")
             stream.outbound.put_nowait(_STOP)
             try:
                 await asyncio.wait_for(writer, timeout=self.config.drain_timeout)
@@ -298,6 +316,13 @@ class GradientServer:
             self._after_membership_change()
         if status is not None:
             await context.abort(status[0], status[1])
+
+    def _worker_gone(self, worker_id: int, reason: str, *, lost: bool) -> None:
+        assert self._membership is not None
+        self.metrics.workers_joined.set(self._membership.joined)
+        if lost:
+            self.metrics.workers_lost.inc()
+        self._deliver(self._table.worker_lost(worker_id, reason))
 
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
         assert self._membership is not None
@@ -320,7 +345,7 @@ class GradientServer:
         if exc is None:
             stream.end(None)
         else:
-            log.error("worker %d: stream reader failed: %r", stream.member.worker_id, exc)
+            log.error("stream reader failed: %r", exc, extra={"worker_id": stream.member.worker_id})
             stream.end((grpc.StatusCode.INTERNAL, f"coordinator error: {exc!r}"))
 
     async def _read_loop(self, stream: _WorkerStream) -> None:
@@ -336,13 +361,15 @@ class GradientServer:
             raw = await stream.context.read()
             if raw is grpc.aio.EOF:
                 return
+            self.metrics.received_bytes.inc(len(raw))
             stream.member.last_seen = time.monotonic()
             try:
                 event = codec.decode_worker_message(raw, self._limits)
                 if self._handle(stream, event):
                     return
             except GradServerError as exc:
-                log.info("worker %d: rejected message: %s", w, exc.message)
+                log.info("rejected message: %s", exc.message, extra={"worker_id": w, "step": exc.step})
+                self.metrics.errors.labels(exc.code.name).inc()
                 stream.send(
                     codec.encode_server_event(ErrorOut(int(exc.code.value[0]), exc.message, exc.step or 0))
                 )
@@ -351,7 +378,7 @@ class GradientServer:
         """Dispatches one decoded message; True when the worker announced that it leaves."""
         w = stream.member.worker_id
         if isinstance(event, LeaveIn):
-            log.info("worker %d is leaving: %s", w, event.reason or "no reason given")
+            log.info("worker %d is leaving: %s", w, event.reason or "no reason given", extra={"worker_id": w})
             stream.said_goodbye = True
             return True
         if event.worker_id != w:
@@ -409,6 +436,7 @@ class GradientServer:
             assert isinstance(item, bytes)
             try:
                 await stream.context.write(item)
+                self.metrics.sent_bytes.inc(len(item))
             finally:
                 stream.outbound_bytes -= len(item)
                 self._wake_readers()
@@ -424,6 +452,9 @@ class GradientServer:
 
     def _deliver(self, outgoing: list[Outgoing]) -> None:
         for item in outgoing:
+            if isinstance(item.event, ErrorOut):
+                code = status_code_from_value(item.event.code)
+                self.metrics.errors.labels(code.name).inc(len(item.to))
             raw = codec.encode_server_event(item.event)
             for worker_id in item.to:
                 stream = self._streams.get(worker_id)
@@ -431,6 +462,10 @@ class GradientServer:
                     stream.send(raw)
         if outgoing:
             self._wake_readers()
+        steps, keys = self._table.steps_completed, self._table.keys_reduced
+        self.metrics.steps_completed.inc(steps - self._counted[0])
+        self.metrics.keys_reduced.inc(keys - self._counted[1])
+        self._counted = (steps, keys)
 
     def _broadcast(self, event: ShutdownOut) -> None:
         raw = codec.encode_server_event(event)
@@ -465,7 +500,7 @@ class GradientServer:
         assert self._membership is not None
         if not self._membership.remove(member, reason):
             return
-        self._deliver(self._table.worker_lost(member.worker_id, reason))
+        self._worker_gone(member.worker_id, reason, lost=True)
         stream = self._streams.get(member.worker_id)
         if stream is not None:
             stream.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))

@@ -81,6 +81,7 @@ class Membership:
             request.backend,
             self.joined,
             self.world_size,
+            extra={"worker_id": worker_id},
         )
         if self.joined == self.world_size:
             self._complete.set()
@@ -128,7 +129,14 @@ class Membership:
             return False
         self._vacate(member)
         level = logging.INFO if expected else logging.WARNING
-        log.log(level, "worker %d (node %r) %s", member.worker_id, member.node_id, reason)
+        log.log(
+            level,
+            "worker %d (node %r) %s",
+            member.worker_id,
+            member.node_id,
+            reason,
+            extra={"worker_id": member.worker_id},
+        )
         return True
 
     def _vacate(self, member: Member) -> None:

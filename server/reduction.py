@@ -69,6 +69,7 @@ class _Slot:
     num_chunks: int
     deadline: float
     world_size: int
+    opened: float = 0.0
     chunks: dict[int, list[bytes | memoryview | None]] = dataclasses.field(default_factory=dict)
     received: list[set[int]] = dataclasses.field(default_factory=list)
     stats: list[SampleStats | None] = dataclasses.field(default_factory=list)
@@ -87,6 +88,7 @@ class _Barrier:
     step: int
     name: str
     deadline: float
+    opened: float = 0.0
     arrived: set[int] = dataclasses.field(default_factory=set)
 
 
@@ -118,8 +120,15 @@ class ReductionTable:
         chunk_elements: int,
         step_timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        on_key_reduced: Callable[[float], None] | None = None,
+        on_barrier_released: Callable[[float], None] | None = None,
     ) -> None:
+        """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
+        contribution or arrival to completion (for metrics)."""
         self.world_size = world_size
+        self._on_key_reduced = on_key_reduced
+        self._on_barrier_released = on_barrier_released
         self.chunk_elements = chunk_elements
         self.step_timeout = step_timeout
         self._clock = clock
@@ -135,6 +144,7 @@ class ReductionTable:
         self._shard_shape: tuple[int, int] | None = None
         self._step_stats: collections.OrderedDict[int, _StepStats] = collections.OrderedDict()
         self.steps_completed = 0
+        self.keys_reduced = 0
         self.contributions_counted = 0
         self._last_completed_step: int | None = None
 
@@ -264,13 +274,16 @@ class ReductionTable:
         out = self._advance_worker(w, step)
         bar = self._barriers.get((step, name))
         if bar is None:
-            bar = self._barriers[(step, name)] = _Barrier(step, name, self._clock() + self.step_timeout)
+            now = self._clock()
+            bar = self._barriers[(step, name)] = _Barrier(step, name, now + self.step_timeout, now)
         if w in bar.arrived:
             return out + self._barrier_error(w, step, name, _INVALID, f"worker {w} arrived at {what} twice")
         bar.arrived.add(w)
         if len(bar.arrived) == self.world_size:
             del self._barriers[(step, name)]
             self._last_barrier[name] = step
+            if self._on_barrier_released is not None:
+                self._on_barrier_released(self._clock() - bar.opened)
             out.append(Outgoing(self.live_workers(), BarrierReleaseOut(step, name)))
         return out
 
@@ -402,6 +415,7 @@ class ReductionTable:
             num_chunks=chunk_count(header.total_elements, self.chunk_elements),
             deadline=self._clock() + self.step_timeout,
             world_size=self.world_size,
+            opened=self._clock(),
         )
         self._pending[key.slot] = slot
         return slot
@@ -465,6 +479,9 @@ class ReductionTable:
             del self._pending[slot.key.slot]
             self._last_step[slot.key.slot] = slot.key.step
             self.contributions_counted += self.world_size
+            self.keys_reduced += 1
+            if self._on_key_reduced is not None:
+                self._on_key_reduced(self._clock() - slot.opened)
             if self._last_completed_step != slot.key.step:
                 self._last_completed_step = slot.key.step
                 self.steps_completed += 1
@@ -506,7 +523,7 @@ class ReductionTable:
                 self._last_step[ident] = step
         for ident2 in [k for k, b in self._barriers.items() if b.step == step]:
             del self._barriers[ident2]
-        log.warning("step %d failed: %s", step, message)
+        log.warning("step %d failed: %s", step, message, extra={"step": step, "worker_id": culprit})
         out: list[Outgoing] = []
         live = self.live_workers()
         others = tuple(w for w in live if w != culprit)
@@ -519,13 +536,13 @@ class ReductionTable:
     def _reject(
         self, w: int, step: int, code: grpc.StatusCode, key: TensorKey, message: str
     ) -> list[Outgoing]:
-        log.info("rejected: %s", message)
+        log.info("rejected: %s", message, extra={"step": step, "worker_id": w})
         return [self._error_to(w, step, code, message, key)]
 
     def _barrier_error(
         self, w: int, step: int, name: str, code: grpc.StatusCode, message: str
     ) -> list[Outgoing]:
-        log.info("rejected: %s", message)
+        log.info("rejected: %s", message, extra={"step": step, "worker_id": w})
         return [self._error_to(w, step, code, message, name)]
 
     @staticmethod

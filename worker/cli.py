@@ -12,12 +12,14 @@ import argparse
 import dataclasses
 import json
 import logging
-from typing import Any
+import time
+from pathlib import Path
+from typing import IO, Any
 
 from gradserver.common.components import parse_non_block_component
 from gradserver.common.config import add_config_arguments, config_from_sources
 from gradserver.common.errors import InvalidArgumentError
-from gradserver.common.logs import configure_logging
+from gradserver.common.logs import LOG_FORMATS, configure_logging, set_log_context
 from gradserver.common.timeouts import Timeouts
 
 from .client import WorkerClient
@@ -53,7 +55,11 @@ class WorkerConfig:
     )
     timeout: float = dataclasses.field(default=0.0, metadata={"help": "seconds for every wait (0: defaults)"})
     json: bool = dataclasses.field(default=False, metadata={"help": "print a JSON summary line last"})
+    out: str = dataclasses.field(
+        default="", metadata={"help": "directory for metrics.jsonl (one line per step and worker)"}
+    )
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
+    log_format: str = dataclasses.field(default="text", metadata={"help": "text or json"})
 
     def shape(self) -> ModelShape:
         if self.model not in SHAPES:
@@ -65,6 +71,16 @@ class WorkerConfig:
             if getattr(self, name)
         }
         return dataclasses.replace(base, **overrides)
+
+
+def _open_metrics(out: str) -> IO[str] | None:
+    """DIR/metrics.jsonl opened for appending. Several workers may share DIR: each line is one
+    small append, which the OS keeps whole."""
+    if not out:
+        return None
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    return (directory / "metrics.jsonl").open("a", encoding="utf-8", buffering=1)
 
 
 def register(commands: Any) -> None:
@@ -80,7 +96,11 @@ def register(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config: WorkerConfig = config_from_sources(WorkerConfig, args)
-    configure_logging(config.log_level, "worker")
+    if config.log_format not in LOG_FORMATS:
+        raise InvalidArgumentError(
+            f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {config.log_format!r}"
+        )
+    configure_logging(config.log_level, "worker", config.log_format)
     shape = config.shape()
     non_block = tuple(parse_non_block_component(name) for name in config.non_block.split(",") if name.strip())
     if config.steps < 0:
@@ -102,13 +122,20 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+        set_log_context(worker_id=me)
+        metrics_file = _open_metrics(config.out)
+
         def report(r: StepReport) -> None:
             print(
                 f"worker {me} step {r.step}: {r.tensors} tensors averaged, "
-                f"{r.bytes_sent / 2**20:.1f} MiB in {r.seconds:.3f} s, "
+                f"{r.bytes_sent / 2**20:.1f} MiB in {r.seconds:.3f} s "
+                f"(compute {r.compute_s:.3f}, send {r.send_s:.3f}, wait {r.wait_s:.3f}), "
                 f"max rel err {r.max_rel_error:.2e}, checksum {r.checksum:08x}",
                 flush=True,
             )
+            if metrics_file is not None:
+                metrics_file.write(json.dumps({"time": time.time(), **dataclasses.asdict(r)}) + "\n")
+                metrics_file.flush()
 
         reports = run_exchange(
             client,

@@ -18,6 +18,7 @@ import numpy as np
 
 from gradserver.common.components import NonBlockComponent, compute_block_sizes
 from gradserver.common.errors import InternalError
+from gradserver.common.logs import set_log_context
 
 from .client import WorkerClient
 
@@ -69,12 +70,35 @@ def _non_block_tag(component: NonBlockComponent) -> int:
 
 @dataclasses.dataclass
 class StepReport:
+    """One step of one worker. compute: producing gradients (the stand-in for backward); send:
+    inside send calls; wait: blocked in receive calls; check: comparing with the reference."""
+
     step: int
+    worker_id: int
     tensors: int
     bytes_sent: int
     seconds: float
+    compute_s: float
+    send_s: float
+    wait_s: float
+    check_s: float
     max_rel_error: float
     checksum: int
+
+
+class _PhaseClock:
+    """Adds wall time to whichever phase is current."""
+
+    def __init__(self) -> None:
+        self.spent = {"compute": 0.0, "send": 0.0, "wait": 0.0, "check": 0.0}
+        self._phase: str | None = None
+        self._since = time.perf_counter()
+
+    def switch(self, phase: str | None) -> None:
+        now = time.perf_counter()
+        if self._phase is not None:
+            self.spent[self._phase] += now - self._since
+        self._phase, self._since = phase, now
 
 
 def _reference_mean(seed: int, step: int, world: int, tag: int, size: int) -> np.ndarray:
@@ -89,6 +113,49 @@ def _rel_error(got: np.ndarray, want: np.ndarray) -> float:
         return 0.0
     scale = np.maximum(np.abs(want), np.finfo(np.float32).tiny)
     return float(np.max(np.abs(got.astype(np.float64) - want) / scale))
+
+
+class _Step:
+    """One synthetic step of one worker: contributes, receives, checks, and keeps the time."""
+
+    def __init__(self, client: WorkerClient, step: int, seed: int, verify: bool, tolerance: float) -> None:
+        self.client, self.step, self.seed = client, step, seed
+        self.verify, self.tolerance = verify, tolerance
+        self.clock = _PhaseClock()
+        self.crc = 0
+        self.worst = 0.0
+        self.sent = 0
+
+    def gradient(self, tag: int, size: int) -> np.ndarray:
+        self.clock.switch("compute")
+        grads = synthetic_gradient(self.seed, self.step, self.client.worker_id, tag, size)
+        self.sent += grads.nbytes
+        self.clock.switch("send")
+        return grads
+
+    def receive_block(self) -> None:
+        self.clock.switch("wait")
+        avg = self.client.receive_averaged_block()
+        self.check(_block_tag(avg.block_idx), avg.gradients, f"block {avg.block_idx}")
+
+    def receive_non_block(self) -> None:
+        self.clock.switch("wait")
+        got = self.client.receive_averaged_non_block()
+        self.check(_non_block_tag(got.component), got.gradients, got.component.name)
+
+    def check(self, tag: int, got: np.ndarray, what: str) -> None:
+        self.clock.switch("check")
+        self.crc = zlib.crc32(got.tobytes(), self.crc)
+        if not self.verify:
+            return
+        want = _reference_mean(self.seed, self.step, self.client.total_workers, tag, got.size)
+        error = _rel_error(got, want)
+        self.worst = max(self.worst, error)
+        if error > self.tolerance:
+            raise InternalError(
+                f"worker {self.client.worker_id} step {self.step} {what}: relative error "
+                f"{error:.3g} exceeds {self.tolerance:g}"
+            )
 
 
 def run_exchange(
@@ -106,55 +173,38 @@ def run_exchange(
 ) -> list[StepReport]:
     """Runs `steps` synthetic steps; raises InternalError if an average is wrong."""
     reports = []
-    world, me = client.total_workers, client.worker_id
     sizes = shape.block_sizes
-    block_total = sum(sizes)
+    blocks = list(reversed(range(shape.num_blocks)))
     for step in range(first_step, first_step + steps):
+        set_log_context(step=step)
         started = time.perf_counter()
-        crc = 0
-        worst = 0.0
-        sent = 0
-        blocks = list(reversed(range(shape.num_blocks)))
-
-        def check(tag: int, got: np.ndarray, what: str, step: int = step) -> None:
-            nonlocal crc, worst
-            crc = zlib.crc32(got.tobytes(), crc)
-            if verify:
-                want = _reference_mean(seed, step, world, tag, got.size)
-                error = _rel_error(got, want)
-                worst = max(worst, error)
-                if error > tolerance:
-                    raise InternalError(
-                        f"worker {me} step {step} {what}: relative error {error:.3g} exceeds {tolerance:g}"
-                    )
-
+        s = _Step(client, step, seed, verify, tolerance)
         for block_idx in blocks:
-            grads = synthetic_gradient(seed, step, me, _block_tag(block_idx), block_total)
+            grads = s.gradient(_block_tag(block_idx), sum(sizes))
             client.send_block_gradient(step, block_idx, shape.num_blocks, grads, sizes)
-            sent += grads.nbytes
             if not pipelined:
-                avg = client.receive_averaged_block()
-                check(_block_tag(avg.block_idx), avg.gradients, f"block {avg.block_idx}")
+                s.receive_block()
         if pipelined:
             for _ in blocks:
-                avg = client.receive_averaged_block()
-                check(_block_tag(avg.block_idx), avg.gradients, f"block {avg.block_idx}")
+                s.receive_block()
         for component in non_block:
-            grads = synthetic_gradient(
-                seed, step, me, _non_block_tag(component), shape.non_block_size(component)
-            )
+            grads = s.gradient(_non_block_tag(component), shape.non_block_size(component))
             client.send_non_block_gradient(step, component, grads)
-            sent += grads.nbytes
             del grads
-            got = client.receive_averaged_non_block()
-            check(_non_block_tag(got.component), got.gradients, got.component.name)
+            s.receive_non_block()
+        s.clock.switch(None)
         report = StepReport(
             step=step,
+            worker_id=client.worker_id,
             tensors=len(blocks) + len(non_block),
-            bytes_sent=sent,
+            bytes_sent=s.sent,
             seconds=time.perf_counter() - started,
-            max_rel_error=worst,
-            checksum=crc,
+            compute_s=s.clock.spent["compute"],
+            send_s=s.clock.spent["send"],
+            wait_s=s.clock.spent["wait"],
+            check_s=s.clock.spent["check"],
+            max_rel_error=s.worst,
+            checksum=s.crc,
         )
         reports.append(report)
         if on_step is not None:

@@ -1,0 +1,71 @@
+"""Prometheus metrics of one coordinator, served over HTTP on `--metrics-port`.
+
+Each GradientServer has its own registry, so several coordinators can run in one process (tests)
+without sharing counters. Names start with `gradserver_`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("gradserver.server.metrics")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class CoordinatorMetrics:
+    def __init__(self, world_size: int) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.world_size = Gauge("gradserver_world_size", "Workers the job needs", registry=registry)
+        self.world_size.set(world_size)
+        self.workers_joined = Gauge(
+            "gradserver_workers_joined", "Workers currently joined", registry=registry
+        )
+        self.workers_lost = Counter(
+            "gradserver_workers_lost", "Workers lost or evicted (not counting goodbyes)", registry=registry
+        )
+        self.steps_completed = Counter(
+            "gradserver_steps_completed", "Steps with at least one key fully averaged", registry=registry
+        )
+        self.keys_reduced = Counter("gradserver_keys_reduced", "Keys fully averaged", registry=registry)
+        self.received_bytes = Counter(
+            "gradserver_received_bytes", "Message bytes read from workers", registry=registry
+        )
+        self.sent_bytes = Counter(
+            "gradserver_sent_bytes", "Message bytes written to workers", registry=registry
+        )
+        self.reduce_latency = Histogram(
+            "gradserver_reduce_latency_seconds",
+            "Per key: first contribution to last averaged chunk",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.barrier_wait = Histogram(
+            "gradserver_barrier_wait_seconds",
+            "Per barrier: first arrival to release",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.errors = Counter(
+            "gradserver_errors", "Errors sent to workers, by gRPC status code", ["code"], registry=registry
+        )
+        self._http: Any = None
+        self.port = 0
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the /metrics endpoint; port 0 picks a free port. Returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        self.port = int(server.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+        return self.port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
