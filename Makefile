@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# Trains the small model with 2 workers through the coordinator: a few minutes on 2 CPU cores.
 demo: $(STAMP)
-	$(BIN)/gradserver launch --workers 2 --steps 3
+	$(BIN)/gradserver launch --workers 2 --model small --steps 150 --out runs/demo
 
 test: lint typecheck pytest
 

@@ -36,7 +36,16 @@ def test_coordinator_and_three_workers_with_a_128_mib_lm_head(processes) -> None
     ]
     workers = [
         processes.gradserver(
-            "worker", "--coordinator", address, "--steps", "1", "--json", *shape, name=f"worker-{i}"
+            "worker",
+            "--job",
+            "synthetic",
+            "--coordinator",
+            address,
+            "--steps",
+            "1",
+            "--json",
+            *shape,
+            name=f"worker-{i}",
         )
         for i in range(3)
     ]
@@ -55,7 +64,9 @@ def test_coordinator_and_three_workers_with_a_128_mib_lm_head(processes) -> None
 def test_sigterm_drains_tells_the_workers_and_exits_zero(processes) -> None:
     coord, address = processes.coordinator("--world-size", "2", "--drain-timeout", "5")
     workers = [
-        processes.gradserver("worker", "--coordinator", address, "--steps", "100000", name=f"w{i}")
+        processes.gradserver(
+            "worker", "--job", "synthetic", "--coordinator", address, "--steps", "100000", name=f"w{i}"
+        )
         for i in range(2)
     ]
     for w in workers:
@@ -69,7 +80,9 @@ def test_sigterm_drains_tells_the_workers_and_exits_zero(processes) -> None:
 
 
 def test_launch_runs_the_demo_job(processes) -> None:
-    launch = processes.gradserver("launch", "--workers", "2", "--steps", "2", name="launch")
+    launch = processes.gradserver(
+        "launch", "--job", "synthetic", "--model", "tiny", "--workers", "2", "--steps", "2", name="launch"
+    )
     assert launch.wait(120) == 0, launch.output
     assert launch.output.count("step 1: 5 tensors averaged") == 2
     assert "all processes finished" in launch.output

@@ -150,6 +150,8 @@ def test_json_logs_name_worker_and_step(processes) -> None:
     workers = [
         processes.gradserver(
             "worker",
+            "--job",
+            "synthetic",
             "--coordinator",
             address,
             "--steps",

@@ -1,0 +1,242 @@
+"""Gradient all-reduce engines behind one interface, so one trainer can switch and compare them.
+
+- `RemoteBackend`: the gradserver coordinator, through a WorkerClient (gRPC).
+- `LocalBackend`: several workers in one process (threads, e.g. one per GPU) through an in-process
+  hub that averages in rank order in float64, like the coordinator.
+- `TorchDistributedBackend`: `torch.distributed` all_reduce (gloo on CPU, NCCL on CUDA).
+
+A step: `start_step(step)`, `submit_block` / `submit_non_block` as gradients become final (in
+any order; blocks usually in reverse), then `finish()` returns every average in submission order.
+`global_loss` averages a loss weighted by sample counts.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradserver.common.components import NonBlockComponent
+from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
+from gradserver.common.sharding import step_shard
+
+from .client import WorkerClient
+
+Key = tuple[str, int]  # ("block", idx) or ("non_block", component)
+
+
+@dataclasses.dataclass
+class _Submitted:
+    key: Key
+    tensor: torch.Tensor
+
+
+class GradientBackend(abc.ABC):
+    """One worker's view of an all-reduce engine."""
+
+    name: str = "abstract"
+    #: whether submitted tensors must be on the host (the trainer stages device tensors)
+    needs_host: bool = True
+    rank: int
+    world_size: int
+
+    def __init__(self) -> None:
+        self._step = 0
+        self._submitted: list[_Submitted] = []
+
+    def start_step(self, step: int) -> None:
+        self._step = step
+        self._submitted = []
+
+    @abc.abstractmethod
+    def submit_block(
+        self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
+    ) -> None:
+        """Starts averaging one block's flat gradient (already pre-averaged locally)."""
+
+    @abc.abstractmethod
+    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def finish(self) -> list[tuple[Key, torch.Tensor]]:
+        """Waits for every average of this step, in submission order."""
+
+    @abc.abstractmethod
+    def global_loss(self, loss: float, samples: int) -> float:
+        """Σ loss·samples / Σ samples over all workers, for this step."""
+
+    def shard(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
+        """The sample indices this worker trains on at `step` (interleaved, like the coordinator)."""
+        ranges = step_shard(step, self.rank, self.world_size, dataset_size, batch_size)
+        return [i for r in ranges for i in r.indices()]
+
+    def close(self) -> None:
+        return None
+
+
+class RemoteBackend(GradientBackend):
+    name = "remote"
+
+    def __init__(self, client: WorkerClient) -> None:
+        super().__init__()
+        self.client = client
+        self.rank = client.worker_id
+        self.world_size = client.total_workers
+
+    def submit_block(
+        self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
+    ) -> None:
+        self.client.send_block_gradient(self._step, block_idx, num_blocks, flat, sizes)
+        self._submitted.append(_Submitted(("block", block_idx), flat))
+
+    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None:
+        self.client.send_non_block_gradient(self._step, component, flat)
+        self._submitted.append(_Submitted(("non_block", int(component)), flat))
+
+    def finish(self) -> list[tuple[Key, torch.Tensor]]:
+        out: list[tuple[Key, torch.Tensor]] = []
+        for item in self._submitted:
+            if item.key[0] == "block":
+                got: np.ndarray = self.client.receive_averaged_block().gradients
+            else:
+                got = self.client.receive_averaged_non_block().gradients
+            out.append((item.key, torch.from_numpy(got)))
+        return out
+
+    def global_loss(self, loss: float, samples: int) -> float:
+        self.client.send_gradients(self._step, np.zeros(0, np.float32), loss, 0, samples)
+        return self.client.receive_averaged().global_loss
+
+    def shard(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
+        return self.client.get_shard(step, dataset_size, batch_size).indices()
+
+
+class LocalHub:
+    """Meeting point of the LocalBackends of one process: averages each key when every rank has
+    submitted it, summing in rank order in float64 (the coordinator's arithmetic)."""
+
+    def __init__(self, world_size: int, timeout: float = 300.0) -> None:
+        if world_size < 1:
+            raise InvalidArgumentError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._parts: dict[tuple[int, Any], list[torch.Tensor | None]] = {}
+        self._results: dict[tuple[int, Any], torch.Tensor] = {}
+        self._readers: dict[tuple[int, Any], int] = {}
+
+    def contribute(self, step: int, key: Any, rank: int, tensor: torch.Tensor) -> None:
+        with self._cond:
+            parts = self._parts.setdefault((step, key), [None] * self.world_size)
+            if parts[rank] is not None:
+                raise InvalidArgumentError(f"rank {rank} contributed step {step} {key} twice")
+            parts[rank] = tensor.detach().to("cpu", torch.float32).reshape(-1).clone()
+            ready = [p for p in parts if p is not None]
+            if len(ready) == self.world_size:
+                total = torch.zeros(ready[0].numel(), dtype=torch.float64)
+                for part in ready:  # rank order
+                    total += part
+                self._results[(step, key)] = (total / self.world_size).to(torch.float32)
+                del self._parts[(step, key)]
+                self._readers[(step, key)] = self.world_size
+                self._cond.notify_all()
+
+    def result(self, step: int, key: Any) -> torch.Tensor:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while (step, key) not in self._results:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceededError(f"local all-reduce of step {step} {key} timed out")
+                self._cond.wait(remaining)
+            result = self._results[(step, key)]
+            self._readers[(step, key)] -= 1
+            if self._readers[(step, key)] == 0:
+                del self._results[(step, key)], self._readers[(step, key)]
+            return result
+
+
+class LocalBackend(GradientBackend):
+    name = "local"
+    needs_host = False
+
+    def __init__(self, hub: LocalHub, rank: int) -> None:
+        super().__init__()
+        self.hub = hub
+        self.rank = rank
+        self.world_size = hub.world_size
+
+    def submit_block(
+        self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
+    ) -> None:
+        self._submit(("block", block_idx), flat)
+
+    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None:
+        self._submit(("non_block", int(component)), flat)
+
+    def _submit(self, key: Key, flat: torch.Tensor) -> None:
+        self.hub.contribute(self._step, key, self.rank, flat)
+        self._submitted.append(_Submitted(key, flat))
+
+    def finish(self) -> list[tuple[Key, torch.Tensor]]:
+        return [(item.key, self.hub.result(self._step, item.key)) for item in self._submitted]
+
+    def global_loss(self, loss: float, samples: int) -> float:
+        pair = torch.tensor([loss * samples, float(samples)])
+        self.hub.contribute(self._step, "loss", self.rank, pair)
+        total = self.hub.result(self._step, "loss") * self.world_size
+        return float(total[0] / total[1]) if total[1] else loss
+
+
+class TorchDistributedBackend(GradientBackend):
+    """torch.distributed all_reduce (SUM, then divide), launched asynchronously per tensor."""
+
+    name = "torch.distributed"
+    needs_host = False
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        super().__init__()
+        if not dist.is_initialized():
+            raise InvalidArgumentError("torch.distributed is not initialised (init_process_group first)")
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._works: list[Any] = []
+
+    def start_step(self, step: int) -> None:
+        super().start_step(step)
+        self._works = []
+
+    def submit_block(
+        self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
+    ) -> None:
+        self._submit(("block", block_idx), flat)
+
+    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None:
+        self._submit(("non_block", int(component)), flat)
+
+    def _submit(self, key: Key, flat: torch.Tensor) -> None:
+        buffer = flat.clone()
+        self._works.append(self._dist.all_reduce(buffer, async_op=True))
+        self._submitted.append(_Submitted(key, buffer))
+
+    def finish(self) -> list[tuple[Key, torch.Tensor]]:
+        for work in self._works:
+            work.wait()
+        return [(item.key, item.tensor.div_(self.world_size)) for item in self._submitted]
+
+    def global_loss(self, loss: float, samples: int) -> float:
+        pair = torch.tensor([loss * samples, float(samples)], dtype=torch.float64)
+        self._dist.all_reduce(pair)
+        return float(pair[0] / pair[1]) if pair[1] else loss
+
+    def close(self) -> None:
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()

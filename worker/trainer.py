@@ -1,0 +1,255 @@
+"""DistributedTrainer: data-parallel training steps over any GradientBackend.
+
+One step:
+1. forward/backward over the micro-batches; post-accumulate-grad hooks add each parameter's
+   gradient into the PerBlockGradientAccumulator in place on the device and free `.grad`;
+2. in the last micro-batch, as soon as a block's nine gradients are final, the block is
+   pre-averaged by the local micro-batch count and submitted, so communication overlaps the rest
+   of backward (blocks go out in reverse order, as backward produces them); then the LM head,
+   final norm and embedding;
+3. the averages come back into the accumulator, become the parameters' `.grad`, are optionally
+   clipped by global norm (on the device, after the average, so every worker clips identically),
+   and the optimizer (AdamW) steps.
+
+For a backend that needs host data, device gradients are copied to reusable pinned buffers
+without blocking, and a sender thread waits for each copy's CUDA event before handing it on, so
+the training thread never synchronises inside the micro-batch loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradserver.common.components import NonBlockComponent
+from gradserver.common.errors import InternalError, InvalidArgumentError
+
+from .backends import GradientBackend
+from .clipping import clip_by_global_norm_
+from .gradients import PerBlockGradientAccumulator
+from .model import TransformerLM
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float
+    global_loss: float
+    tokens: int
+    seconds: float
+    compute_s: float
+    comm_s: float
+    grad_norm: float | None
+
+
+def _pair(component: NonBlockComponent, data: torch.Tensor) -> tuple[NonBlockComponent, torch.Tensor]:
+    return component, data
+
+
+class _Sender:
+    """Hands staged gradients to the backend from a thread of its own, in submission order."""
+
+    def __init__(self, backend: GradientBackend) -> None:
+        self.backend = backend
+        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gradserver-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            kind, event, args = item
+            try:
+                if self._error is None:
+                    if event is not None:
+                        event.synchronize()
+                    getattr(self.backend, kind)(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+
+class DistributedTrainer:
+    def __init__(
+        self,
+        model: TransformerLM,
+        backend: GradientBackend,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = None,
+        step: int = 0,
+    ) -> None:
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise InvalidArgumentError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        self.model = model
+        self.backend = backend
+        self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+        self.step = step
+        cfg = model.config
+        self.device = next(model.parameters()).device
+        sizes = tuple(p.numel() for p in model.block_list()[0].components())
+        self.accumulator = PerBlockGradientAccumulator(
+            cfg.num_layers, sizes, cfg.vocab, cfg.hidden, self.device, tied=cfg.tied
+        )
+        self._non_block = model.non_block_parameters()
+        self._route: dict[int, tuple[str, int, int]] = {}
+        for b, block in enumerate(model.block_list()):
+            for c, param in enumerate(block.components()):
+                self._route[id(param)] = ("block", b, c)
+        for component, param in self._non_block.items():
+            self._route[id(param)] = ("non_block", int(component), 0)
+        self._remaining: list[int] = []
+        self._last_micro = False
+        self._micro_count = 1
+        self._sender = _Sender(backend) if backend.needs_host else None
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for p in model.parameters()
+        ]
+
+    # --- hooks ----------------------------------------------------------------------------------
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        kind, index, component = self._route[id(param)]
+        if kind == "block":
+            target = self.accumulator.block_grads[index].components[component]
+            target.add_(grad.reshape(-1))
+            param.grad = None
+            self._remaining[index] -= 1
+            if self._remaining[index] == 0 and self._last_micro:
+                self._submit_block(index)
+        else:
+            self.accumulator.accumulate_non_block(NonBlockComponent(index), grad)
+            param.grad = None
+
+    def _submit_block(self, index: int) -> None:
+        grads = self.accumulator.block_grads[index]
+        flat = grads.flatten()
+        if self._micro_count > 1:
+            flat.div_(self._micro_count)
+        num_blocks, sizes = len(self.accumulator.block_grads), grads.component_sizes()
+        self._hand_over("submit_block", ("block", index), flat, lambda data: (index, num_blocks, data, sizes))
+
+    def _hand_over(
+        self,
+        method: str,
+        key: tuple[str, int],
+        flat: torch.Tensor,
+        make_args: Callable[[torch.Tensor], tuple[Any, ...]],
+    ) -> None:
+        """Submits `flat` now, or stages it on the host for the sender thread."""
+        if self._sender is None:
+            getattr(self.backend, method)(*make_args(flat))
+            return
+        host = self.accumulator.to_host(key, flat)
+        event = None
+        if flat.device.type == "cuda":
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        self._sender.put((method, event, make_args(host)))
+
+    # --- a step ---------------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """One optimizer step over `micro_batches` (inputs, targets), averaged with every worker."""
+        if not micro_batches:
+            raise InvalidArgumentError("train_step needs at least one micro-batch")
+        started = time.perf_counter()
+        self.accumulator.zero_all()
+        self._micro_count = len(micro_batches)
+        self.backend.start_step(self.step)
+        num_blocks = len(self.model.blocks)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        for i, (inputs, targets) in enumerate(micro_batches):
+            self._remaining = [9] * num_blocks
+            self._last_micro = i == len(micro_batches) - 1
+            loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
+            loss.backward()  # type: ignore[no-untyped-call]
+            loss_sum += loss.detach()
+            tokens += targets.numel()
+        self.accumulator.accumulated_count = len(micro_batches)
+        for component, flat in self.accumulator.non_block.items():
+            if self._micro_count > 1:
+                flat.div_(self._micro_count)
+            self._hand_over(
+                "submit_non_block", ("non_block", int(component)), flat, functools.partial(_pair, component)
+            )
+        compute_done = time.perf_counter()
+        if self._sender is not None:
+            self._sender.drain()
+        self._apply(self.backend.finish())
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grad_norm = clip_by_global_norm_(grads, self.max_grad_norm)
+        comm_done = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss_sum) / len(micro_batches)  # the step's one host sync
+        global_loss = self.backend.global_loss(loss_value, tokens)
+        result = StepResult(
+            step=self.step,
+            loss=loss_value,
+            global_loss=global_loss,
+            tokens=tokens,
+            seconds=time.perf_counter() - started,
+            compute_s=compute_done - started,
+            comm_s=comm_done - compute_done,
+            grad_norm=float(grad_norm) if grad_norm is not None else None,
+        )
+        self.step += 1
+        return result
+
+    def _apply(self, averages: list[tuple[tuple[str, int], torch.Tensor]]) -> None:
+        acc = self.accumulator
+        for (kind, index), avg in averages:
+            if kind == "block":
+                target = acc.block_grads[index].flatten()
+            else:
+                target = acc.non_block[NonBlockComponent(index)]
+            if avg.numel() != target.numel():
+                raise InternalError(
+                    f"average of {kind} {index} has {avg.numel()} elements, expected {target.numel()}"
+                )
+            target.copy_(avg.reshape(-1), non_blocking=True)
+        for b, block in enumerate(self.model.block_list()):
+            for param, grad in zip(block.components(), acc.block_grads[b].components, strict=True):
+                param.grad = grad.view(param.shape)
+        for component, param in self._non_block.items():
+            param.grad = acc.non_block[component].view(param.shape)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        if self._sender is not None:
+            self._sender.close()
