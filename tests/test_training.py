@@ -1,0 +1,177 @@
+"""Distributed training through the coordinator: equivalence with a bigger batch, bit-identical
+weights across worker processes (C-DDP-001), a falling loss, and resuming from a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradserver.worker.backends import LocalBackend, LocalHub, RemoteBackend
+from gradserver.worker.checkpoint import load_checkpoint
+from gradserver.worker.training import TrainConfig, train
+
+from .helpers.server import connect_all, run_each
+
+
+def _train_remote(
+    coordinator, world: int, batch: int, steps: int, tmp: Path
+) -> list[dict[str, torch.Tensor]]:
+    server = coordinator(world_size=world)
+    clients = connect_all(server.address, world)
+    config = TrainConfig(
+        model="tiny", steps=steps, batch_size=batch, lr=1e-2, max_grad_norm=1.0, out=str(tmp)
+    )
+    try:
+        run_each(clients, lambda c: train(RemoteBackend(c), config), timeout=300)
+    finally:
+        for c in clients:
+            c.close()
+    return [load_checkpoint(tmp / f"checkpoint-rank{r}.pt").model_state for r in range(world)]
+
+
+def test_two_workers_match_one_worker_with_twice_the_batch(coordinator, tmp_path: Path) -> None:
+    one = _train_remote(coordinator, 1, 8, 4, tmp_path / "one")
+    two = _train_remote(coordinator, 2, 4, 4, tmp_path / "two")
+    for name, weight in one[0].items():
+        torch.testing.assert_close(
+            two[0][name], weight, rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    for name in one[0]:
+        assert torch.equal(two[0][name], two[1][name]), name
+
+
+@pytest.mark.processes
+def test_three_worker_processes_end_with_bit_identical_weights(processes, tmp_path: Path) -> None:
+    """C-DDP-001, through the real CLIs."""
+    coord, address = processes.coordinator("--world-size", "3", "--max-steps", "4")
+    workers = [
+        processes.gradserver(
+            "worker",
+            "--job",
+            "train",
+            "--coordinator",
+            address,
+            "--model",
+            "tiny",
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--out",
+            str(tmp_path),
+            name=f"w{i}",
+            env={"OMP_NUM_THREADS": "1"},
+        )
+        for i in range(3)
+    ]
+    for w in workers:
+        assert w.wait(240) == 0, w.output
+    assert coord.wait(60) == 0, coord.output
+    states = [load_checkpoint(tmp_path / f"checkpoint-rank{r}.pt") for r in range(3)]
+    assert {s.step for s in states} == {3}
+    for name, tensor in states[0].model_state.items():
+        for other in states[1:]:
+            assert torch.equal(tensor, other.model_state[name]), f"{name} differs between workers"
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((e["worker_id"], e["step"]) for e in lines) == [(w, s) for w in range(3) for s in range(4)]
+    by_step = {}
+    for e in lines:
+        by_step.setdefault(e["step"], set()).add(e["global_loss"])
+    assert all(len(v) == 1 for v in by_step.values()), "every worker sees the same global loss"
+
+
+def _train_local(world: int, config: TrainConfig) -> list:
+    hub = LocalHub(world)
+    results: dict[int, list] = {}
+
+    import threading
+
+    def worker(rank: int) -> None:
+        results[rank] = train(LocalBackend(hub, rank), config)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(results) == world
+    return results[0]
+
+
+def test_loss_falls_on_the_shipped_corpus() -> None:
+    results = _train_local(2, TrainConfig(model="tiny", steps=40, batch_size=8, lr=1e-2))
+    first = sum(r.global_loss for r in results[:5]) / 5
+    last = sum(r.global_loss for r in results[-5:]) / 5
+    # Untrained, the loss is about ln(256) = 5.55 (uniform over bytes).
+    assert results[0].global_loss > 5.0 and last < first - 1.0, (results[0].global_loss, first, last)
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path: Path) -> None:
+    base = dict(model="tiny", batch_size=4, lr=1e-2, max_grad_norm=1.0)
+    straight = _train_local(2, TrainConfig(steps=6, out=str(tmp_path / "straight"), **base))
+    _train_local(2, TrainConfig(steps=3, out=str(tmp_path / "resumed"), **base))
+    ckpt = load_checkpoint(tmp_path / "resumed" / "checkpoint-rank0.pt")
+    assert (ckpt.step, ckpt.data_position) == (2, 3)
+    resumed = _train_local(2, TrainConfig(steps=6, out=str(tmp_path / "resumed"), resume=True, **base))
+    assert [r.step for r in resumed] == [3, 4, 5]
+    for a, b in zip(straight[3:], resumed, strict=True):
+        assert a.global_loss == pytest.approx(b.global_loss, rel=1e-6, abs=1e-6)
+    final_a = load_checkpoint(tmp_path / "straight" / "checkpoint-rank0.pt").model_state
+    final_b = load_checkpoint(tmp_path / "resumed" / "checkpoint-rank0.pt").model_state
+    for name in final_a:
+        torch.testing.assert_close(final_b[name], final_a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_equals_a_bigger_micro_batch() -> None:
+    big = _train_local(1, TrainConfig(model="tiny", steps=3, batch_size=8, lr=1e-2))
+    accumulated = _train_local(
+        1, TrainConfig(model="tiny", steps=3, batch_size=4, accumulation_steps=2, lr=1e-2)
+    )
+    for a, b in zip(big, accumulated, strict=True):
+        assert a.global_loss == pytest.approx(b.global_loss, rel=1e-4)
+
+
+def test_checkpoints_load_without_pickle(tmp_path: Path) -> None:
+    bad = tmp_path / "evil.pt"
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    torch.save({"format": 1, "payload": Evil()}, bad)
+    from gradserver.common.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="not a readable gradserver checkpoint"):
+        load_checkpoint(bad)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("backend", ["remote", "gloo"])
+def test_launch_trains_and_leaves_metrics_checkpoints_and_a_plot(
+    processes, tmp_path: Path, backend: str
+) -> None:
+    launch = processes.gradserver(
+        "launch",
+        "--workers",
+        "2",
+        "--model",
+        "tiny",
+        "--steps",
+        "5",
+        "--backend",
+        backend,
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        name="launch",
+    )
+    assert launch.wait(240) == 0, launch.output
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 10
+    assert all(json.loads(line)["backend"] in ("remote", "torch.distributed") for line in lines)
+    assert (tmp_path / "checkpoint-rank0.pt").exists() and (tmp_path / "checkpoint-rank1.pt").exists()
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert "plot in" in launch.output
