@@ -7,7 +7,8 @@
 
 A step: `start_step(step)`, `submit_block` / `submit_non_block` as gradients become final (in
 any order; blocks usually in reverse), then `finish()` returns every average in submission order.
-`global_loss` averages a loss weighted by sample counts.
+`submit_loss` hands in this worker's loss before `finish`, and `global_loss` returns the average
+weighted by sample counts after it, so the exchange overlaps the step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
+from gradserver.common.errors import DeadlineExceededError, InternalError, InvalidArgumentError
 from gradserver.common.sharding import step_shard
 
 from .client import WorkerClient
@@ -67,8 +68,12 @@ class GradientBackend(abc.ABC):
         """Waits for every average of this step, in submission order."""
 
     @abc.abstractmethod
-    def global_loss(self, loss: float, samples: int) -> float:
-        """Σ loss·samples / Σ samples over all workers, for this step."""
+    def submit_loss(self, loss: float, samples: int) -> None:
+        """This worker's mean loss over `samples` for this step."""
+
+    @abc.abstractmethod
+    def global_loss(self) -> float:
+        """Σ loss·samples / Σ samples over all workers, for this step (after `finish`)."""
 
     def shard(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
         """The sample indices this worker trains on at `step` (interleaved, like the coordinator)."""
@@ -87,6 +92,7 @@ class RemoteBackend(GradientBackend):
         self.client = client
         self.rank = client.worker_id
         self.world_size = client.total_workers
+        self._requested: int | None = None
 
     def submit_block(
         self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
@@ -108,12 +114,23 @@ class RemoteBackend(GradientBackend):
             out.append((item.key, torch.from_numpy(got)))
         return out
 
-    def global_loss(self, loss: float, samples: int) -> float:
+    def submit_loss(self, loss: float, samples: int) -> None:
         self.client.send_gradients(self._step, np.zeros(0, np.float32), loss, 0, samples)
+
+    def global_loss(self) -> float:
         return self.client.receive_averaged().global_loss
 
     def shard(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
-        return self.client.get_shard(step, dataset_size, batch_size).indices()
+        """Asks the coordinator, and asks for the next step's shard at once, so that the answer
+        is already here when the next step starts."""
+        if self._requested is None or self._requested < step:
+            self.client.request_shard(step, dataset_size, batch_size)
+        self.client.request_shard(step + 1, dataset_size, batch_size)
+        self._requested = step + 1
+        shard = self.client.receive_shard()
+        if shard.step != step:
+            raise InternalError(f"asked for the shard of step {step}, got step {shard.step}")
+        return shard.indices()
 
 
 class LocalHub:
@@ -170,6 +187,7 @@ class LocalBackend(GradientBackend):
         self.hub = hub
         self.rank = rank
         self.world_size = hub.world_size
+        self._loss = 0.0
 
     def submit_block(
         self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
@@ -186,11 +204,13 @@ class LocalBackend(GradientBackend):
     def finish(self) -> list[tuple[Key, torch.Tensor]]:
         return [(item.key, self.hub.result(self._step, item.key)) for item in self._submitted]
 
-    def global_loss(self, loss: float, samples: int) -> float:
-        pair = torch.tensor([loss * samples, float(samples)])
-        self.hub.contribute(self._step, "loss", self.rank, pair)
+    def submit_loss(self, loss: float, samples: int) -> None:
+        self._loss = loss
+        self.hub.contribute(self._step, "loss", self.rank, torch.tensor([loss * samples, float(samples)]))
+
+    def global_loss(self) -> float:
         total = self.hub.result(self._step, "loss") * self.world_size
-        return float(total[0] / total[1]) if total[1] else loss
+        return float(total[0] / total[1]) if total[1] else self._loss
 
 
 class TorchDistributedBackend(GradientBackend):
@@ -209,6 +229,9 @@ class TorchDistributedBackend(GradientBackend):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._works: list[Any] = []
+        self._loss = 0.0
+        self._pair = torch.zeros(2, dtype=torch.float64)
+        self._loss_work: Any = None
 
     def start_step(self, step: int) -> None:
         super().start_step(step)
@@ -232,10 +255,14 @@ class TorchDistributedBackend(GradientBackend):
             work.wait()
         return [(item.key, item.tensor.div_(self.world_size)) for item in self._submitted]
 
-    def global_loss(self, loss: float, samples: int) -> float:
-        pair = torch.tensor([loss * samples, float(samples)], dtype=torch.float64)
-        self._dist.all_reduce(pair)
-        return float(pair[0] / pair[1]) if pair[1] else loss
+    def submit_loss(self, loss: float, samples: int) -> None:
+        self._loss = loss
+        self._pair = torch.tensor([loss * samples, float(samples)], dtype=torch.float64)
+        self._loss_work = self._dist.all_reduce(self._pair, async_op=True)
+
+    def global_loss(self) -> float:
+        self._loss_work.wait()
+        return float(self._pair[0] / self._pair[1]) if self._pair[1] else self._loss
 
     def close(self) -> None:
         if self._dist.is_initialized():

@@ -204,6 +204,11 @@ class DistributedTrainer:
             self._hand_over(
                 "submit_non_block", ("non_block", int(component)), flat, functools.partial(_pair, component)
             )
+        loss_value = float(loss_sum) / len(micro_batches)  # the step's one host sync
+        if self._sender is not None:
+            self._sender.put(("submit_loss", None, (loss_value, tokens)))
+        else:
+            self.backend.submit_loss(loss_value, tokens)
         compute_done = time.perf_counter()
         if self._sender is not None:
             self._sender.drain()
@@ -215,8 +220,7 @@ class DistributedTrainer:
         comm_done = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss_sum) / len(micro_batches)  # the step's one host sync
-        global_loss = self.backend.global_loss(loss_value, tokens)
+        global_loss = self.backend.global_loss()
         result = StepResult(
             step=self.step,
             loss=loss_value,
