@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,9 @@ def gradserver_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "gradserver.common.cli", *args]
 
 
+_STEP_LINE = re.compile(r"worker \d+ step \d+: loss")
+
+
 class _Progress:
     """A tqdm bar fed by rank 0's PROGRESS lines; everything else is printed above it."""
 
@@ -68,6 +72,8 @@ class _Progress:
         if line.startswith("PROGRESS "):
             self._progress(json.loads(line[len("PROGRESS ") :]))
             return
+        if self._bar is not None and _STEP_LINE.search(line):
+            return  # the bar shows it; metrics.jsonl keeps every step of every worker
         with self._lock:
             text = f"{prefix} {line.rstrip()}"
             if self._bar is not None:
