@@ -54,14 +54,18 @@ class GradientBackend(abc.ABC):
         self._step = step
         self._submitted = []
 
-    @abc.abstractmethod
     def submit_block(
         self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
     ) -> None:
         """Starts averaging one block's flat gradient (already pre-averaged locally)."""
+        self._submit(("block", block_idx), flat, num_blocks, sizes)
+
+    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None:
+        self._submit(("non_block", int(component)), flat, 0, ())
 
     @abc.abstractmethod
-    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None: ...
+    def _submit(self, key: Key, flat: torch.Tensor, num_blocks: int, sizes: tuple[int, ...]) -> None:
+        """Starts averaging `flat` under `key`; records it for `finish`."""
 
     @abc.abstractmethod
     def finish(self) -> list[tuple[Key, torch.Tensor]]:
@@ -94,15 +98,12 @@ class RemoteBackend(GradientBackend):
         self.world_size = client.total_workers
         self._requested: int | None = None
 
-    def submit_block(
-        self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
-    ) -> None:
-        self.client.send_block_gradient(self._step, block_idx, num_blocks, flat, sizes)
-        self._submitted.append(_Submitted(("block", block_idx), flat))
-
-    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None:
-        self.client.send_non_block_gradient(self._step, component, flat)
-        self._submitted.append(_Submitted(("non_block", int(component)), flat))
+    def _submit(self, key: Key, flat: torch.Tensor, num_blocks: int, sizes: tuple[int, ...]) -> None:
+        if key[0] == "block":
+            self.client.send_block_gradient(self._step, key[1], num_blocks, flat, sizes)
+        else:
+            self.client.send_non_block_gradient(self._step, key[1], flat)
+        self._submitted.append(_Submitted(key, flat))
 
     def finish(self) -> list[tuple[Key, torch.Tensor]]:
         out: list[tuple[Key, torch.Tensor]] = []
@@ -189,15 +190,7 @@ class LocalBackend(GradientBackend):
         self.world_size = hub.world_size
         self._loss = 0.0
 
-    def submit_block(
-        self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
-    ) -> None:
-        self._submit(("block", block_idx), flat)
-
-    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None:
-        self._submit(("non_block", int(component)), flat)
-
-    def _submit(self, key: Key, flat: torch.Tensor) -> None:
+    def _submit(self, key: Key, flat: torch.Tensor, num_blocks: int, sizes: tuple[int, ...]) -> None:
         self.hub.contribute(self._step, key, self.rank, flat)
         self._submitted.append(_Submitted(key, flat))
 
@@ -237,15 +230,7 @@ class TorchDistributedBackend(GradientBackend):
         super().start_step(step)
         self._works = []
 
-    def submit_block(
-        self, block_idx: int, num_blocks: int, flat: torch.Tensor, sizes: tuple[int, ...]
-    ) -> None:
-        self._submit(("block", block_idx), flat)
-
-    def submit_non_block(self, component: NonBlockComponent, flat: torch.Tensor) -> None:
-        self._submit(("non_block", int(component)), flat)
-
-    def _submit(self, key: Key, flat: torch.Tensor) -> None:
+    def _submit(self, key: Key, flat: torch.Tensor, num_blocks: int, sizes: tuple[int, ...]) -> None:
         buffer = flat.clone()
         self._works.append(self._dist.all_reduce(buffer, async_op=True))
         self._submitted.append(_Submitted(key, buffer))
