@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import InvalidArgumentError
+from .security import is_loopback
 
 MIB = 1024 * 1024
 ENV_PREFIX = "GRADSERVER_"
@@ -84,9 +85,29 @@ class CoordinatorConfig:
     log_format: str = dataclasses.field(
         default="text", metadata={"help": "text or json (one object per line)"}
     )
+    tls_cert: str = dataclasses.field(default="", metadata={"help": "PEM certificate: serve TLS"})
+    tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str = dataclasses.field(
+        default="", metadata={"help": "PEM CA: require client certificates signed by it (mutual TLS)"}
+    )
+    auth_token: str = dataclasses.field(
+        default="", repr=False, metadata={"help": "shared token every call must carry", "secret": True}
+    )
+    insecure: bool = dataclasses.field(
+        default=False, metadata={"help": "allow a non-loopback --bind without TLS or a token"}
+    )
 
     def __post_init__(self) -> None:
-        parse_address(self.bind, what="--bind")
+        host, _ = parse_address(self.bind, what="--bind")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgumentError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidArgumentError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if not is_loopback(host) and not (self.tls_cert or self.auth_token or self.insecure):
+            raise InvalidArgumentError(
+                f"--bind {self.bind} accepts connections from other machines, and anyone who can connect "
+                "can join the job: add --tls-cert/--tls-key or --auth-token, or --insecure to accept that"
+            )
         _require(self.world_size >= 1, "world_size", self.world_size, "at least 1")
         for name in ("join_timeout", "step_timeout", "heartbeat_timeout", "drain_timeout"):
             value = getattr(self, name)
@@ -148,7 +169,9 @@ def describe_config(
             source = env_name(field.name)
         else:
             source = "default"
-        lines.append(f"{field.name} = {getattr(config, field.name)!r}  ({source})")
+        value = getattr(config, field.name)
+        shown = "'***'" if field.metadata.get("secret") and value else repr(value)
+        lines.append(f"{field.name} = {shown}  ({source})")
     return "\n".join(lines)
 
 

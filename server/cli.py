@@ -17,6 +17,7 @@ from gradserver.common.config import (
     parse_address,
 )
 from gradserver.common.logs import configure_logging
+from gradserver.common.security import TlsFiles
 
 from .coordinator import GradientServer
 
@@ -39,6 +40,9 @@ def register(commands: Any) -> None:
     health_parser.add_argument("address", help="coordinator HOST:PORT")
     health_parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     health_parser.add_argument("--service", default="", help="service name ('' is the whole server)")
+    health_parser.add_argument("--tls-ca", default="", help="PEM CA of the coordinator's certificate (TLS)")
+    health_parser.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS)")
+    health_parser.add_argument("--tls-key", default="", help="PEM client key (mutual TLS)")
     health_parser.set_defaults(run=run_health)
 
 
@@ -47,7 +51,13 @@ def run_health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     parse_address(args.address, what="address")
-    with grpc.insecure_channel(args.address) as channel:
+    tls = TlsFiles.load(args.tls_ca, args.tls_cert, args.tls_key, what="health TLS")
+    if tls is not None:
+        credentials = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+        channel = grpc.secure_channel(args.address, credentials)
+    else:
+        channel = grpc.insecure_channel(args.address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)

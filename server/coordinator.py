@@ -27,6 +27,7 @@ from gradserver.common.config import CoordinatorConfig, parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
+    PermissionDeniedError,
     UnavailableError,
     status_code_from_value,
 )
@@ -49,6 +50,7 @@ from gradserver.common.rpc import (
     SERVICE_NAME,
     server_options,
 )
+from gradserver.common.security import TlsFiles, peer_identity, token_matches
 
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
@@ -57,6 +59,32 @@ from .reduction import Outgoing, ReductionTable
 log = logging.getLogger("gradserver.server")
 
 _STOP = object()
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call without the shared token (UNAUTHENTICATED), except health checks, which
+    container probes and load balancers make without credentials."""
+
+    def __init__(self, token: str, on_reject: Any) -> None:
+        self._token = token
+        self._on_reject = on_reject
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if details.method.startswith(_HEALTH_PREFIX) or token_matches(
+            details.invocation_metadata, self._token
+        ):
+            return handler
+        self._on_reject()
+        message = f"{details.method}: missing or wrong auth token"
+
+        async def deny(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        if handler is not None and handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class _WorkerStream:
@@ -131,7 +159,13 @@ class GradientServer:
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port."""
         self._membership = Membership(self.config.world_size, self.config.join_timeout, self.session_id)
-        server = grpc.aio.server(options=server_options(self.config.max_message_bytes))
+        interceptors = []
+        if self.config.auth_token:
+            reject = self.metrics.errors.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc
+            interceptors.append(_TokenInterceptor(self.config.auth_token, reject))
+        server = grpc.aio.server(
+            options=server_options(self.config.max_message_bytes), interceptors=interceptors
+        )
         handler = grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
@@ -142,7 +176,7 @@ class GradientServer:
         server.add_generic_rpc_handlers((handler,))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            self.port = server.add_insecure_port(self.config.bind)
+            self.port = self._add_port(server)
         except RuntimeError as exc:
             raise UnavailableError(f"cannot bind {self.config.bind}: {exc}") from exc
         if self.port == 0:
@@ -167,6 +201,20 @@ class GradientServer:
             self.session_id,
         )
         return self.port
+
+    def _add_port(self, server: grpc.aio.Server) -> int:
+        cfg = self.config
+        if not cfg.tls_cert:
+            return int(server.add_insecure_port(cfg.bind))
+        own = TlsFiles.load(cert=cfg.tls_cert, key=cfg.tls_key, what="coordinator TLS")
+        client_ca = TlsFiles.load(ca=cfg.tls_client_ca, what="coordinator TLS") if cfg.tls_client_ca else None
+        assert own is not None
+        credentials = grpc.ssl_server_credentials(
+            [(own.key, own.cert)],
+            root_certificates=client_ca.ca if client_ca else None,
+            require_client_auth=client_ca is not None,
+        )
+        return int(server.add_secure_port(cfg.bind, credentials))
 
     async def stop(self, reason: str = "coordinator stopped") -> None:
         """Graceful shutdown: NOT_SERVING, workers told, steps in flight drained (bounded by
@@ -236,7 +284,7 @@ class GradientServer:
                 )
             if self._stopping is not None:
                 raise UnavailableError("the coordinator is shutting down")
-            member = await self._membership.join(request)
+            member = await self._membership.join(request, self._identity(context))
         except GradServerError as exc:
             self.metrics.errors.labels(exc.code.name).inc()
             await context.abort(exc.code, exc.message)
@@ -317,6 +365,12 @@ class GradientServer:
         if status is not None:
             await context.abort(status[0], status[1])
 
+    def _identity(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+        """The client certificate's name under mutual TLS; None otherwise."""
+        if not self.config.tls_client_ca:
+            return None
+        return peer_identity(context.auth_context())
+
     def _worker_gone(self, worker_id: int, reason: str, *, lost: bool) -> None:
         assert self._membership is not None
         self.metrics.workers_joined.set(self._membership.joined)
@@ -336,7 +390,15 @@ class GradientServer:
                 f"Exchange needs metadata {META_WORKER_ID}, {META_SESSION_ID} and "
                 f"{META_MEMBER_TOKEN} from Join"
             ) from None
-        return self._membership.authenticate(worker_id, session_id, token)
+        member = self._membership.authenticate(worker_id, session_id, token)
+        presented = self._identity(context)
+        if member.identity is not None and presented != member.identity:
+            raise PermissionDeniedError(
+                f"worker {worker_id} joined as certificate {member.identity!r}; this connection "
+                f"presents {presented!r} and cannot act as it",
+                worker_id=worker_id,
+            )
+        return member
 
     def _reader_done(self, stream: _WorkerStream, task: asyncio.Task[None]) -> None:
         if task.cancelled():

@@ -33,6 +33,7 @@ class Member:
     token: int
     last_seen: float
     streaming: bool = False
+    identity: str | None = None
 
 
 class Membership:
@@ -55,8 +56,9 @@ class Membership:
             return self._members[worker_id]
         return None
 
-    async def join(self, request: JoinRequestIn) -> Member:
-        """Takes the lowest free place and waits for the world to be complete."""
+    async def join(self, request: JoinRequestIn, identity: str | None = None) -> Member:
+        """Takes the lowest free place and waits for the world to be complete. `identity` (the
+        client certificate's name under mutual TLS) is bound to the place."""
         free = [i for i, m in enumerate(self._members) if m is None]
         if not free:
             raise ResourceExhaustedError(
@@ -71,6 +73,7 @@ class Membership:
             gpu_count=request.gpu_count,
             token=secrets.randbits(64),
             last_seen=time.monotonic(),
+            identity=identity,
         )
         self._members[worker_id] = member
         log.info(

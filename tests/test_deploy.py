@@ -20,7 +20,7 @@ from gradserver.worker.cli import WorkerConfig
 from .helpers.processes import ROOT
 
 CONFIG_FOR = {"coordinator": CoordinatorConfig, "worker": WorkerConfig}
-_DEFAULT = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+_DEFAULT = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
 
 
 def _compose(name: str = "docker-compose.yml") -> dict[str, Any]:
@@ -28,8 +28,9 @@ def _compose(name: str = "docker-compose.yml") -> dict[str, Any]:
 
 
 def _interpolate(value: str) -> str:
-    """Compose's ${VAR:-default}, as a user who sets nothing gets it."""
-    return _DEFAULT.sub(lambda m: m.group(2) or "", value)
+    """Compose's ${VAR:-default} as a user who sets nothing gets it; ${VAR:?error} as a user who
+    set the required variable does."""
+    return _DEFAULT.sub(lambda m: "set-by-user" if m.group(2) == "?" else (m.group(3) or ""), value)
 
 
 def test_compose_services_use_real_commands_and_variables() -> None:

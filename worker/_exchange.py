@@ -85,7 +85,13 @@ class _PendingBarrier:
 
 
 class ExchangeStream:
-    def __init__(self, channel: grpc.Channel, accepted: JoinAccepted, timeouts: Timeouts) -> None:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        accepted: JoinAccepted,
+        timeouts: Timeouts,
+        extra_metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.accepted = accepted
         self.timeouts = timeouts
         self._cond = threading.Condition()
@@ -101,6 +107,7 @@ class ExchangeStream:
         self._stop_heartbeat = threading.Event()
         exchange = channel.stream_stream(EXCHANGE_METHOD)
         metadata = stream_metadata(accepted.worker_id, accepted.session_id, accepted.member_token)
+        metadata += extra_metadata
         self._call: Any = exchange(self._requests(), metadata=metadata)
         self._receiver = threading.Thread(
             target=self._receive_loop, name=f"gradserver-recv-{accepted.worker_id}", daemon=True

@@ -23,6 +23,7 @@ from gradserver.common.components import parse_non_block_component
 from gradserver.common.config import add_config_arguments, config_from_sources
 from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.logs import LOG_FORMATS, configure_logging, set_log_context
+from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 
 from .backends import GradientBackend, RemoteBackend, TorchDistributedBackend
@@ -92,6 +93,19 @@ class WorkerConfig:
     timeout: float = dataclasses.field(default=0.0, metadata={"help": "seconds for every wait (0: defaults)"})
     json: bool = dataclasses.field(default=False, metadata={"help": "print a JSON summary line last"})
     out: str = dataclasses.field(default="", metadata={"help": "directory for metrics.jsonl and checkpoints"})
+    tls_ca: str = dataclasses.field(
+        default="", metadata={"help": "PEM CA that signed the coordinator's certificate"}
+    )
+    tls_cert: str = dataclasses.field(
+        default="", metadata={"help": "PEM certificate of this worker (mutual TLS)"}
+    )
+    tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_server_name: str = dataclasses.field(
+        default="", metadata={"help": "name to check the coordinator's certificate against"}
+    )
+    auth_token: str = dataclasses.field(
+        default="", repr=False, metadata={"help": "shared token of the coordinator", "secret": True}
+    )
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
     log_format: str = dataclasses.field(default="text", metadata={"help": "text or json"})
 
@@ -155,12 +169,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _connect(config: WorkerConfig, backend_name: str) -> WorkerClient:
+    tls = TlsFiles.load(config.tls_ca, config.tls_cert, config.tls_key, what="worker TLS")
+    if tls is not None and tls.ca is None:
+        raise InvalidArgumentError("--tls-cert needs --tls-ca to verify the coordinator")
     return WorkerClient.connect(
         config.coordinator,
         node_id=config.node_id,
         gpu_count=config.gpu_count,
         backend=backend_name,
         timeout=Timeouts.of(config.timeout or None),
+        tls=tls,
+        auth_token=config.auth_token,
+        server_name=config.tls_server_name,
     )
 
 

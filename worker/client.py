@@ -46,6 +46,7 @@ from gradserver.common.messages import (
     TensorKey,
 )
 from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
+from gradserver.common.security import TlsFiles, bearer_metadata
 from gradserver.common.timeouts import Timeouts
 
 from ._exchange import ExchangeStream, PendingResult
@@ -59,13 +60,18 @@ class WorkerClient:
     """A joined worker with one open Exchange stream. Create it with `WorkerClient.connect`."""
 
     def __init__(
-        self, channel: grpc.Channel, accepted: JoinAccepted, timeouts: Timeouts, address: str
+        self,
+        channel: grpc.Channel,
+        accepted: JoinAccepted,
+        timeouts: Timeouts,
+        address: str,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._channel = channel
         self._accepted = accepted
         self.timeouts = timeouts
         self.address = address
-        self._stream = ExchangeStream(channel, accepted, timeouts)
+        self._stream = ExchangeStream(channel, accepted, timeouts, metadata)
         self._sent: dict[KeyKind, collections.deque[TensorKey]] = {
             kind: collections.deque() for kind in KeyKind
         }
@@ -79,24 +85,42 @@ class WorkerClient:
         gpu_count: int = 0,
         backend: str = "cpu",
         timeout: float | Timeouts | None = None,
+        *,
+        tls: TlsFiles | None = None,
+        auth_token: str = "",
+        server_name: str = "",
     ) -> WorkerClient:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
-        the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`."""
+        the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
+        TLS (its `ca` verifies the coordinator; `cert` and `key` are this worker's for mutual
+        TLS); `auth_token` is sent on every call; `server_name` overrides the name the
+        coordinator's certificate is checked against."""
         timeouts = Timeouts.of(timeout)
         parse_address(address, what="coordinator address")
         node_id = node_id or socket.gethostname()
-        channel = grpc.insecure_channel(address, options=worker_channel_options())
+        options: list[tuple[str, int | str]] = list(worker_channel_options())
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if tls is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+            )
+            channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        metadata = bearer_metadata(auth_token)
         try:
             try:
                 grpc.channel_ready_future(channel).result(timeout=timeouts.connect)
             except grpc.FutureTimeoutError:
+                hint = " (a TLS handshake may have failed: check --tls-ca and certificates)" if tls else ""
                 raise UnavailableError(
-                    f"cannot reach the coordinator at {address} within {timeouts.connect:g} s"
+                    f"cannot reach the coordinator at {address} within {timeouts.connect:g} s{hint}"
                 ) from None
             join = channel.unary_unary(JOIN_METHOD)
             request = JoinRequestIn(node_id, gpu_count, backend, codec.PROTOCOL_VERSION)
             try:
-                raw = join(codec.encode_join_request(request), timeout=timeouts.join)
+                raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or ""
                 if code is grpc.StatusCode.DEADLINE_EXCEEDED and "join timed out" not in details:
@@ -104,7 +128,7 @@ class WorkerClient:
                 raise error_from_status(code, details) from exc
             accepted = codec.decode_join_accepted(raw)
             log.info("joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers)
-            return cls(channel, accepted, timeouts, address)
+            return cls(channel, accepted, timeouts, address, metadata)
         except BaseException:
             channel.close()
             raise

@@ -1,0 +1,199 @@
+"""TLS, mutual TLS and the shared token, with a CA and certificates made at test time."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+
+from gradserver.common.config import CoordinatorConfig
+from gradserver.common.errors import InvalidArgumentError, UnauthenticatedError, UnavailableError
+from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
+from gradserver.common.security import TlsFiles, bearer_metadata, is_loopback, token_matches
+from gradserver.worker import Timeouts, WorkerClient
+from gradserver.worker.synthetic import SHAPES, run_exchange
+
+from .helpers.processes import ROOT
+from .helpers.server import run_each
+
+QUICK = Timeouts(connect=2.0, join=20.0, receive=20.0, send=20.0, close=5.0)
+TOKEN = "s3cret-token-value"
+
+
+class Pki:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.ca = trustme.CA()
+        self.other_ca = trustme.CA()
+        self.ca_file = self._write("ca.pem", self.ca.cert_pem.bytes())
+        self.other_ca_file = self._write("other-ca.pem", self.other_ca.cert_pem.bytes())
+        self.server = self._issue(self.ca, "server", "localhost", "127.0.0.1")
+
+    def _write(self, name: str, data: bytes) -> str:
+        path = self.tmp / name
+        path.write_bytes(data)
+        return str(path)
+
+    def _issue(self, ca: trustme.CA, name: str, *identities: str, **kwargs: object) -> tuple[str, str]:
+        cert = ca.issue_cert(*identities, common_name=name, **kwargs)
+        return (
+            self._write(f"{name}.crt", b"".join(p.bytes() for p in cert.cert_chain_pems)),
+            self._write(f"{name}.key", cert.private_key_pem.bytes()),
+        )
+
+    def client(self, name: str, **kwargs: object) -> TlsFiles:
+        cert, key = self._issue(self.ca, name, f"{name}.workers.test", **kwargs)
+        tls = TlsFiles.load(self.ca_file, cert, key)
+        assert tls is not None
+        return tls
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path)
+
+
+def _tls_server(coordinator, pki: Pki, *, mutual: bool = False, **extra):
+    return coordinator(
+        world_size=extra.pop("world_size", 1),
+        tls_cert=pki.server[0],
+        tls_key=pki.server[1],
+        tls_client_ca=pki.ca_file if mutual else "",
+        **extra,
+    )
+
+
+def _ca_only(path: str) -> TlsFiles:
+    tls = TlsFiles.load(ca=path)
+    assert tls is not None
+    return tls
+
+
+def test_tls_exchange_works_and_plaintext_or_wrong_ca_is_refused(coordinator, pki: Pki) -> None:
+    server = _tls_server(coordinator, pki)
+    with WorkerClient.connect(server.address, timeout=QUICK, tls=_ca_only(pki.ca_file)) as client:
+        run_exchange(client, SHAPES["tiny"], 1)
+    with pytest.raises(UnavailableError, match="cannot reach the coordinator"):
+        WorkerClient.connect(server.address, timeout=QUICK)  # plaintext against TLS
+    with pytest.raises(UnavailableError, match="TLS handshake may have failed"):
+        WorkerClient.connect(server.address, timeout=QUICK, tls=_ca_only(pki.other_ca_file))
+
+
+def test_mutual_tls_needs_a_valid_client_certificate(coordinator, pki: Pki) -> None:
+    server = _tls_server(coordinator, pki, mutual=True)
+    with pytest.raises(UnavailableError):
+        WorkerClient.connect(server.address, timeout=QUICK, tls=_ca_only(pki.ca_file))  # no client cert
+    expired = pki.client(
+        "old-worker",
+        not_before=datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC),
+        not_after=datetime.datetime(2021, 1, 1, tzinfo=datetime.UTC),
+    )
+    with pytest.raises(UnavailableError):
+        WorkerClient.connect(server.address, timeout=QUICK, tls=expired)
+    with WorkerClient.connect(server.address, timeout=QUICK, tls=pki.client("worker-a")) as client:
+        run_exchange(client, SHAPES["tiny"], 1)
+
+
+def test_token_is_required_checked_and_never_logged(coordinator, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    server = coordinator(world_size=1, auth_token=TOKEN)
+    with pytest.raises(UnauthenticatedError, match="missing or wrong auth token") as info:
+        WorkerClient.connect(server.address, timeout=QUICK)
+    assert isinstance(info.value, PermissionError)
+    with pytest.raises(UnauthenticatedError):
+        WorkerClient.connect(server.address, timeout=QUICK, auth_token="wrong")
+    with WorkerClient.connect(server.address, timeout=QUICK, auth_token=TOKEN) as client:
+        run_exchange(client, SHAPES["tiny"], 1)
+    assert TOKEN not in caplog.text
+    assert TOKEN not in repr(server.config)
+    # Health checks stay open for probes.
+    cli = subprocess.run(
+        [sys.executable, "-m", "gradserver.common.cli", "health", server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert cli.returncode == 0
+
+
+def test_a_worker_cannot_act_under_another_workers_id(coordinator, pki: Pki) -> None:
+    """Mutual TLS plus token: worker B, holding worker A's id and member token, is refused."""
+    server = _tls_server(coordinator, pki, mutual=True, world_size=2, auth_token=TOKEN)
+    tls_a, tls_b = pki.client("worker-a"), pki.client("worker-b")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(WorkerClient.connect, server.address, timeout=QUICK, tls=tls, auth_token=TOKEN)
+            for tls in (tls_a, tls_b)
+        ]
+        a, b = (f.result(30) for f in futures)
+    try:
+        stolen = a._accepted  # what B would have to steal to impersonate A
+        credentials = grpc.ssl_channel_credentials(tls_b.ca, tls_b.key, tls_b.cert)
+        with grpc.secure_channel(server.address, credentials) as channel:
+            call = channel.stream_stream(EXCHANGE_METHOD)(
+                iter(()),
+                metadata=stream_metadata(stolen.worker_id, stolen.session_id, stolen.member_token)
+                + bearer_metadata(TOKEN),
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+        assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert "worker-a" in info.value.details() and "worker-b" in info.value.details()
+        run_each([a, b], lambda c: run_exchange(c, SHAPES["tiny"], 1))  # the real pair still works
+    finally:
+        a.close()
+        b.close()
+
+
+def test_safe_defaults_refuse_an_open_bind_without_protection() -> None:
+    with pytest.raises(InvalidArgumentError, match="add --tls-cert/--tls-key or --auth-token, or --insecure"):
+        CoordinatorConfig(bind="0.0.0.0:50051")
+    assert CoordinatorConfig(bind="0.0.0.0:50051", insecure=True).insecure
+    assert CoordinatorConfig(bind="0.0.0.0:50051", auth_token="t").auth_token == "t"
+    assert CoordinatorConfig().bind.startswith("127.0.0.1:")
+    with pytest.raises(InvalidArgumentError, match="--tls-cert and --tls-key go together"):
+        CoordinatorConfig(tls_cert="a.pem")
+    with pytest.raises(InvalidArgumentError, match="needs --tls-cert"):
+        CoordinatorConfig(tls_client_ca="ca.pem")
+    result = subprocess.run(
+        [sys.executable, "-m", "gradserver.common.cli", "coordinator", "--bind", "0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradserver.common.cli",
+            "coordinator",
+            "--print-config",
+            "--auth-token",
+            TOKEN,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert "auth_token = '***'" in shown.stdout and TOKEN not in shown.stdout
+
+
+def test_security_helpers() -> None:
+    assert token_matches([("authorization", "Bearer abc")], "abc")
+    assert not token_matches([("authorization", "Bearer abd")], "abc")
+    assert not token_matches([("authorization", "abc")], "abc") and not token_matches(None, "abc")
+    assert is_loopback("127.0.0.1") and is_loopback("[::1]") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.org")
+    with pytest.raises(InvalidArgumentError, match="cannot be read"):
+        TlsFiles.load(ca="/nonexistent/ca.pem")
