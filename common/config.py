@@ -93,12 +93,24 @@ class CoordinatorConfig:
     auth_token: str = dataclasses.field(
         default="", repr=False, metadata={"help": "shared token every call must carry", "secret": True}
     )
+    on_worker_loss: str = dataclasses.field(
+        default="abort",
+        metadata={
+            "help": "abort: a lost worker fails the step for all; continue: finish it with the survivors"
+        },
+    )
     insecure: bool = dataclasses.field(
         default=False, metadata={"help": "allow a non-loopback --bind without TLS or a token"}
     )
 
     def __post_init__(self) -> None:
         host, _ = parse_address(self.bind, what="--bind")
+        _require(
+            self.on_worker_loss in ("abort", "continue"),
+            "on_worker_loss",
+            self.on_worker_loss,
+            "abort or continue",
+        )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgumentError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:

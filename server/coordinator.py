@@ -140,6 +140,7 @@ class GradientServer:
             config.step_timeout,
             on_key_reduced=self.metrics.reduce_latency.observe,
             on_barrier_released=self.metrics.barrier_wait.observe,
+            on_worker_loss=config.on_worker_loss,
         )
         self._counted = (0, 0)  # steps and keys already added to the metrics
         self._streams: dict[int, _WorkerStream] = {}

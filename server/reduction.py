@@ -70,6 +70,7 @@ class _Slot:
     deadline: float
     world_size: int
     opened: float = 0.0
+    expected: frozenset[int] = frozenset()
     chunks: dict[int, list[bytes | memoryview | None]] = dataclasses.field(default_factory=dict)
     received: list[set[int]] = dataclasses.field(default_factory=list)
     stats: list[SampleStats | None] = dataclasses.field(default_factory=list)
@@ -80,7 +81,11 @@ class _Slot:
         self.stats = [None] * self.world_size
 
     def missing_workers(self) -> list[int]:
-        return [w for w, got in enumerate(self.received) if len(got) < self.num_chunks]
+        return [w for w in sorted(self.expected) if len(self.received[w]) < self.num_chunks]
+
+    def chunk_complete(self, index: int) -> bool:
+        parts = self.chunks.get(index)
+        return parts is not None and all(parts[w] is not None for w in self.expected)
 
 
 @dataclasses.dataclass
@@ -89,6 +94,7 @@ class _Barrier:
     name: str
     deadline: float
     opened: float = 0.0
+    expected: frozenset[int] = frozenset()
     arrived: set[int] = dataclasses.field(default_factory=set)
 
 
@@ -123,10 +129,16 @@ class ReductionTable:
         *,
         on_key_reduced: Callable[[float], None] | None = None,
         on_barrier_released: Callable[[float], None] | None = None,
+        on_worker_loss: str = "abort",
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
         contribution or arrival to completion (for metrics)."""
+        if on_worker_loss not in ("abort", "continue"):
+            raise ValueError(f"on_worker_loss must be abort or continue, got {on_worker_loss!r}")
         self.world_size = world_size
+        self.on_worker_loss = on_worker_loss
+        self._joined_at: dict[int, int] = {}
+        self._high_step = -1
         self._on_key_reduced = on_key_reduced
         self._on_barrier_released = on_barrier_released
         self.chunk_elements = chunk_elements
@@ -172,9 +184,12 @@ class ReductionTable:
     # --- membership ---------------------------------------------------------------------------
 
     def worker_lost(self, worker_id: int, reason: str) -> list[Outgoing]:
-        """Fails every step in flight and refuses new keys until a replacement joins."""
+        """abort: fails every step in flight and refuses new keys until a replacement joins.
+        continue: keys go on with the survivors (see `_continue_without`)."""
         self._vacant[worker_id] = reason
         self._worker_step[worker_id] = None
+        if self.on_worker_loss == "continue":
+            return self._continue_without(worker_id, reason)
         out: list[Outgoing] = []
         for step in sorted(self.pending_steps()):
             out += self._fail_step(
@@ -183,8 +198,51 @@ class ReductionTable:
         return out
 
     def worker_joined(self, worker_id: int) -> None:
+        """A (re)joined worker takes part from the next step that has not started yet."""
         self._vacant.pop(worker_id, None)
         self._worker_step[worker_id] = None
+        if self.on_worker_loss == "continue" and self._high_step >= 0:
+            self._joined_at[worker_id] = self._high_step + 1
+
+    def _expected(self, step: int) -> frozenset[int]:
+        return frozenset(
+            w for w in range(self.world_size) if w not in self._vacant and self._joined_at.get(w, 0) <= step
+        )
+
+    def _continue_without(self, lost: int, reason: str) -> list[Outgoing]:
+        """A lost worker's complete contributions stay counted; its partial ones are dropped,
+        and keys then complete with the others, each average reporting its contributors. If a
+        chunk already averaged with the lost worker's data would be mixed with chunks averaged
+        without it, that step fails instead: no average is ever a mixture."""
+        out: list[Outgoing] = []
+        for slot in list(self._pending.values()):
+            if lost not in slot.expected or len(slot.received[lost]) == slot.num_chunks:
+                continue
+            step = slot.key.step
+            if slot.reduced:
+                out += self._fail_step(
+                    step,
+                    f"step {step} aborted: worker {lost} {reason} after part of {slot.key} was "
+                    "averaged with its data",
+                    culprit=lost,
+                )
+                continue
+            slot.expected = slot.expected - {lost}
+            for parts in slot.chunks.values():
+                self._buffered[lost] -= _nbytes(parts[lost])
+                parts[lost] = None
+            slot.received[lost].clear()
+            if not slot.expected:
+                out += self._fail_step(step, f"step {step} aborted: every contributor of {slot.key} is lost")
+                continue
+            for index in sorted(slot.chunks):
+                if slot.key.slot in self._pending and slot.chunk_complete(index):
+                    out += self._reduce(slot, index)
+        for bar in list(self._barriers.values()):
+            if lost in bar.expected and lost not in bar.arrived:
+                bar.expected = bar.expected - {lost}
+                out += self._maybe_release(bar)
+        return out
 
     # --- contributions ------------------------------------------------------------------------
 
@@ -226,6 +284,14 @@ class ReductionTable:
             slot = self._open(key, chunk.header)
         elif (mismatch := self._header_mismatch(slot, chunk)) is not None:
             return out + self._fail_step(key.step, mismatch, culprit=w, culprit_code=_INVALID, key=key)
+        if w not in slot.expected:
+            return out + self._reject(
+                w,
+                key.step,
+                _PRECONDITION,
+                key,
+                f"worker {w} is not a contributor of {key}; it (re)joined later",
+            )
         index = chunk.offset // self.chunk_elements
         if index in slot.received[w]:
             return out + self._reject(
@@ -252,7 +318,7 @@ class ReductionTable:
         parts[w] = chunk.data
         self._buffered[w] += _nbytes(chunk.data)
         self._stats_for(key.step).bytes_in += _nbytes(chunk.data)
-        if all(p is not None for p in parts):
+        if slot.chunk_complete(index):
             out += self._reduce(slot, index)
         return out
 
@@ -275,17 +341,23 @@ class ReductionTable:
         bar = self._barriers.get((step, name))
         if bar is None:
             now = self._clock()
-            bar = self._barriers[(step, name)] = _Barrier(step, name, now + self.step_timeout, now)
+            self._high_step = max(self._high_step, step)
+            bar = self._barriers[(step, name)] = _Barrier(
+                step, name, now + self.step_timeout, now, expected=self._expected(step)
+            )
         if w in bar.arrived:
             return out + self._barrier_error(w, step, name, _INVALID, f"worker {w} arrived at {what} twice")
         bar.arrived.add(w)
-        if len(bar.arrived) == self.world_size:
-            del self._barriers[(step, name)]
-            self._last_barrier[name] = step
-            if self._on_barrier_released is not None:
-                self._on_barrier_released(self._clock() - bar.opened)
-            out.append(Outgoing(self.live_workers(), BarrierReleaseOut(step, name)))
-        return out
+        return out + self._maybe_release(bar)
+
+    def _maybe_release(self, bar: _Barrier) -> list[Outgoing]:
+        if not bar.expected <= bar.arrived:
+            return []
+        del self._barriers[(bar.step, bar.name)]
+        self._last_barrier[bar.name] = bar.step
+        if self._on_barrier_released is not None:
+            self._on_barrier_released(self._clock() - bar.opened)
+        return [Outgoing(self.live_workers(), BarrierReleaseOut(bar.step, bar.name))]
 
     def shard(self, request: ShardRequestIn) -> list[Outgoing]:
         """Answers a shard request; every worker must describe the same data set and batch."""
@@ -325,7 +397,7 @@ class ReductionTable:
                 )
         for bar in list(self._barriers.values()):
             if bar.deadline <= now and (bar.step, bar.name) in self._barriers:
-                missing = ", ".join(str(w) for w in range(self.world_size) if w not in bar.arrived)
+                missing = ", ".join(str(w) for w in sorted(bar.expected - bar.arrived))
                 out += self._fail_step(
                     bar.step,
                     f"step {bar.step} barrier {bar.name!r}: worker(s) {missing} did not arrive "
@@ -351,7 +423,19 @@ class ReductionTable:
                 return []
             failure.answered.add((w, subject))
             return [self._error_to(w, step, failure.code_for(w), failure.message, subject, step_failed=True)]
-        if self._vacant:
+        joined_at = self._joined_at.get(w, 0)
+        if step < joined_at:
+            return [
+                self._error_to(
+                    w,
+                    step,
+                    _PRECONDITION,
+                    f"worker {w} sent {what}, but it rejoined during step {joined_at - 1} and takes "
+                    f"part from step {joined_at}",
+                    subject,
+                )
+            ]
+        if self._vacant and self.on_worker_loss == "abort":
             lost = ", ".join(f"worker {v} {why}" for v, why in sorted(self._vacant.items()))
             return [
                 self._error_to(
@@ -416,7 +500,9 @@ class ReductionTable:
             deadline=self._clock() + self.step_timeout,
             world_size=self.world_size,
             opened=self._clock(),
+            expected=self._expected(key.step),
         )
+        self._high_step = max(self._high_step, key.step)
         self._pending[key.slot] = slot
         return slot
 
@@ -443,11 +529,12 @@ class ReductionTable:
 
     def _reduce(self, slot: _Slot, index: int) -> list[Outgoing]:
         parts = slot.chunks[index]
-        data = [p for p in parts if p is not None]
+        contributors = sorted(slot.expected)
+        data = [parts[w] for w in contributors]
         try:
-            averaged = self._averager.average(data)
+            averaged = self._averager.average([d for d in data if d is not None])
         except NonFiniteContribution as exc:
-            culprit = exc.position
+            culprit = contributors[exc.position]
             element = index * self.chunk_elements + exc.element
             return self._fail_step(
                 slot.key.step,
@@ -470,7 +557,7 @@ class ReductionTable:
                     header=slot.header,
                     offset=index * self.chunk_elements,
                     data=averaged,
-                    num_contributors=self.world_size,
+                    num_contributors=len(contributors),
                     stats=stats,
                 ),
             )
@@ -478,7 +565,7 @@ class ReductionTable:
         if slot.reduced == slot.num_chunks:
             del self._pending[slot.key.slot]
             self._last_step[slot.key.slot] = slot.key.step
-            self.contributions_counted += self.world_size
+            self.contributions_counted += len(contributors)
             self.keys_reduced += 1
             if self._on_key_reduced is not None:
                 self._on_key_reduced(self._clock() - slot.opened)
@@ -489,7 +576,7 @@ class ReductionTable:
 
     @staticmethod
     def _global_stats(slot: _Slot) -> SampleStats:
-        stats = [s for s in slot.stats if s is not None]
+        stats = [s for w, s in enumerate(slot.stats) if s is not None and w in slot.expected]
         total = sum(s.total for s in stats)
         if total:
             loss = sum(s.loss * s.total for s in stats) / total
