@@ -32,6 +32,13 @@ from gradserver.common.rpc import EXCHANGE_METHOD, JOIN_METHOD, stream_metadata,
 _END = object()
 
 
+class StreamEnded:
+    """Put in `received` when the coordinator ended the stream with status OK."""
+
+    def __repr__(self) -> str:
+        return "StreamEnded()"
+
+
 def join(address: str, node_id: str = "raw", timeout: float = 20.0) -> tuple[grpc.Channel, JoinAccepted]:
     channel = grpc.insecure_channel(address, options=worker_channel_options())
     raw = channel.unary_unary(JOIN_METHOD)(
@@ -65,6 +72,7 @@ class RawWorker:
         try:
             for raw in self._call:
                 self.received.put(codec.decode_server_message(raw))
+            self.received.put(StreamEnded())  # type: ignore[arg-type]
         except grpc.RpcError as exc:
             self.received.put(exc)
 
