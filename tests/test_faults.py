@@ -1,0 +1,140 @@
+"""Fault matrix rows over real processes (docs/RELIABILITY.md lists every row and its test)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gradserver.common import compute_block_sizes
+from gradserver.common.errors import AbortedError, ResourceExhaustedError
+from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
+from gradserver.worker import WorkerClient
+from gradserver.worker.synthetic import SHAPES, synthetic_gradient
+
+from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
+
+HEARTBEAT = 2.0
+BLOCKS = 24
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _send_all_blocks(client: WorkerClient, step: int) -> None:
+    sizes = SHAPES["tiny"].block_sizes
+    for b in reversed(range(BLOCKS)):
+        grads = synthetic_gradient(0, step, client.worker_id, 1000 + b, sum(sizes))
+        client.send_block_gradient(step, b, BLOCKS, grads, sizes)
+
+
+@pytest.mark.processes
+def test_row1_sigkill_after_k_of_24_blocks(processes, coordinator) -> None:
+    server = coordinator(world_size=2, heartbeat_timeout=HEARTBEAT)
+    proc = processes.scripted_worker(
+        server.address, "--num-blocks", str(BLOCKS), "--send-blocks", "5", name="victim"
+    )
+    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+    try:
+        victim = int(proc.wait_for(r"JOINED worker (\d)").group(1))
+        proc.wait_for(r"STALLED worker \d step 0")
+        _send_all_blocks(client, 0)
+        for _ in range(5):  # the five blocks both sent are averaged
+            assert client.receive_averaged_block().num_contributors == 2
+        proc.kill()
+        started = time.monotonic()
+        with pytest.raises(AbortedError, match=rf"step 0 .*worker {victim} disconnected"):
+            client.receive_averaged_block()
+        assert time.monotonic() - started < HEARTBEAT + 1
+        assert _serving(server.address)
+    finally:
+        client.close()
+
+
+@pytest.mark.processes
+def test_row2_sigstopped_worker_is_evicted_and_told_after_sigcont(processes, coordinator) -> None:
+    server = coordinator(world_size=2, heartbeat_timeout=HEARTBEAT)
+    proc = processes.scripted_worker(
+        server.address, "--send-blocks", "1", "--hold", "1", "--then-receive", name="stopped"
+    )
+    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+    try:
+        stopped = int(proc.wait_for(r"JOINED worker (\d)").group(1))
+        proc.wait_for(r"STALLED")
+        proc.stop()
+        sizes = SHAPES["tiny"].block_sizes
+        client.send_block_gradient(0, 0, 2, np.ones(sum(sizes), np.float32), sizes)
+        with pytest.raises(AbortedError, match=rf"worker {stopped} lost: no message for"):
+            client.receive_averaged_block()
+        proc.resume()
+        result = proc.wait_for(r"RESULT .*", timeout=30).group(0)
+        assert "evicted" in result and "FailedPrecondition" in result
+    finally:
+        client.close()
+
+
+def test_row10_a_barrier_waiter_that_cancels_leaves_the_count_right(coordinator) -> None:
+    server = coordinator(world_size=3)
+    clients = connect_all(server.address, 3)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(clients[0].barrier, 0, "sync")
+            clients[2].close()  # the third worker gives up instead of arriving
+            with pytest.raises(AbortedError, match="worker 2"):
+                waiting.result(20)
+            replacement = pool.submit(WorkerClient.connect, server.address, timeout=TEST_TIMEOUTS).result(30)
+        everyone = [clients[0], clients[1], replacement]
+        run_each(everyone, lambda c: c.barrier(1, "sync"))  # releases only with all three
+        replacement.close()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_row11_a_flood_of_joins_and_bogus_streams_is_refused_while_work_goes_on(coordinator) -> None:
+    server = coordinator(world_size=2)
+    clients = connect_all(server.address, 2)
+    sizes = compute_block_sizes(8, 4, 16)
+    try:
+
+        def flood_join(_: int) -> str:
+            try:
+                WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS).close()
+                return "joined"
+            except ResourceExhaustedError:
+                return "refused"
+
+        def bogus_stream(i: int) -> grpc.StatusCode:
+            with grpc.insecure_channel(server.address) as channel:
+                call = channel.stream_stream(EXCHANGE_METHOD)(iter(()), metadata=stream_metadata(i % 2, 1, 1))
+                try:
+                    list(call)
+                except grpc.RpcError as exc:
+                    return exc.code()
+            return grpc.StatusCode.OK
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            joins = pool.map(flood_join, range(100))
+            streams = pool.map(bogus_stream, range(100))
+            assert _serving(server.address)
+            results = run_each(
+                clients,
+                lambda c: (
+                    c.send_block_gradient(0, 0, 1, np.ones(sum(sizes), np.float32), sizes),
+                    c.receive_averaged_block(),
+                )[1],
+            )
+            assert set(joins) == {"refused"}
+            assert set(streams) == {grpc.StatusCode.FAILED_PRECONDITION}
+        assert all(r.num_contributors == 2 for r in results)
+        assert _serving(server.address)
+    finally:
+        for c in clients:
+            c.close()
