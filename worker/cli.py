@@ -17,7 +17,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradserver.common.components import parse_non_block_component
 from gradserver.common.config import add_config_arguments, config_from_sources
@@ -26,12 +26,16 @@ from gradserver.common.logs import LOG_FORMATS, configure_logging, set_log_conte
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 
-from .backends import GradientBackend, RemoteBackend, TorchDistributedBackend
 from .client import WorkerClient
 from .metrics_log import open_metrics_log
 from .synthetic import SHAPES, ModelShape, StepReport, run_exchange
-from .trainer import StepResult
-from .training import TrainConfig, resolve_device, train
+
+if TYPE_CHECKING:
+    from .trainer import StepResult
+    from .training import TrainConfig
+
+# Training modules import torch; they are imported when a training job starts, so that the
+# `gradserver` command (and with it the coordinator) never loads torch.
 
 log = logging.getLogger("gradserver.worker")
 
@@ -133,6 +137,8 @@ class WorkerConfig:
         return dataclasses.replace(SHAPES[self.model], **overrides)
 
     def train_config(self) -> TrainConfig:
+        from .training import TrainConfig
+
         return TrainConfig(
             model=self.model,
             steps=self.steps,
@@ -185,6 +191,9 @@ def _connect(config: WorkerConfig, backend_name: str) -> WorkerClient:
 
 
 def _run_training(config: WorkerConfig) -> int:
+    from .backends import GradientBackend, RemoteBackend, TorchDistributedBackend
+    from .training import resolve_device, train
+
     train_config = config.train_config()
     device = resolve_device(train_config.device)
     backend: GradientBackend
