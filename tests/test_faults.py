@@ -138,3 +138,96 @@ def test_row11_a_flood_of_joins_and_bogus_streams_is_refused_while_work_goes_on(
     finally:
         for c in clients:
             c.close()
+
+
+@pytest.fixture
+def proxied(coordinator):
+    """A coordinator (world 2) and a FaultProxy in front of it; stopped in finally."""
+    from .helpers.proxy import FaultProxy
+
+    server = coordinator(world_size=2, heartbeat_timeout=HEARTBEAT, chunk_mib=1 / 64, max_message_mib=1.0)
+    host, port = server.address.rsplit(":", 1)
+    proxy = FaultProxy(host, int(port)).start()
+    try:
+        yield server, proxy
+    finally:
+        proxy.stop()
+
+
+def _pair(server, proxy) -> tuple[WorkerClient, WorkerClient]:
+    """One worker direct, one through the proxy (ids sorted: direct first is not guaranteed)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        direct = pool.submit(WorkerClient.connect, server.address, node_id="direct", timeout=TEST_TIMEOUTS)
+        via = pool.submit(WorkerClient.connect, proxy.address, node_id="proxied", timeout=TEST_TIMEOUTS)
+        return direct.result(30), via.result(30)
+
+
+def test_row8_sliced_and_delayed_bytes_still_average_correctly(proxied) -> None:
+    from gradserver.worker.synthetic import run_exchange
+
+    server, proxy = proxied
+    proxy.slice_bytes, proxy.delay_s = 997, 0.0005
+    direct, via = _pair(server, proxy)
+    try:
+        reports = run_each([direct, via], lambda c: run_exchange(c, SHAPES["tiny"], 2), timeout=120)
+        assert [r.checksum for r in reports[0]] == [r.checksum for r in reports[1]]
+    finally:
+        direct.close()
+        via.close()
+
+
+def test_row8_a_reset_connection_is_a_clear_error_and_nothing_counts_twice(proxied) -> None:
+    server, proxy = proxied
+    direct, via = _pair(server, proxy)
+    sizes = compute_block_sizes(8, 4, 16)
+    ones = np.ones(sum(sizes), np.float32)
+    try:
+        direct.send_block_gradient(0, 0, 2, ones, sizes)
+        via.send_block_gradient(0, 1, 2, ones, sizes)
+        proxy.reset()
+        with pytest.raises(ConnectionError):
+            via.send_block_gradient(0, 0, 2, ones, sizes)
+            via.receive_averaged_block()
+        with pytest.raises(AbortedError, match=rf"worker {via.worker_id} disconnected"):
+            direct.receive_averaged_block()
+        via.close()
+        # The reset worker comes back in its place and resends step 0: refused clearly, because
+        # step 0 was aborted; step 1 then completes with every contribution counted once.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            again = pool.submit(WorkerClient.connect, proxy.address, timeout=TEST_TIMEOUTS).result(30)
+        with pytest.raises(AbortedError, match="step 0"):
+            again.send_block_gradient(0, 1, 2, ones, sizes)
+            again.receive_averaged_block()
+        results = run_each(
+            [direct, again],
+            lambda c: (
+                c.send_block_gradient(1, 0, 1, ones * (c.worker_id + 1), sizes),
+                c.receive_averaged_block(),
+            )[1],
+        )
+        assert all(r.num_contributors == 2 for r in results)
+        np.testing.assert_array_equal(results[0].gradients, ones * 1.5)
+        again.close()
+    finally:
+        direct.close()
+        via.close()
+
+
+def test_row8_a_blackholed_worker_is_evicted_by_heartbeat(proxied) -> None:
+    server, proxy = proxied
+    direct, via = _pair(server, proxy)
+    sizes = compute_block_sizes(8, 4, 16)
+    try:
+        direct.send_block_gradient(0, 0, 1, np.ones(sum(sizes), np.float32), sizes)
+        proxy.blackhole = True
+        started = time.monotonic()
+        with pytest.raises(AbortedError, match=rf"worker {via.worker_id} lost: no message for"):
+            direct.receive_averaged_block()
+        assert time.monotonic() - started < HEARTBEAT + 2
+        with pytest.raises((ConnectionError, TimeoutError)):
+            via.send_block_gradient(0, 0, 1, np.ones(sum(sizes), np.float32), sizes)
+            via.receive_averaged_block(timeout=3)
+    finally:
+        proxy.blackhole = False
+        direct.close()
+        via.close()
