@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import sys
 import time
 
 import grpc
@@ -231,3 +233,106 @@ def test_row8_a_blackholed_worker_is_evicted_by_heartbeat(proxied) -> None:
         proxy.blackhole = False
         direct.close()
         via.close()
+
+
+@pytest.fixture
+def test_host():
+    from .helpers import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable here: {why}")
+    host = netns.TestHost.create()
+    try:
+        yield host
+    finally:
+        host.destroy()
+
+
+@pytest.mark.processes
+def test_row6_a_cut_link_is_detected_like_a_stopped_worker(processes, coordinator, test_host) -> None:
+    server = coordinator(
+        world_size=2, heartbeat_timeout=HEARTBEAT, bind=f"{test_host.host_ip}:0", insecure=True
+    )
+    remote = processes.start(
+        [
+            *test_host.prefix(),
+            sys.executable,
+            "-m",
+            "tests.helpers.scripted_worker",
+            "--coordinator",
+            server.address,
+            "--send-blocks",
+            "1",
+            "--hold",
+            "0.5",
+            "--then-receive",
+        ],
+        name="behind-the-link",
+    )
+    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+    try:
+        lost = int(remote.wait_for(r"JOINED worker (\d)").group(1))
+        remote.wait_for("STALLED")
+        test_host.cut()
+        sizes = SHAPES["tiny"].block_sizes
+        client.send_block_gradient(0, 0, 2, np.ones(sum(sizes), np.float32), sizes)
+        started = time.monotonic()
+        with pytest.raises(AbortedError, match=rf"worker {lost} lost: no message for"):
+            client.receive_averaged_block()
+        assert time.monotonic() - started < HEARTBEAT + 2
+        test_host.restore()
+        result = remote.wait_for(r"RESULT .*", timeout=40).group(0)
+        assert "evicted" in result or "UnavailableError" in result, result
+    finally:
+        test_host.restore()
+        client.close()
+
+
+@pytest.mark.processes
+def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
+    processes, coordinator, test_host
+) -> None:
+    server = coordinator(
+        world_size=2,
+        heartbeat_timeout=HEARTBEAT,
+        bind=f"{test_host.host_ip}:0",
+        insecure=True,
+        chunk_mib=0.25,
+        max_message_mib=1.0,
+    )
+    test_host.slow("20mbit")
+    remote = processes.start(
+        [
+            *test_host.prefix(),
+            sys.executable,
+            "-m",
+            "gradserver.common.cli",
+            "worker",
+            "--job",
+            "synthetic",
+            "--coordinator",
+            server.address,
+            "--model",
+            "small",
+            "--steps",
+            "1",
+            "--json",
+            "--log-level",
+            "WARNING",
+        ],
+        name="slow-link",
+    )
+    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+    try:
+        from gradserver.worker.synthetic import run_exchange
+
+        ours = run_exchange(client, SHAPES["small"], 1)
+        assert remote.wait(120) == 0, remote.output
+        theirs = json.loads(remote.wait_for(r'^\{"worker_id"').string)
+        assert theirs["steps"][0]["checksum"] == ours[0].checksum
+        assert ours[0].seconds > 1.0  # 13 MiB each way through 20 Mbit/s
+        lost = server.call(lambda s: s.metrics.registry.get_sample_value("gradserver_workers_lost_total"))
+        assert lost == 0
+    finally:
+        client.close()

@@ -18,6 +18,7 @@ class FaultProxy:
         self.blackhole = False
         self.port = 0
         self._writers: set[asyncio.StreamWriter] = set()
+        self._stopped: asyncio.Event
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
@@ -38,14 +39,17 @@ class FaultProxy:
         async def main() -> None:
             server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
             self.port = server.sockets[0].getsockname()[1]
+            self._stopped = asyncio.Event()
             self._ready.set()
             async with server:
-                await server.serve_forever()
+                await self._stopped.wait()
+            pending = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
-        try:
-            self._loop.run_until_complete(main())
-        except asyncio.CancelledError:
-            pass
+        self._loop.run_until_complete(main())
+        self._loop.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -90,6 +94,5 @@ class FaultProxy:
     def stop(self) -> None:
         self.blackhole = False
         self.reset()
-        for task in asyncio.all_tasks(self._loop):
-            self._loop.call_soon_threadsafe(task.cancel)
+        self._loop.call_soon_threadsafe(self._stopped.set)
         self._thread.join(10)
