@@ -206,12 +206,15 @@ def _dtype_from_pb(value: int, *, context: str) -> DType:
 
 
 def encode_join_request(request: JoinRequestIn) -> bytes:
-    return pb.JoinRequest(
+    msg = pb.JoinRequest(
         node_id=request.node_id,
         gpu_count=request.gpu_count,
         backend=request.backend,
         protocol_version=request.protocol_version,
-    ).SerializeToString()
+    )
+    if request.committed_step is not None:
+        msg.committed_step = request.committed_step
+    return msg.SerializeToString()
 
 
 def decode_join_request(raw: bytes) -> JoinRequestIn:
@@ -220,7 +223,8 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         raise InvalidArgumentError(
             f"JoinRequest: node_id and backend are limited to {MAX_NAME_LENGTH} characters"
         )
-    return JoinRequestIn(msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version)
+    committed = msg.committed_step if msg.HasField("committed_step") else None
+    return JoinRequestIn(msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version, committed)
 
 
 def encode_join_accepted(accepted: JoinAccepted) -> bytes:
@@ -237,6 +241,7 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         heartbeat_timeout_ms=round(accepted.heartbeat_timeout_s * 1000),
         step_timeout_ms=round(accepted.step_timeout_s * 1000),
         max_steps=accepted.max_steps,
+        resume_step=accepted.resume_step,
     ).SerializeToString()
 
 
@@ -261,6 +266,7 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         heartbeat_timeout_s=msg.heartbeat_timeout_ms / 1000,
         step_timeout_s=msg.step_timeout_ms / 1000,
         max_steps=msg.max_steps,
+        resume_step=msg.resume_step if msg.HasField("resume_step") else None,
     )
 
 

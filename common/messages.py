@@ -198,6 +198,7 @@ class JoinRequestIn:
     gpu_count: int
     backend: str
     protocol_version: int
+    committed_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,3 +217,4 @@ class JoinAccepted:
     heartbeat_timeout_s: float
     step_timeout_s: float
     max_steps: int
+    resume_step: int | None = None

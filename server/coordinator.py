@@ -308,6 +308,7 @@ class GradientServer:
                 heartbeat_timeout_s=cfg.heartbeat_timeout,
                 step_timeout_s=cfg.step_timeout,
                 max_steps=cfg.max_steps,
+                resume_step=self._membership.resume_step(),
             )
         )
 

@@ -34,6 +34,7 @@ class Member:
     last_seen: float
     streaming: bool = False
     identity: str | None = None
+    committed_step: int | None = None
 
 
 class Membership:
@@ -74,6 +75,7 @@ class Membership:
             token=secrets.randbits(64),
             last_seen=time.monotonic(),
             identity=identity,
+            committed_step=request.committed_step,
         )
         self._members[worker_id] = member
         log.info(
@@ -103,6 +105,11 @@ class Membership:
             raise
         member.last_seen = time.monotonic()
         return member
+
+    def resume_step(self) -> int | None:
+        """Where a rejoining world resumes: the fewest steps any member reported applied."""
+        reported = [m.committed_step for m in self.members() if m.committed_step is not None]
+        return min(reported) if reported else None
 
     def authenticate(self, worker_id: int, session_id: int, token: int) -> Member:
         """The member an Exchange stream speaks for; refuses strangers, old sessions, zombies."""

@@ -10,6 +10,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradserver.common import compute_block_sizes
@@ -336,3 +337,87 @@ def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
         assert lost == 0
     finally:
         client.close()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_row5_coordinator_restarted_on_the_same_port(processes, tmp_path) -> None:
+    from gradserver.worker.checkpoint import load_checkpoint
+
+    first, address = processes.coordinator("--world-size", "2", "--heartbeat-timeout", "5")
+    workers = [
+        processes.gradserver(
+            "worker",
+            "--job",
+            "train",
+            "--coordinator",
+            address,
+            "--model",
+            "tiny",
+            "--steps",
+            "12",
+            "--batch-size",
+            "2",
+            "--reconnect-timeout",
+            "60",
+            "--out",
+            str(tmp_path),
+            name=f"w{i}",
+            env={"OMP_NUM_THREADS": "1"},
+        )
+        for i in range(2)
+    ]
+    for w in workers:
+        w.wait_for(r"worker \d step 4:", timeout=120)
+    first.kill()
+    first.wait(30)
+    port = address.rsplit(":", 1)[1]
+    processes.gradserver(
+        "coordinator",
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--world-size",
+        "2",
+        "--heartbeat-timeout",
+        "5",
+        name="second",
+    )
+    for w in workers:
+        assert w.wait(240) == 0, w.output
+        assert "rejoining" in w.output
+    states = [load_checkpoint(tmp_path / f"checkpoint-rank{r}.pt") for r in range(2)]
+    assert states[0].data_position == states[1].data_position == 12
+    for name, tensor in states[0].model_state.items():
+        assert torch.equal(tensor, states[1].model_state[name]), f"{name} differs after the restart"
+
+
+def test_a_worker_ahead_after_a_restart_rolls_its_step_back() -> None:
+    from gradserver.worker.backends import LocalBackend, LocalHub
+    from gradserver.worker.corpus import TokenWindows, corpus_bytes
+    from gradserver.worker.model import CONFIGS, TransformerLM
+    from gradserver.worker.trainer import DistributedTrainer
+    from gradserver.worker.training import _rejoin
+
+    class Restartable(LocalBackend):
+        resume = 0
+
+        @property
+        def can_reconnect(self) -> bool:
+            return True
+
+        def reconnect(self, committed_step: int) -> int | None:
+            return self.resume
+
+    model = TransformerLM(CONFIGS["tiny"], seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    backend = Restartable(LocalHub(1), 0)
+    trainer = DistributedTrainer(model, backend, lr=1e-2, keep_snapshot=True)
+    data = TokenWindows(corpus_bytes(), 32)
+    trainer.train_step([data.batch([0, 1])])
+    assert trainer.step == 1
+    from gradserver.common.errors import UnavailableError
+
+    _rejoin(trainer, backend, UnavailableError("coordinator gone"))  # the others applied 0 steps
+    assert trainer.step == 0
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name

@@ -14,16 +14,25 @@ weighted by sample counts after it, so the exchange overlaps the step.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.errors import DeadlineExceededError, InternalError, InvalidArgumentError
+from gradserver.common.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from gradserver.common.sharding import step_shard
 
 from .client import WorkerClient
@@ -79,6 +88,19 @@ class GradientBackend(abc.ABC):
     def global_loss(self) -> float:
         """Σ loss·samples / Σ samples over all workers, for this step (after `finish`)."""
 
+    def commit(self, step: int) -> None:
+        """Returns once every worker holds all averages of `step`, so they apply it all or none.
+        Engines that cannot lose their coordinator need no such round."""
+        return None
+
+    @property
+    def can_reconnect(self) -> bool:
+        return False
+
+    def reconnect(self, committed_step: int) -> int | None:
+        """Joins a restarted coordinator; returns the step every worker resumes from."""
+        raise InternalError(f"the {self.name} backend cannot reconnect")
+
     def shard(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
         """The sample indices this worker trains on at `step` (interleaved, like the coordinator)."""
         ranges = step_shard(step, self.rank, self.world_size, dataset_size, batch_size)
@@ -89,11 +111,22 @@ class GradientBackend(abc.ABC):
 
 
 class RemoteBackend(GradientBackend):
+    """The coordinator, through a WorkerClient. With `connect` (a function that joins again,
+    given the steps this worker has applied) and `reconnect_timeout`, a lost coordinator is
+    rejoined with exponential backoff and full jitter."""
+
     name = "remote"
 
-    def __init__(self, client: WorkerClient) -> None:
+    def __init__(
+        self,
+        client: WorkerClient,
+        connect: Callable[[int], WorkerClient] | None = None,
+        reconnect_timeout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.client = client
+        self._connect = connect
+        self.reconnect_timeout = reconnect_timeout
         self.rank = client.worker_id
         self.world_size = client.total_workers
         self._requested: int | None = None
@@ -114,6 +147,36 @@ class RemoteBackend(GradientBackend):
                 got = self.client.receive_averaged_non_block().gradients
             out.append((item.key, torch.from_numpy(got)))
         return out
+
+    def commit(self, step: int) -> None:
+        self.client.barrier(step, "commit")
+
+    @property
+    def can_reconnect(self) -> bool:
+        return self._connect is not None and self.reconnect_timeout > 0
+
+    def reconnect(self, committed_step: int) -> int | None:
+        if self._connect is None:
+            return super().reconnect(committed_step)
+        with contextlib.suppress(Exception):
+            self.client.close()
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.2
+        while True:
+            try:
+                self.client = self._connect(committed_step)
+                break
+            except (UnavailableError, DeadlineExceededError, FailedPreconditionError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise UnavailableError(
+                        f"could not rejoin a coordinator within {self.reconnect_timeout:g} s: {exc.message}"
+                    ) from exc
+                time.sleep(random.uniform(0, delay))  # full jitter: workers do not stampede
+                delay = min(delay * 2, 5.0)
+        self.rank = self.client.worker_id
+        self.world_size = self.client.total_workers
+        self._requested = None
+        return self.client.resume_step
 
     def submit_loss(self, loss: float, samples: int) -> None:
         self.client.send_gradients(self._step, np.zeros(0, np.float32), loss, 0, samples)

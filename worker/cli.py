@@ -77,6 +77,12 @@ class WorkerConfig:
         default=False, metadata={"help": "train: continue from --out's checkpoint"}
     )
     device: str = dataclasses.field(default="auto", metadata={"help": "train: cpu, cuda, cuda:N or auto"})
+    reconnect_timeout: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            "help": "train: seconds to keep rejoining a lost coordinator (0: off); steps become all-or-none"
+        },
+    )
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of weights or synthetic gradients"})
     num_blocks: int = dataclasses.field(
         default=0, metadata={"help": "synthetic: override the preset's blocks"}
@@ -152,6 +158,7 @@ class WorkerConfig:
             resume=self.resume,
             checkpoint_every=self.checkpoint_every,
             device=self.device,
+            reconnect_timeout=self.reconnect_timeout,
         )
 
 
@@ -174,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     return _run_training(config)
 
 
-def _connect(config: WorkerConfig, backend_name: str) -> WorkerClient:
+def _connect(config: WorkerConfig, backend_name: str, committed_step: int | None = None) -> WorkerClient:
     tls = TlsFiles.load(config.tls_ca, config.tls_cert, config.tls_key, what="worker TLS")
     if tls is not None and tls.ca is None:
         raise InvalidArgumentError("--tls-cert needs --tls-ca to verify the coordinator")
@@ -187,6 +194,7 @@ def _connect(config: WorkerConfig, backend_name: str) -> WorkerClient:
         tls=tls,
         auth_token=config.auth_token,
         server_name=config.tls_server_name,
+        committed_step=committed_step,
     )
 
 
@@ -198,7 +206,11 @@ def _run_training(config: WorkerConfig) -> int:
     device = resolve_device(train_config.device)
     backend: GradientBackend
     if config.backend == "remote":
-        backend = RemoteBackend(_connect(config, device.type))
+        backend = RemoteBackend(
+            _connect(config, device.type),
+            lambda committed: _connect(config, device.type, committed),
+            config.reconnect_timeout,
+        )
     else:
         import torch.distributed as dist
 

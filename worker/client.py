@@ -89,12 +89,15 @@ class WorkerClient:
         tls: TlsFiles | None = None,
         auth_token: str = "",
         server_name: str = "",
+        committed_step: int | None = None,
     ) -> WorkerClient:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
         TLS (its `ca` verifies the coordinator; `cert` and `key` are this worker's for mutual
         TLS); `auth_token` is sent on every call; `server_name` overrides the name the
-        coordinator's certificate is checked against."""
+        coordinator's certificate is checked against. `committed_step` (steps this worker has
+        applied) is given when rejoining a restarted coordinator; `resume_step` then says where
+        every worker resumes."""
         timeouts = Timeouts.of(timeout)
         parse_address(address, what="coordinator address")
         node_id = node_id or socket.gethostname()
@@ -118,7 +121,7 @@ class WorkerClient:
                     f"cannot reach the coordinator at {address} within {timeouts.connect:g} s{hint}"
                 ) from None
             join = channel.unary_unary(JOIN_METHOD)
-            request = JoinRequestIn(node_id, gpu_count, backend, codec.PROTOCOL_VERSION)
+            request = JoinRequestIn(node_id, gpu_count, backend, codec.PROTOCOL_VERSION, committed_step)
             try:
                 raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)
             except grpc.RpcError as exc:
@@ -150,6 +153,11 @@ class WorkerClient:
     @property
     def chunk_bytes(self) -> int:
         return self._accepted.chunk_bytes
+
+    @property
+    def resume_step(self) -> int | None:
+        """After a rejoin (`committed_step` given): the step every worker resumes from."""
+        return self._accepted.resume_step
 
     @property
     def max_steps(self) -> int:

@@ -18,6 +18,7 @@ the training thread never synchronises inside the micro-batch loop.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import queue
@@ -87,6 +88,11 @@ class _Sender:
             error, self._error = self._error, None
             raise error
 
+    def reset(self) -> None:
+        """Forgets what a failed step left behind (its queued items, its error)."""
+        self._queue.join()
+        self._error = None
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5)
@@ -103,7 +109,11 @@ class DistributedTrainer:
         weight_decay: float = 0.0,
         max_grad_norm: float | None = None,
         step: int = 0,
+        keep_snapshot: bool = False,
     ) -> None:
+        """`keep_snapshot` (for rejoining a restarted coordinator) makes steps all-or-none: every
+        worker passes a commit round before applying a step, and the weights and optimizer state
+        from before the last step are kept so `rollback()` can undo it."""
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InvalidArgumentError(f"max_grad_norm must be positive, got {max_grad_norm}")
         self.model = model
@@ -111,6 +121,8 @@ class DistributedTrainer:
         self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self.step = step
+        self.keep_snapshot = keep_snapshot
+        self._snapshot: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
         cfg = model.config
         self.device = next(model.parameters()).device
         sizes = tuple(p.numel() for p in model.block_list()[0].components())
@@ -184,6 +196,8 @@ class DistributedTrainer:
         if not micro_batches:
             raise InvalidArgumentError("train_step needs at least one micro-batch")
         started = time.perf_counter()
+        if self._sender is not None:
+            self._sender.reset()
         self.accumulator.zero_all()
         self._micro_count = len(micro_batches)
         self.backend.start_step(self.step)
@@ -217,12 +231,19 @@ class DistributedTrainer:
         if self.max_grad_norm is not None:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             grad_norm = clip_by_global_norm_(grads, self.max_grad_norm)
+        if self.keep_snapshot:
+            self._snapshot = (
+                {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                copy.deepcopy(self.optimizer.state_dict()),
+            )
+            self.backend.commit(self.step)
         comm_done = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
         global_loss = self.backend.global_loss()
         result = StepResult(
-            step=self.step,
+            step=self.step - 1,
             loss=loss_value,
             global_loss=global_loss,
             tokens=tokens,
@@ -231,8 +252,17 @@ class DistributedTrainer:
             comm_s=comm_done - compute_done,
             grad_norm=float(grad_norm) if grad_norm is not None else None,
         )
-        self.step += 1
         return result
+
+    def rollback(self) -> None:
+        """Undoes the last applied step (weights, optimizer state, step count)."""
+        if self._snapshot is None:
+            raise InternalError("no snapshot to roll back to (keep_snapshot is off, or no step ran)")
+        weights, optimizer_state = self._snapshot
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(optimizer_state)
+        self._snapshot = None
+        self.step -= 1
 
     def _apply(self, averages: list[tuple[tuple[str, int], torch.Tensor]]) -> None:
         acc = self.accumulator

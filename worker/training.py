@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.errors import (
+    CoordinatorShutdownError,
+    InternalError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from gradserver.common.logs import set_log_context
 
 from .backends import GradientBackend
@@ -25,6 +31,8 @@ from .corpus import TokenWindows, corpus_bytes
 from .metrics_log import open_metrics_log
 from .model import TransformerLM, model_config
 from .trainer import DistributedTrainer, StepResult
+
+log = logging.getLogger("gradserver.worker")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +49,7 @@ class TrainConfig:
     resume: bool = False
     checkpoint_every: int = 0
     device: str = "auto"
+    reconnect_timeout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accumulation_steps"):
@@ -63,6 +72,21 @@ def resolve_device(name: str) -> torch.device:
         raise InvalidArgumentError(f"--device {name!r}: {exc}") from None
 
 
+def _rejoin(trainer: DistributedTrainer, backend: GradientBackend, lost: UnavailableError) -> None:
+    """Rejoins a (restarted) coordinator and lines this worker up with the others: a worker that
+    applied one step more than the slowest undoes it, so the step in flight counts for all or
+    none."""
+    log.warning("coordinator lost (%s); rejoining", lost.message)
+    resume = backend.reconnect(trainer.step)
+    if resume is None or resume == trainer.step:
+        return
+    if resume == trainer.step - 1:
+        trainer.rollback()
+        log.warning("rolled back step %d: not every worker applied it", resume)
+        return
+    raise InternalError(f"cannot resume at step {resume}: this worker has applied {trainer.step} steps")
+
+
 def checkpoint_path(out: str, rank: int) -> Path:
     return Path(out) / f"checkpoint-rank{rank}.pt"
 
@@ -77,7 +101,10 @@ def train(
     cfg = model_config(config.model)
     seq_len = config.seq_len or cfg.max_seq_len
     model = TransformerLM(cfg, seed=config.seed).to(device)
-    trainer = DistributedTrainer(model, backend, lr=config.lr, max_grad_norm=config.max_grad_norm or None)
+    reconnect = config.reconnect_timeout > 0 and backend.can_reconnect
+    trainer = DistributedTrainer(
+        model, backend, lr=config.lr, max_grad_norm=config.max_grad_norm or None, keep_snapshot=reconnect
+    )
     data = TokenWindows(corpus_bytes(), seq_len)
     if config.resume and config.out and checkpoint_path(config.out, backend.rank).exists():
         ckpt = load_checkpoint(checkpoint_path(config.out, backend.rank))
@@ -90,14 +117,21 @@ def train(
     results = []
     per_worker = config.batch_size * config.accumulation_steps
     try:
-        for step in range(trainer.step, config.steps):
+        while trainer.step < config.steps:
+            step = trainer.step
             set_log_context(step=step)
-            indices = backend.shard(step, data.num_samples, per_worker)
-            micro = [
-                data.batch(indices[i * config.batch_size : (i + 1) * config.batch_size])
-                for i in range(config.accumulation_steps)
-            ]
-            result = trainer.train_step(micro)
+            try:
+                indices = backend.shard(step, data.num_samples, per_worker)
+                micro = [
+                    data.batch(indices[i * config.batch_size : (i + 1) * config.batch_size])
+                    for i in range(config.accumulation_steps)
+                ]
+                result = trainer.train_step(micro)
+            except UnavailableError as exc:
+                if not reconnect or isinstance(exc, CoordinatorShutdownError):
+                    raise
+                _rejoin(trainer, backend, exc)
+                continue
             results.append(result)
             if metrics is not None:
                 entry = {
