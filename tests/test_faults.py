@@ -342,31 +342,10 @@ def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_row5_coordinator_restarted_on_the_same_port(processes, tmp_path) -> None:
-    from gradserver.worker.checkpoint import load_checkpoint
+    from .helpers.training import assert_identical_checkpoints, train_workers
 
     first, address = processes.coordinator("--world-size", "2", "--heartbeat-timeout", "5")
-    workers = [
-        processes.gradserver(
-            "worker",
-            "--job",
-            "train",
-            "--coordinator",
-            address,
-            "--model",
-            "tiny",
-            "--steps",
-            "12",
-            "--batch-size",
-            "2",
-            "--reconnect-timeout",
-            "60",
-            "--out",
-            str(tmp_path),
-            name=f"w{i}",
-            env={"OMP_NUM_THREADS": "1"},
-        )
-        for i in range(2)
-    ]
+    workers = train_workers(processes, address, 2, tmp_path, "--reconnect-timeout", "60", steps=12)
     for w in workers:
         w.wait_for(r"worker \d step 4:", timeout=120)
     first.kill()
@@ -385,10 +364,8 @@ def test_row5_coordinator_restarted_on_the_same_port(processes, tmp_path) -> Non
     for w in workers:
         assert w.wait(240) == 0, w.output
         assert "rejoining" in w.output
-    states = [load_checkpoint(tmp_path / f"checkpoint-rank{r}.pt") for r in range(2)]
+    states = assert_identical_checkpoints(tmp_path, 2)
     assert states[0].data_position == states[1].data_position == 12
-    for name, tensor in states[0].model_state.items():
-        assert torch.equal(tensor, states[1].model_state[name]), f"{name} differs after the restart"
 
 
 def test_a_worker_ahead_after_a_restart_rolls_its_step_back() -> None:

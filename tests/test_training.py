@@ -14,6 +14,7 @@ from gradserver.worker.checkpoint import load_checkpoint
 from gradserver.worker.training import TrainConfig, train
 
 from .helpers.server import connect_all, run_each
+from .helpers.training import assert_identical_checkpoints, train_workers
 
 
 def _train_remote(
@@ -47,34 +48,12 @@ def test_two_workers_match_one_worker_with_twice_the_batch(coordinator, tmp_path
 def test_three_worker_processes_end_with_bit_identical_weights(processes, tmp_path: Path) -> None:
     """C-DDP-001, through the real CLIs."""
     coord, address = processes.coordinator("--world-size", "3", "--max-steps", "4")
-    workers = [
-        processes.gradserver(
-            "worker",
-            "--job",
-            "train",
-            "--coordinator",
-            address,
-            "--model",
-            "tiny",
-            "--steps",
-            "4",
-            "--batch-size",
-            "2",
-            "--out",
-            str(tmp_path),
-            name=f"w{i}",
-            env={"OMP_NUM_THREADS": "1"},
-        )
-        for i in range(3)
-    ]
+    workers = train_workers(processes, address, 3, tmp_path, steps=4)
     for w in workers:
         assert w.wait(240) == 0, w.output
     assert coord.wait(60) == 0, coord.output
-    states = [load_checkpoint(tmp_path / f"checkpoint-rank{r}.pt") for r in range(3)]
+    states = assert_identical_checkpoints(tmp_path, 3)
     assert {s.step for s in states} == {3}
-    for name, tensor in states[0].model_state.items():
-        for other in states[1:]:
-            assert torch.equal(tensor, other.model_state[name]), f"{name} differs between workers"
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sorted((e["worker_id"], e["step"]) for e in lines) == [(w, s) for w in range(3) for s in range(4)]
     by_step = {}
