@@ -31,6 +31,7 @@ from gradserver.common.errors import (
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
+    ResourceExhaustedError,
     UnavailableError,
 )
 from gradserver.common.sharding import step_shard
@@ -166,7 +167,14 @@ class RemoteBackend(GradientBackend):
             try:
                 self.client = self._connect(committed_step)
                 break
-            except (UnavailableError, DeadlineExceededError, FailedPreconditionError) as exc:
+            # RESOURCE_EXHAUSTED: the coordinator still holds this worker's old place until its
+            # heartbeat timeout frees it.
+            except (
+                UnavailableError,
+                DeadlineExceededError,
+                FailedPreconditionError,
+                ResourceExhaustedError,
+            ) as exc:
                 if time.monotonic() + delay > deadline:
                     raise UnavailableError(
                         f"could not rejoin a coordinator within {self.reconnect_timeout:g} s: {exc.message}"
