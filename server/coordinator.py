@@ -345,16 +345,17 @@ class GradientServer:
             cancelled = False
         finally:
             reader.cancel()
-            if cancelled:
+            left = not cancelled and status is None and stream.said_goodbye
+            if left:
+                why = "left the job"
+            elif cancelled:
                 why = "disconnected (its stream was cancelled)"
             elif status is not None:
                 why = status[1]
-            elif stream.said_goodbye:
-                why = "left the job"
             else:
                 why = "disconnected (its stream ended without a goodbye)"
-            if self._membership.remove(member, why, expected=why == "left the job"):
-                self._worker_gone(member.worker_id, why, lost=why != "left the job")
+            if self._membership.remove(member, why, expected=left):
+                self._worker_gone(member.worker_id, why, lost=not left)
             stream.outbound.put_nowait(_STOP)
             try:
                 await asyncio.wait_for(writer, timeout=self.config.drain_timeout)
@@ -433,10 +434,7 @@ class GradientServer:
                     return
             except GradServerError as exc:
                 log.info("rejected message: %s", exc.message, extra={"worker_id": w, "step": exc.step})
-                self.metrics.errors.labels(exc.code.name).inc()
-                stream.send(
-                    codec.encode_server_event(ErrorOut(int(exc.code.value[0]), exc.message, exc.step or 0))
-                )
+                self._send_error(stream, exc.code, exc.message, exc.step or 0)
 
     def _handle(self, stream: _WorkerStream, event: WorkerEvent) -> bool:
         """Dispatches one decoded message; True when the worker announced that it leaves."""
@@ -473,11 +471,7 @@ class GradientServer:
             f"step {step} refused: the coordinator ran its --max-steps {self.config.max_steps} "
             f"steps (last step {self._final_step})"
         )
-        stream.send(
-            codec.encode_server_event(
-                ErrorOut(int(grpc.StatusCode.FAILED_PRECONDITION.value[0]), message, step)
-            )
-        )
+        self._send_error(stream, grpc.StatusCode.FAILED_PRECONDITION, message, step)
         self.request_stop(f"reached --max-steps {self.config.max_steps}")
         return True
 
@@ -504,6 +498,11 @@ class GradientServer:
             finally:
                 stream.outbound_bytes -= len(item)
                 self._wake_readers()
+
+    def _send_error(self, stream: _WorkerStream, code: grpc.StatusCode, message: str, step: int) -> None:
+        """An in-stream error about one message of this worker (counted in the metrics)."""
+        self.metrics.errors.labels(code.name).inc()
+        stream.send(codec.encode_server_event(ErrorOut(int(code.value[0]), message, step)))
 
     def _over_budget(self, stream: _WorkerStream) -> bool:
         held = self._table.buffered_bytes(stream.member.worker_id) + stream.outbound_bytes

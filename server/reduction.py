@@ -330,11 +330,11 @@ class ReductionTable:
             return rejected
         last = self._last_barrier.get(name)
         if last is not None and step <= last:
-            return self._barrier_error(
+            return self._reject(
                 w,
                 step,
-                name,
                 _PRECONDITION,
+                name,
                 f"worker {w} arrived at {what}, but barrier {name!r} was already released at step {last}",
             )
         out = self._advance_worker(w, step)
@@ -346,7 +346,7 @@ class ReductionTable:
                 step, name, now + self.step_timeout, now, expected=self._expected(step)
             )
         if w in bar.arrived:
-            return out + self._barrier_error(w, step, name, _INVALID, f"worker {w} arrived at {what} twice")
+            return out + self._reject(w, step, _INVALID, name, f"worker {w} arrived at {what} twice")
         bar.arrived.add(w)
         return out + self._maybe_release(bar)
 
@@ -621,16 +621,11 @@ class ReductionTable:
         return out
 
     def _reject(
-        self, w: int, step: int, code: grpc.StatusCode, key: TensorKey, message: str
+        self, w: int, step: int, code: grpc.StatusCode, subject: TensorKey | str, message: str
     ) -> list[Outgoing]:
+        """Refuses one message (about a key, or a barrier name) to its sender only."""
         log.info("rejected: %s", message, extra={"step": step, "worker_id": w})
-        return [self._error_to(w, step, code, message, key)]
-
-    def _barrier_error(
-        self, w: int, step: int, name: str, code: grpc.StatusCode, message: str
-    ) -> list[Outgoing]:
-        log.info("rejected: %s", message, extra={"step": step, "worker_id": w})
-        return [self._error_to(w, step, code, message, name)]
+        return [self._error_to(w, step, code, message, subject)]
 
     @staticmethod
     def _error_to(

@@ -242,9 +242,10 @@ def _run_processes(args: argparse.Namespace, extra: list[str], progress: _Progre
                 )
                 for i, argv in enumerate(worker_argvs)
             ]
+            coordinators = list(procs)  # waited for last: it exits once the workers are done
             procs.extend(workers)
             failed = 0
-            for proc in [*workers, *procs[: len(procs) - len(workers)]]:
+            for proc in [*workers, *coordinators]:
                 try:
                     code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
