@@ -46,6 +46,7 @@ from .messages import (
 
 PROTOCOL_VERSION = 1
 MAX_NAME_LENGTH = 256
+MAX_FINGERPRINT_FIELDS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +215,7 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
     )
     if request.committed_step is not None:
         msg.committed_step = request.committed_step
+    msg.job_fingerprint.update(request.fingerprint)
     return msg.SerializeToString()
 
 
@@ -224,7 +226,17 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
             f"JoinRequest: node_id and backend are limited to {MAX_NAME_LENGTH} characters"
         )
     committed = msg.committed_step if msg.HasField("committed_step") else None
-    return JoinRequestIn(msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version, committed)
+    fingerprint = dict(msg.job_fingerprint)
+    if len(fingerprint) > MAX_FINGERPRINT_FIELDS or any(
+        len(k) > MAX_NAME_LENGTH or len(v) > MAX_NAME_LENGTH for k, v in fingerprint.items()
+    ):
+        raise InvalidArgumentError(
+            f"JoinRequest from node {msg.node_id!r}: job_fingerprint is limited to "
+            f"{MAX_FINGERPRINT_FIELDS} fields of at most {MAX_NAME_LENGTH} characters each"
+        )
+    return JoinRequestIn(
+        msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version, committed, fingerprint
+    )
 
 
 def encode_join_accepted(accepted: JoinAccepted) -> bytes:
@@ -242,6 +254,7 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         step_timeout_ms=round(accepted.step_timeout_s * 1000),
         max_steps=accepted.max_steps,
         resume_step=accepted.resume_step,
+        local_workers=accepted.local_workers,
     ).SerializeToString()
 
 
@@ -267,6 +280,7 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         step_timeout_s=msg.step_timeout_ms / 1000,
         max_steps=msg.max_steps,
         resume_step=msg.resume_step if msg.HasField("resume_step") else None,
+        local_workers=max(1, msg.local_workers),
     )
 
 

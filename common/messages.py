@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 
 from .components import NonBlockComponent
 
@@ -199,6 +200,7 @@ class JoinRequestIn:
     backend: str
     protocol_version: int
     committed_step: int | None = None
+    fingerprint: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,3 +220,4 @@ class JoinAccepted:
     step_timeout_s: float
     max_steps: int
     resume_step: int | None = None
+    local_workers: int = 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -90,6 +91,7 @@ class WorkerClient:
         auth_token: str = "",
         server_name: str = "",
         committed_step: int | None = None,
+        fingerprint: Mapping[str, str] | None = None,
     ) -> WorkerClient:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
@@ -97,7 +99,9 @@ class WorkerClient:
         TLS); `auth_token` is sent on every call; `server_name` overrides the name the
         coordinator's certificate is checked against. `committed_step` (steps this worker has
         applied) is given when rejoining a restarted coordinator; `resume_step` then says where
-        every worker resumes."""
+        every worker resumes. `fingerprint` maps each setting that must agree across the job's
+        workers to its value: the coordinator refuses a joiner whose map differs from the
+        first joiner's, naming the fields."""
         timeouts = Timeouts.of(timeout)
         parse_address(address, what="coordinator address")
         node_id = node_id or socket.gethostname()
@@ -121,7 +125,9 @@ class WorkerClient:
                     f"cannot reach the coordinator at {address} within {timeouts.connect:g} s{hint}"
                 ) from None
             join = channel.unary_unary(JOIN_METHOD)
-            request = JoinRequestIn(node_id, gpu_count, backend, codec.PROTOCOL_VERSION, committed_step)
+            request = JoinRequestIn(
+                node_id, gpu_count, backend, codec.PROTOCOL_VERSION, committed_step, dict(fingerprint or {})
+            )
             try:
                 raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)
             except grpc.RpcError as exc:
@@ -158,6 +164,11 @@ class WorkerClient:
     def resume_step(self) -> int | None:
         """After a rejoin (`committed_step` given): the step every worker resumes from."""
         return self._accepted.resume_step
+
+    @property
+    def local_workers(self) -> int:
+        """How many of the job's workers joined from this worker's host (itself included)."""
+        return self._accepted.local_workers
 
     @property
     def max_steps(self) -> int:
