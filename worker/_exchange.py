@@ -6,15 +6,19 @@ receiver thread reads every message as it arrives and assembles averaged chunks 
 the result arrays, so a worker may send all its keys before reading any result without blocking
 the coordinator. Waits are bounded by the `Timeouts` value; a broken stream or a failed step wakes
 every waiter with the error that explains it.
+
+Errors are kept as `ErrorRecord`s (what was said), never as exception objects: an exception raised
+again from storage grows its traceback on every raise, and the frames in it keep the gradient
+arrays of the failed calls alive. Each call that reports a stored error raises a fresh exception.
+Closing or breaking the stream always ends the request iterator, so gRPC's sending thread and the
+stream's arrays do not outlive it.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,9 +59,77 @@ from gradserver.common.timeouts import Timeouts
 
 log = logging.getLogger("gradserver.worker")
 
-_END = object()
 _FAILED_STEPS_KEPT = 64
 _OUTBOUND_MESSAGES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorRecord:
+    """What an error said (class, message, step, key, worker), to raise afresh on every call."""
+
+    kind: type[GradServerError]
+    message: str
+    step: int | None = None
+    key: str | None = None
+    worker_id: int | None = None
+
+    @classmethod
+    def of(cls, error: GradServerError) -> ErrorRecord:
+        return cls(type(error), error.message, error.step, error.key, error.worker_id)
+
+    def exception(self) -> GradServerError:
+        return self.kind(self.message, step=self.step, key=self.key, worker_id=self.worker_id)
+
+
+class _Outbound:
+    """The bounded hand-off from senders to gRPC's request iterator.
+
+    `end()` lets the iterator finish once what is queued has been sent; `abort()` drops what is
+    queued and ends it at once. Both wake every waiter: gRPC's thread blocked in `get()` returns,
+    and senders waiting for room see the stream's fate instead of waiting out their deadline.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self._cond = threading.Condition()
+        self._items: collections.deque[bytes] = collections.deque()
+        self._maxsize = maxsize
+        self._ended = False
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def put(self, item: bytes, timeout: float) -> bool:
+        """Queues `item`, waiting up to `timeout` s for room; False if not queued (full or ended)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ended or len(self._items) < self._maxsize, timeout)
+            if self._ended or len(self._items) >= self._maxsize:
+                return False
+            self._items.append(item)
+            self._cond.notify_all()
+            return True
+
+    def get(self) -> bytes | None:
+        """The next message, or None once ended. Unbounded on purpose: the stream lives as long as
+        the worker wants it, and `ExchangeStream.close` and `_break` always end it."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._items) or self._ended)
+            if not self._items:
+                return None
+            item = self._items.popleft()
+            self._cond.notify_all()
+            return item
+
+    def end(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._items.clear()
+            self._cond.notify_all()
 
 
 @dataclasses.dataclass
@@ -71,7 +143,7 @@ class PendingResult:
     offsets: set[int] = dataclasses.field(default_factory=set)
     num_contributors: int = 0
     stats: SampleStats | None = None
-    error: GradServerError | None = None
+    error: ErrorRecord | None = None
 
     @property
     def done(self) -> bool:
@@ -81,7 +153,7 @@ class PendingResult:
 @dataclasses.dataclass
 class _PendingBarrier:
     released: bool = False
-    error: GradServerError | None = None
+    error: ErrorRecord | None = None
 
 
 class ExchangeStream:
@@ -95,12 +167,12 @@ class ExchangeStream:
         self.accepted = accepted
         self.timeouts = timeouts
         self._cond = threading.Condition()
-        self._outbound: queue.Queue[bytes | object] = queue.Queue(maxsize=_OUTBOUND_MESSAGES)
+        self._outbound = _Outbound(_OUTBOUND_MESSAGES)
         self._results: dict[TensorKey, PendingResult] = {}
         self._barriers: dict[tuple[int, str], _PendingBarrier] = {}
-        self._shards: collections.deque[ShardAssignmentOut | GradServerError] = collections.deque()
-        self._failed_steps: collections.OrderedDict[int, GradServerError] = collections.OrderedDict()
-        self._broken: GradServerError | None = None
+        self._shards: collections.deque[ShardAssignmentOut | ErrorRecord] = collections.deque()
+        self._failed_steps: collections.OrderedDict[int, ErrorRecord] = collections.OrderedDict()
+        self._broken: ErrorRecord | None = None
         self._closing = False
         self.shutdown_reason: str | None = None
         self.last_ack = time.monotonic()
@@ -121,33 +193,26 @@ class ExchangeStream:
     # --- sending ------------------------------------------------------------------------------
 
     def _requests(self) -> Iterator[bytes]:
-        while True:
-            item = self._outbound.get()
-            if item is _END:
-                return
-            assert isinstance(item, bytes)
+        while (item := self._outbound.get()) is not None:
             yield item
 
     def send(self, event: WorkerEvent) -> None:
         """Queues one message; waits (bounded by timeouts.send) while the transport is full."""
         self.raise_if_broken()
         raw = codec.encode_worker_event(event)
-        deadline = time.monotonic() + self.timeouts.send
-        while True:
-            try:
-                self._outbound.put(raw, timeout=0.25)
-                return
-            except queue.Full:
-                self.raise_if_broken()
-                if time.monotonic() >= deadline:
-                    raise DeadlineExceededError(
-                        f"could not send within {self.timeouts.send:g} s: the coordinator is not "
-                        "reading this worker's stream"
-                    ) from None
+        if self._outbound.put(raw, self.timeouts.send):
+            return
+        self.raise_if_broken()
+        if self._outbound.ended:
+            raise UnavailableError("the stream to the coordinator is closed")
+        raise DeadlineExceededError(
+            f"could not send within {self.timeouts.send:g} s: the coordinator is not "
+            "reading this worker's stream"
+        )
 
     def raise_if_broken(self) -> None:
         if self._broken is not None:
-            raise self._broken
+            raise self._broken.exception()
         if self.shutdown_reason is not None:
             raise CoordinatorShutdownError(f"the coordinator is shutting down: {self.shutdown_reason}")
 
@@ -177,6 +242,15 @@ class ExchangeStream:
         with self._cond:
             self._results.pop(key, None)
 
+    def awaiting(self, key: TensorKey) -> bool:
+        """Whether `key` is still registered (a receive for it timed out locally and may retry)."""
+        with self._cond:
+            return key in self._results
+
+    def step_failed(self, step: int) -> bool:
+        with self._cond:
+            return step in self._failed_steps
+
     def expect_barrier(self, step: int, name: str) -> _PendingBarrier:
         with self._cond:
             bar = self._barriers[(step, name)] = _PendingBarrier()
@@ -200,22 +274,30 @@ class ExchangeStream:
         deadline = time.monotonic() + limit
         while not ready():
             if self._broken is not None:
-                raise self._broken
+                raise self._broken.exception()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceededError(f"{what} within {limit:g} s", step=step)
             self._cond.wait(remaining)
 
     def wait_result(self, key: TensorKey, timeout: float | None = None) -> PendingResult:
-        """Blocks until the average of `key` is complete; raises its error or a timeout."""
+        """Blocks until the average of `key` is complete; raises its error, its step's failure or
+        a timeout. After a local timeout `key` stays registered (see `awaiting`)."""
         with self._cond:
             pending = self._results[key]
             self._wait(
-                lambda: pending.done or pending.error is not None, timeout, f"no average for {key}", key.step
+                lambda: pending.done or pending.error is not None or key.step in self._failed_steps,
+                timeout,
+                f"no average for {key}",
+                key.step,
             )
             del self._results[key]
-        if pending.error is not None:
-            raise pending.error
+            # An average that arrived before its step failed is void too: every worker drops the
+            # whole step, so none applies part of it. The step's failure names the original
+            # culprit, where a later refusal of this key would not.
+            error = self._failed_steps.get(key.step) or pending.error
+        if error is not None:
+            raise error.exception()
         return pending
 
     def wait_barrier(self, step: int, name: str, bar: _PendingBarrier, timeout: float | None) -> None:
@@ -230,14 +312,14 @@ class ExchangeStream:
             finally:
                 self._barriers.pop((step, name), None)
         if bar.error is not None:
-            raise bar.error
+            raise bar.error.exception()
 
     def wait_shard(self, timeout: float | None) -> ShardAssignmentOut:
         with self._cond:
             self._wait(lambda: bool(self._shards), timeout, "no shard assignment")
             item = self._shards.popleft()
-        if isinstance(item, GradServerError):
-            raise item
+        if isinstance(item, ErrorRecord):
+            raise item.exception()
         return item
 
     # --- receiving ----------------------------------------------------------------------------
@@ -265,9 +347,11 @@ class ExchangeStream:
     def _break(self, error: GradServerError) -> None:
         with self._cond:
             if self._broken is None:
-                self._broken = error
+                self._broken = ErrorRecord.of(error)
             self._cond.notify_all()
         self._stop_heartbeat.set()
+        # The call is over: end the request iterator so that gRPC's sending thread returns.
+        self._outbound.abort()
 
     def _on_event(self, event: ServerEvent) -> None:
         if isinstance(event, AveragedChunkOut):
@@ -296,15 +380,18 @@ class ExchangeStream:
             return  # a key this worker gave up on (timeout, failed step): nothing to fill
         length = len(event.data) // 4
         end = event.offset + length
-        error: GradServerError | None = None
+        error: ErrorRecord | None = None
         if (
             event.header.total_elements != pending.array.size
             or event.header.component_sizes != pending.component_sizes
             or end > pending.array.size
         ):
-            error = InternalError(
+            error = ErrorRecord(
+                InternalError,
                 f"coordinator sent an average for {event.key} that does not match what this "
-                f"worker sent ({event.header.total_elements} elements at offset {event.offset})"
+                f"worker sent ({event.header.total_elements} elements at offset {event.offset})",
+                step=event.key.step,
+                key=str(event.key),
             )
         else:
             pending.array[event.offset : end] = np.frombuffer(event.data, dtype="<f4")
@@ -320,16 +407,19 @@ class ExchangeStream:
 
     def _on_error(self, event: ErrorOut) -> None:
         """Routes an in-stream error to what it is about (called with the lock held)."""
-        error = error_from_status(
+        exc = error_from_status(
             status_code_from_value(event.code),
             event.message,
             step=event.step,
             key=str(event.key) if event.key is not None else None,
             worker_id=event.culprit_worker_id,
         )
-        log.warning("coordinator: %s", error)
+        log.warning("coordinator: %s", exc)
+        error = ErrorRecord.of(exc)
         if event.step_failed:
-            self._failed_steps[event.step] = error
+            # The first report says why the step failed and who caused it; later refusals of
+            # this step's messages repeat it about their own key.
+            error = self._failed_steps.setdefault(event.step, error)
             while len(self._failed_steps) > _FAILED_STEPS_KEPT:
                 self._failed_steps.popitem(last=False)
             for pending in self._results.values():
@@ -340,7 +430,7 @@ class ExchangeStream:
                     bar.error = error
         elif event.key is not None:
             target = self._results.get(event.key)
-            if target is not None and not target.done:
+            if target is not None and not target.done and target.error is None:
                 target.error = error
         elif event.barrier_name is not None:
             refused = self._barriers.get((event.step, event.barrier_name))
@@ -365,25 +455,28 @@ class ExchangeStream:
             raw = codec.encode_worker_event(HeartbeatIn(self.accepted.worker_id, sequence))
             # A full queue means chunks are flowing or the coordinator is holding this worker
             # back on purpose; either way a heartbeat would add nothing.
-            with contextlib.suppress(queue.Full):
-                self._outbound.put_nowait(raw)
+            self._outbound.put(raw, timeout=0)
 
     def close(self) -> None:
-        """Says goodbye, half-closes the stream and waits (bounded) for the coordinator's end."""
+        """Says goodbye, half-closes the stream and waits (bounded) for the coordinator's end.
+        Whatever state the stream is in, the request iterator ends, the helper threads stop and
+        the arrays registered on the stream are released."""
         if self._closing:
             return
         self._closing = True
         self._stop_heartbeat.set()
         if self._broken is None:
-            try:
-                self._outbound.put(
-                    codec.encode_worker_event(LeaveIn("worker closed")), timeout=self.timeouts.close
-                )
-                self._outbound.put(_END, timeout=self.timeouts.close)
-            except queue.Full:
-                pass
+            self._outbound.put(
+                codec.encode_worker_event(LeaveIn("worker closed")), timeout=self.timeouts.close
+            )
+        self._outbound.end()
         self._receiver.join(self.timeouts.close)
         if self._receiver.is_alive():
             self._call.cancel()
             self._receiver.join(self.timeouts.close)
         self._break(UnavailableError("the client was closed"))
+        self._heartbeat.join(self.timeouts.close)
+        with self._cond:
+            self._results.clear()
+            self._barriers.clear()
+            self._shards.clear()

@@ -283,7 +283,9 @@ class TorchDistributedBackend(GradientBackend):
     name = "torch.distributed"
     needs_host = False
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        """`device`: where the loss is reduced when a step submitted no gradient (default: the
+        current CUDA device on an NCCL group, else the CPU); otherwise the gradients' device."""
         import torch.distributed as dist
 
         super().__init__()
@@ -294,8 +296,14 @@ class TorchDistributedBackend(GradientBackend):
         self.world_size = dist.get_world_size()
         self._works: list[Any] = []
         self._loss = 0.0
+        self.device = torch.device(device) if device is not None else self._default_device()
         self._pair = torch.zeros(2, dtype=torch.float64)
         self._loss_work: Any = None
+
+    def _default_device(self) -> torch.device:
+        if "nccl" in str(self._dist.get_backend()) and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def start_step(self, step: int) -> None:
         super().start_step(step)
@@ -313,8 +321,17 @@ class TorchDistributedBackend(GradientBackend):
 
     def submit_loss(self, loss: float, samples: int) -> None:
         self._loss = loss
-        self._pair = torch.tensor([loss * samples, float(samples)], dtype=torch.float64)
+        # On the gradients' device: NCCL reduces only device tensors, and a CPU tensor on an
+        # NCCL group fails the step. float64 where the device has it (NCCL does), else float32.
+        device = self._loss_device()
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        self._pair = torch.tensor([loss * samples, float(samples)], dtype=dtype, device=device)
         self._loss_work = self._dist.all_reduce(self._pair, async_op=True)
+
+    def _loss_device(self) -> torch.device:
+        if self._submitted:
+            return self._submitted[-1].tensor.device
+        return self.device
 
     def global_loss(self) -> float:
         self._loss_work.wait()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,6 @@ from gradserver.common.components import (
 )
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
-    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     UnavailableError,
@@ -55,6 +55,41 @@ from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAs
 from .tensors import as_float32_array
 
 log = logging.getLogger("gradserver.worker")
+
+# Progress while reaching the coordinator: a line every fifth of the connect timeout, within
+# these bounds, so a long wait says what it is doing and a short one stays quiet enough.
+_PROGRESS_MIN_S = 0.1
+_PROGRESS_MAX_S = 5.0
+
+
+def _wait_until_reachable(channel: grpc.Channel, address: str, limit: float, hint: str) -> None:
+    """Waits (at most `limit` s) until the channel connects, logging progress now and then;
+    raises UnavailableError naming the address and how long it was tried."""
+    ready = grpc.channel_ready_future(channel)
+    interval = min(_PROGRESS_MAX_S, max(_PROGRESS_MIN_S, limit / 5))
+    started = time.monotonic()
+    try:
+        while True:
+            remaining = started + limit - time.monotonic()
+            if remaining <= 0:
+                raise UnavailableError(
+                    f"cannot reach the coordinator at {address}: tried for {limit:g} s "
+                    f"(the connect timeout){hint}"
+                )
+            try:
+                ready.result(timeout=min(interval, remaining))
+                return
+            except grpc.FutureTimeoutError:
+                elapsed = time.monotonic() - started
+                if elapsed < limit:
+                    log.info(
+                        "still trying to reach the coordinator at %s (%.1f s of %g s)",
+                        address,
+                        elapsed,
+                        limit,
+                    )
+    finally:
+        ready.cancel()
 
 
 class WorkerClient:
@@ -117,13 +152,8 @@ class WorkerClient:
             channel = grpc.insecure_channel(address, options=options)
         metadata = bearer_metadata(auth_token)
         try:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=timeouts.connect)
-            except grpc.FutureTimeoutError:
-                hint = " (a TLS handshake may have failed: check --tls-ca and certificates)" if tls else ""
-                raise UnavailableError(
-                    f"cannot reach the coordinator at {address} within {timeouts.connect:g} s{hint}"
-                ) from None
+            hint = " (a TLS handshake may have failed: check --tls-ca and certificates)" if tls else ""
+            _wait_until_reachable(channel, address, timeouts.connect, hint)
             join = channel.unary_unary(JOIN_METHOD)
             request = JoinRequestIn(
                 node_id, gpu_count, backend, codec.PROTOCOL_VERSION, committed_step, dict(fingerprint or {})
@@ -372,10 +402,22 @@ class WorkerClient:
         key = sent[0]
         try:
             result = self._stream.wait_result(key, timeout)
-        except DeadlineExceededError:
-            raise  # the key stays first in line: a later receive keeps waiting for it
         except BaseException:
-            sent.popleft()
+            # A local timeout (or a broken stream) leaves the key first in line: a later receive
+            # keeps waiting for it. An error about the key settles it.
+            if not self._stream.awaiting(key):
+                self._settle(sent, key)
             raise
         sent.popleft()
         return key, result
+
+    def _settle(self, sent: collections.deque[TensorKey], key: TensorKey) -> None:
+        """Takes `key` out of line after its receive raised. When its whole step failed, this
+        kind's other keys of that step go too: the caller has been told the step is void, and
+        they must not stand before the next step's keys (each kind reports a failed step once)."""
+        if not self._stream.step_failed(key.step):
+            sent.remove(key)
+            return
+        for stale in [k for k in sent if k.step == key.step]:
+            sent.remove(stale)
+            self._stream.forget(stale)
