@@ -22,6 +22,10 @@ from gradserver.worker.synthetic import SHAPES, synthetic_gradient
 from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
 
 HEARTBEAT = 2.0
+# A loss must be detected by the heartbeat or the connection, not by the step timeout: bounds
+# allow this much beyond the heartbeat timeout (a loaded machine), far below STEP_TIMEOUT.
+MARGIN = 10.0
+STEP_TIMEOUT = 120.0
 BLOCKS = 24
 
 
@@ -40,7 +44,7 @@ def _send_all_blocks(client: WorkerClient, step: int) -> None:
 
 @pytest.mark.processes
 def test_row1_sigkill_after_k_of_24_blocks(processes, coordinator) -> None:
-    server = coordinator(world_size=2, heartbeat_timeout=HEARTBEAT)
+    server = coordinator(world_size=2, heartbeat_timeout=HEARTBEAT, step_timeout=STEP_TIMEOUT)
     proc = processes.scripted_worker(
         server.address, "--num-blocks", str(BLOCKS), "--send-blocks", "5", name="victim"
     )
@@ -55,7 +59,7 @@ def test_row1_sigkill_after_k_of_24_blocks(processes, coordinator) -> None:
         started = time.monotonic()
         with pytest.raises(AbortedError, match=rf"step 0 .*worker {victim} disconnected"):
             client.receive_averaged_block()
-        assert time.monotonic() - started < HEARTBEAT + 1
+        assert time.monotonic() - started < HEARTBEAT + MARGIN
         assert _serving(server.address)
     finally:
         client.close()
@@ -148,7 +152,13 @@ def proxied(coordinator):
     """A coordinator (world 2) and a FaultProxy in front of it; stopped in finally."""
     from .helpers.proxy import FaultProxy
 
-    server = coordinator(world_size=2, heartbeat_timeout=HEARTBEAT, chunk_mib=1 / 64, max_message_mib=1.0)
+    server = coordinator(
+        world_size=2,
+        heartbeat_timeout=HEARTBEAT,
+        step_timeout=STEP_TIMEOUT,
+        chunk_mib=1 / 64,
+        max_message_mib=1.0,
+    )
     host, port = server.address.rsplit(":", 1)
     proxy = FaultProxy(host, int(port)).start()
     try:
@@ -189,8 +199,9 @@ def test_row8_a_reset_connection_is_a_clear_error_and_nothing_counts_twice(proxi
         via.send_block_gradient(0, 1, 2, ones, sizes)
         proxy.reset()
         with pytest.raises(ConnectionError):
+            via.receive_averaged_block()  # its block 1 waits on a connection that is gone
+        with pytest.raises(ConnectionError):
             via.send_block_gradient(0, 0, 2, ones, sizes)
-            via.receive_averaged_block()
         with pytest.raises(AbortedError, match=rf"worker {via.worker_id} disconnected"):
             direct.receive_averaged_block()
         via.close()
@@ -198,8 +209,8 @@ def test_row8_a_reset_connection_is_a_clear_error_and_nothing_counts_twice(proxi
         # step 0 was aborted; step 1 then completes with every contribution counted once.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             again = pool.submit(WorkerClient.connect, proxy.address, timeout=TEST_TIMEOUTS).result(30)
+        again.send_block_gradient(0, 1, 2, ones, sizes)  # queued: the refusal comes back in-stream
         with pytest.raises(AbortedError, match="step 0"):
-            again.send_block_gradient(0, 1, 2, ones, sizes)
             again.receive_averaged_block()
         results = run_each(
             [direct, again],
@@ -226,10 +237,10 @@ def test_row8_a_blackholed_worker_is_evicted_by_heartbeat(proxied) -> None:
         started = time.monotonic()
         with pytest.raises(AbortedError, match=rf"worker {via.worker_id} lost: no message for"):
             direct.receive_averaged_block()
-        assert time.monotonic() - started < HEARTBEAT + 2
+        assert time.monotonic() - started < HEARTBEAT + MARGIN
+        # The cut-off worker does not hang: its next call fails or times out within its deadline.
         with pytest.raises((ConnectionError, TimeoutError)):
-            via.send_block_gradient(0, 0, 1, np.ones(sum(sizes), np.float32), sizes)
-            via.receive_averaged_block(timeout=3)
+            via.barrier(0, "after-eviction", timeout=3)
     finally:
         proxy.blackhole = False
         direct.close()
@@ -253,7 +264,11 @@ def test_host():
 @pytest.mark.processes
 def test_row6_a_cut_link_is_detected_like_a_stopped_worker(processes, coordinator, test_host) -> None:
     server = coordinator(
-        world_size=2, heartbeat_timeout=HEARTBEAT, bind=f"{test_host.host_ip}:0", insecure=True
+        world_size=2,
+        heartbeat_timeout=HEARTBEAT,
+        step_timeout=STEP_TIMEOUT,
+        bind=f"{test_host.host_ip}:0",
+        insecure=True,
     )
     remote = processes.start(
         [
@@ -281,7 +296,7 @@ def test_row6_a_cut_link_is_detected_like_a_stopped_worker(processes, coordinato
         started = time.monotonic()
         with pytest.raises(AbortedError, match=rf"worker {lost} lost: no message for"):
             client.receive_averaged_block()
-        assert time.monotonic() - started < HEARTBEAT + 2
+        assert time.monotonic() - started < HEARTBEAT + MARGIN
         test_host.restore()
         result = remote.wait_for(r"RESULT .*", timeout=40).group(0)
         assert "evicted" in result or "UnavailableError" in result, result

@@ -16,6 +16,9 @@ from gradserver.worker.synthetic import SHAPES, run_exchange, synthetic_gradient
 from .helpers.server import TEST_TIMEOUTS, connect_all
 
 HEARTBEAT = 2.0
+# Detection must come from the heartbeat or the connection, never from the step timeout (60 s):
+# bounds allow this much beyond the heartbeat timeout, for a loaded machine.
+MARGIN = 10.0
 TINY = SHAPES["tiny"]
 
 
@@ -51,7 +54,7 @@ def test_sigkilled_worker_aborts_the_step_for_the_others(processes, coordinator)
         started = time.monotonic()
         with pytest.raises(AbortedError) as info:
             client.receive_averaged_block()
-        assert time.monotonic() - started < HEARTBEAT + 1.0
+        assert time.monotonic() - started < HEARTBEAT + MARGIN
         # Either the step was in flight (aborted) or the survivor's last key arrived after the
         # loss (refused): both name the step and the lost worker.
         assert re.search(rf"step 1 .*worker {victim} disconnected", str(info.value))
@@ -82,7 +85,7 @@ def test_sigstopped_worker_is_evicted_by_heartbeat(processes, coordinator) -> No
         with pytest.raises(AbortedError, match=rf"worker {victim} lost: no message for"):
             client.receive_averaged_block()
         elapsed = time.monotonic() - started
-        assert HEARTBEAT * 0.5 < elapsed < HEARTBEAT + 2.0
+        assert HEARTBEAT * 0.5 < elapsed < HEARTBEAT + MARGIN
     finally:
         proc.resume()
         client.close()
@@ -100,10 +103,12 @@ def test_sigkilled_coordinator_fails_pending_calls_with_a_connection_error(proce
         with pytest.raises(UnavailableError, match="connection to the coordinator") as info:
             clients[0].receive_averaged_block()
         assert isinstance(info.value, ConnectionError)
-        assert time.monotonic() - started < 10
-        with pytest.raises(ConnectionError):
+        assert time.monotonic() - started < MARGIN  # the receive timeout is 20 s
+        # The other worker, idle at the time, learns it at its next call; then sends fail fast.
+        with pytest.raises(UnavailableError, match="connection to the coordinator"):
+            clients[1].barrier(0, "after-the-kill")
+        with pytest.raises(UnavailableError, match="connection to the coordinator"):
             clients[1].send_non_block_gradient(0, 0, np.ones(4, np.float32))
-            clients[1].receive_averaged_non_block()
     finally:
         for c in clients:
             c.close()
