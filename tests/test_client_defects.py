@@ -213,6 +213,29 @@ def test_torch_distributed_loss_is_reduced_on_the_gradients_device(monkeypatch) 
     assert reduced[1].dtype == torch.float64
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch.distributed.is_nccl_available(), reason="needs a CUDA GPU"
+)
+def test_nccl_engine_averages_gradients_and_loss_on_the_gpu(tmp_path) -> None:
+    import torch.distributed as dist
+
+    from gradserver.worker.backends import TorchDistributedBackend
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    backend = TorchDistributedBackend()
+    try:
+        backend.start_step(0)
+        backend.submit_block(0, 1, torch.full((sum(SIZES),), 2.0, device="cuda"), SIZES)
+        backend.submit_loss(2.5, 8)
+        [(key, average)] = backend.finish()
+        assert key == ("block", 0) and average.device.type == "cuda"
+        assert torch.equal(average.cpu(), torch.full((sum(SIZES),), 2.0))
+        assert backend.global_loss() == pytest.approx(2.5)
+    finally:
+        backend.close()
+
+
 # --- issue 9 item 6: reaching an unreachable coordinator says so ---------------------------------
 
 
