@@ -151,6 +151,7 @@ def test_launch_trains_and_leaves_metrics_checkpoints_and_a_plot(
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 10
     assert all(json.loads(line)["backend"] in ("remote", "torch.distributed") for line in lines)
-    assert (tmp_path / "checkpoint-rank0.pt").exists() and (tmp_path / "checkpoint-rank1.pt").exists()
+    # Launched workers are named local-0..N-1 with either backend; checkpoints follow the name.
+    assert (tmp_path / "checkpoint-local-0.pt").exists() and (tmp_path / "checkpoint-local-1.pt").exists()
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert "plot in" in launch.output

@@ -340,8 +340,6 @@ def check_device(device: torch.device) -> None:
             raise InvalidArgumentError(f"--device {device}: CUDA is not available on this machine")
         if device.index is not None and device.index >= count:
             raise InvalidArgumentError(f"--device {device}: this machine has cuda:0..cuda:{count - 1}")
-    elif device.type != "cpu":
-        raise InvalidArgumentError(f"--device {device}: must be cpu, cuda, cuda:N or auto")
 
 
 # --- threads ------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from .plots import plot_metrics
 _TAIL_LINES = 200
 _RELAY_GRACE_S = 5.0
 _STOP_GRACE_S = 5.0
-_COORDINATOR_EXIT_S = 60.0
+_COORDINATOR_EXIT_S = 10.0
 # The line `gradserver` prints for an error of the hierarchy (common/cli.py).
 _ONE_LINE_ERROR = re.compile(r"^gradserver \w+: ")
 
@@ -343,15 +343,25 @@ def _supervise(
         running.discard(child)
         if child.proc.returncode != 0:
             return child.failure()
-    if coordinator is not None and coordinator.proc.returncode is None:
-        # It exits by itself after --max-steps; a bounded wait, then it is stopped.
-        grace = min(_COORDINATOR_EXIT_S, max(0.1, deadline - time.monotonic()))
-        try:
-            if coordinator.proc.wait(grace) != 0:
-                return coordinator.failure()
-        except subprocess.TimeoutExpired:
-            return f"coordinator did not exit within {grace:.0f} s of the last worker"
+    if coordinator is not None:
+        return _end_coordinator(coordinator)
     return ""
+
+
+def _end_coordinator(coordinator: _Child) -> str:
+    """Every worker is done: the coordinator exits by itself after --max-steps (unless the
+    workers resumed, so that it counted fewer steps); after a short wait it is asked to stop."""
+    try:
+        code = coordinator.proc.wait(_COORDINATOR_EXIT_S)
+    except subprocess.TimeoutExpired:
+        coordinator.proc.terminate()
+        try:
+            code = coordinator.proc.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            return f"coordinator did not stop within {_STOP_GRACE_S:g} s of SIGTERM"
+        if code == -signal.SIGTERM:
+            return ""
+    return coordinator.failure() if code != 0 else ""
 
 
 def _start_coordinator(

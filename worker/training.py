@@ -81,10 +81,12 @@ _IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as exc:
-        raise InvalidArgumentError(f"--device {name!r}: {exc}") from None
+    if not _DEVICE.fullmatch(name):
+        raise InvalidArgumentError(f"--device {name!r} must be cpu, cuda, cuda:N or auto")
+    return torch.device(name)
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def _rejoin(trainer: DistributedTrainer, backend: GradientBackend, lost: UnavailableError) -> None:
