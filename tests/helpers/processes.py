@@ -169,6 +169,26 @@ class ProcessGroup:
             proc.ensure_ended()
 
 
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every living descendant of `pid` (read from /proc)."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                try:
+                    found[child] = (Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")).decode()
+                except OSError:
+                    continue
+                todo.append(child)
+    return found
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process exists and is not a zombie (an exited child nobody reaped yet)."""
     try:
