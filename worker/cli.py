@@ -412,7 +412,7 @@ def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
             lambda committed: _connect(config, device.type, fingerprint, committed),
             config.reconnect_timeout,
         )
-        _set_threads(config, backend.client.local_workers)
+        local_workers = backend.client.local_workers
     else:
         import torch.distributed as dist
 
@@ -422,12 +422,13 @@ def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
             rank=config.dist_rank,
             world_size=config.dist_world_size,
         )
+        backend = TorchDistributedBackend()
         # torch.distributed does not say how many ranks share this host: --threads or
         # OMP_NUM_THREADS (which `gradserver launch` sets) decide, else every core.
-        _set_threads(config, 1)
-        backend = TorchDistributedBackend()
+        local_workers = 1
     me = backend.rank
     set_log_context(worker_id=me)
+    _set_threads(config, local_workers)
     log.info(
         "worker %d/%d: training %s (%s backend, %s)",
         me,
