@@ -238,3 +238,30 @@ def test_workers_started_by_hand_on_one_host_share_its_cores(processes: ProcessG
         w.wait_for(
             rf"using {max(1, cores // 2)} torch threads \({cores} cores / 2 workers on this host\)", timeout=5
         )
+
+
+# --- launch's one line ----------------------------------------------------------------------------
+
+
+def test_launch_names_the_exception_line_of_a_traceback() -> None:
+    from gradserver.worker.launch import error_line
+
+    traceback = [
+        "2026-01-01 INFO [worker] starting",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "    raise KeyError('a')",
+        "KeyError: 'a'",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 3, in <module>',
+        "RuntimeError: boom",
+        "some line printed after",
+    ]
+    assert error_line(traceback) == "RuntimeError: boom"
+    assert error_line(["log", "gradserver worker: --out 'x' is not a directory", "log"]) == (
+        "gradserver worker: --out 'x' is not a directory"
+    )
+    assert error_line(["2026-01-01 INFO [worker] nothing wrong"]) == ""
