@@ -180,16 +180,10 @@ class WorkerConfig:
                 raise InvalidArgumentError(
                     f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}"
                 )
-        for name in ("steps", "gpu_count", "threads", "checkpoint_every", "num_blocks", "hidden"):
-            if getattr(self, name) < 0:
-                raise InvalidArgumentError(
-                    f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
-                )
-        for name in ("kv_hidden", "intermediate", "vocab", "timeout", "reconnect_timeout"):
-            if getattr(self, name) < 0:
-                raise InvalidArgumentError(
-                    f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
-                )
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if value < 0:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
 
     def shape(self) -> ModelShape:
         if self.model not in SHAPES:
