@@ -151,6 +151,31 @@ def test_launch_trains_and_leaves_metrics_checkpoints_and_a_plot(
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 10
     assert all(json.loads(line)["backend"] in ("remote", "torch.distributed") for line in lines)
-    assert (tmp_path / "checkpoint-rank0.pt").exists() and (tmp_path / "checkpoint-rank1.pt").exists()
+    # Launched workers are named local-0..N-1 with either backend; checkpoints follow the name.
+    assert (tmp_path / "checkpoint-local-0.pt").exists() and (tmp_path / "checkpoint-local-1.pt").exists()
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert "plot in" in launch.output
+
+
+def test_a_checkpoint_records_its_node_and_job_and_resume_checks_both(tmp_path: Path) -> None:
+    from gradserver.common.errors import InvalidArgumentError
+    from gradserver.worker.fingerprint import training_fingerprint
+    from gradserver.worker.training import find_resume_checkpoint
+
+    base = dict(model="tiny", batch_size=2, lr=1e-2, out=str(tmp_path), node_id="a")
+    _train_local(1, TrainConfig(steps=1, **base))
+    ckpt = load_checkpoint(tmp_path / "checkpoint-a.pt")
+    job = training_fingerprint(TrainConfig(steps=1, **base), backend="local")
+    assert ckpt.node_id == "a" and dict(ckpt.fingerprint) == job
+
+    more_steps = TrainConfig(steps=5, resume=True, **base)
+    resumed = find_resume_checkpoint(more_steps, "a", training_fingerprint(more_steps, backend="local"))
+    assert resumed is not None and resumed.data_position == 1
+    other_lr = TrainConfig(steps=5, resume=True, **{**base, "lr": 0.02})
+    with pytest.raises(InvalidArgumentError, match=r"from a different job: lr 0.02 != 0.01 \(checkpoint\)"):
+        find_resume_checkpoint(other_lr, "a", training_fingerprint(other_lr, backend="local"))
+    (tmp_path / "checkpoint-a.pt").rename(tmp_path / "checkpoint-b.pt")
+    with pytest.raises(InvalidArgumentError, match=r"checkpoint-b\.pt was written by node 'a', not 'b'"):
+        find_resume_checkpoint(more_steps, "b", job)
+    with pytest.raises(InvalidArgumentError, match=r"no checkpoint of node 'a'.*but has checkpoint-b\.pt"):
+        find_resume_checkpoint(more_steps, "a", job)

@@ -2,12 +2,23 @@
 
 `--job train` (the default) trains a model on the shipped corpus, averaging gradients through the
 coordinator (`--backend remote`) or through torch.distributed (`--backend gloo|nccl`, with
-`--rank`, `--world-size` and `--dist-init`). `--job synthetic` sends random per-block and
-non-block gradients of a model's shape and checks each average against a float64 reference;
+`--dist-rank`, `--dist-world-size` and `--dist-init`). `--job synthetic` sends random per-block
+and non-block gradients of a model's shape and checks each average against a float64 reference;
 every step line ends with a checksum that must be the same on every worker.
 
+Every local argument (model, sizes, device, paths, TLS files, the checkpoint to resume) is checked
+before any network call, so a typo exits at once with code 2 and one line. At Join the worker
+sends the job fingerprint (worker/fingerprint.py): a worker whose settings differ from the job's
+is refused. Checkpoints belong to `--node-id` (stable across restarts, unlike the join order);
+`--resume` with the remote backend needs one.
+
+Threads: after Join the worker sets torch's intra-op threads to `cores // workers on this host`
+(the coordinator counts the job's workers per host), unless `--threads` or `OMP_NUM_THREADS` says
+otherwise; the choice is logged at INFO.
+
 Each step prints one line, and a `PROGRESS {json}` line that `gradserver launch` reads; with
-`--out DIR`, one JSON line per step goes to DIR/metrics.jsonl.
+`--out DIR`, one JSON line per step goes to DIR/metrics.jsonl. `--print-config` prints the
+resolved configuration (secrets masked) and exits.
 """
 
 from __future__ import annotations
@@ -16,21 +27,32 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradserver.common.components import parse_non_block_component
-from gradserver.common.config import add_config_arguments, config_from_sources
+from gradserver.common.components import NonBlockComponent, parse_non_block_component
+from gradserver.common.config import (
+    add_config_arguments,
+    config_from_sources,
+    describe_config,
+    parse_address,
+)
 from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.logs import LOG_FORMATS, configure_logging, set_log_context
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 
 from .client import WorkerClient
+from .fingerprint import synthetic_fingerprint
 from .metrics_log import open_metrics_log
 from .synthetic import SHAPES, ModelShape, StepReport, run_exchange
 
 if TYPE_CHECKING:
+    import torch
+
     from .trainer import StepResult
     from .training import TrainConfig
 
@@ -41,6 +63,25 @@ log = logging.getLogger("gradserver.worker")
 
 JOBS = ("train", "synthetic")
 BACKENDS = ("remote", "gloo", "nccl")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# torch.distributed backend per engine: NCCL reduces CUDA tensors only, and the loss all-reduce
+# is of CPU tensors, so the NCCL engine runs gloo beside it for the CPU ones.
+DIST_BACKENDS = {"gloo": "gloo", "nccl": "cpu:gloo,cuda:nccl"}
+
+
+_NON_NEGATIVE = (
+    "steps",
+    "gpu_count",
+    "threads",
+    "checkpoint_every",
+    "num_blocks",
+    "hidden",
+    "kv_hidden",
+    "intermediate",
+    "vocab",
+    "timeout",
+    "reconnect_timeout",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +90,19 @@ class WorkerConfig:
     coordinator: str = dataclasses.field(
         default="127.0.0.1:50051", metadata={"help": "coordinator HOST:PORT"}
     )
-    node_id: str = dataclasses.field(default="", metadata={"help": "name of this node (default: hostname)"})
+    node_id: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "stable name of this worker: names its checkpoint; needed by --resume (default: hostname)"
+        },
+    )
     backend: str = dataclasses.field(
         default="remote", metadata={"help": f"gradient averaging: {', '.join(BACKENDS)}"}
     )
     gpu_count: int = dataclasses.field(default=0, metadata={"help": "GPUs reported at join"})
-    rank: int = dataclasses.field(default=-1, metadata={"help": "torch.distributed backends: this rank"})
-    world_size: int = dataclasses.field(
-        default=0, metadata={"help": "torch.distributed backends: world size"}
+    dist_rank: int = dataclasses.field(default=-1, metadata={"help": "torch.distributed backends: this rank"})
+    dist_world_size: int = dataclasses.field(
+        default=0, metadata={"help": "torch.distributed backends: number of ranks"}
     )
     dist_init: str = dataclasses.field(
         default="", metadata={"help": "torch.distributed backends: init_method (tcp://... or file://...)"}
@@ -77,6 +123,10 @@ class WorkerConfig:
         default=False, metadata={"help": "train: continue from --out's checkpoint"}
     )
     device: str = dataclasses.field(default="auto", metadata={"help": "train: cpu, cuda, cuda:N or auto"})
+    threads: int = dataclasses.field(
+        default=0,
+        metadata={"help": "torch threads (0: OMP_NUM_THREADS if set, else cores // workers on this host)"},
+    )
     reconnect_timeout: float = dataclasses.field(
         default=0.0,
         metadata={
@@ -124,13 +174,16 @@ class WorkerConfig:
             ("job", self.job, JOBS),
             ("backend", self.backend, BACKENDS),
             ("log_format", self.log_format, LOG_FORMATS),
+            ("log_level", self.log_level.upper(), LOG_LEVELS),
         ):
             if value not in allowed:
                 raise InvalidArgumentError(
                     f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}"
                 )
-        if self.steps < 0:
-            raise InvalidArgumentError(f"--steps must be >= 0, got {self.steps}")
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if value < 0:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
 
     def shape(self) -> ModelShape:
         if self.model not in SHAPES:
@@ -159,7 +212,11 @@ class WorkerConfig:
             checkpoint_every=self.checkpoint_every,
             device=self.device,
             reconnect_timeout=self.reconnect_timeout,
+            node_id=self.node_id,
         )
+
+    def non_block_components(self) -> tuple[NonBlockComponent, ...]:
+        return tuple(parse_non_block_component(name) for name in self.non_block.split(",") if name.strip())
 
 
 def register(commands: Any) -> None:
@@ -169,22 +226,159 @@ def register(commands: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_arguments(parser, WorkerConfig)
+    _add_arguments(parser)
     parser.set_defaults(run=run)
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """A parser of `gradserver worker`'s flags alone (for `launch` to check what it will pass)."""
+    parser = argparse.ArgumentParser(prog="gradserver worker")
+    _add_arguments(parser)
+    return parser
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, WorkerConfig)
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective configuration and exit"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     config: WorkerConfig = config_from_sources(WorkerConfig, args)
+    if getattr(args, "print_config", False):
+        print(describe_config(config, args))
+        return 0
     configure_logging(config.log_level, "worker", config.log_format)
     if config.job == "synthetic":
-        return _run_synthetic(config)
-    return _run_training(config)
+        fingerprint = check_synthetic(config)
+        return _run_synthetic(config, fingerprint)
+    return _run_training(config, check_training(config))
 
 
-def _connect(config: WorkerConfig, backend_name: str, committed_step: int | None = None) -> WorkerClient:
+# --- checks before any network call -------------------------------------------------------------
+
+
+def _check_common(config: WorkerConfig) -> None:
+    if config.backend == "remote":
+        parse_address(config.coordinator, what="--coordinator")
+        tls = TlsFiles.load(config.tls_ca, config.tls_cert, config.tls_key, what="worker TLS")
+        if tls is not None and tls.ca is None:
+            raise InvalidArgumentError("--tls-cert needs --tls-ca to verify the coordinator")
+    if config.out:
+        out = Path(config.out)
+        if out.exists() and not out.is_dir():
+            raise InvalidArgumentError(f"--out {config.out!r} is not a directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgumentError(f"--out {config.out!r} cannot be created: {exc.strerror}") from None
+        if not os.access(out, os.W_OK):
+            raise InvalidArgumentError(f"--out {config.out!r} is not writable")
+
+
+def check_synthetic(config: WorkerConfig) -> dict[str, str]:
+    """Checks a synthetic job's arguments; returns its fingerprint."""
+    if config.backend != "remote":
+        raise InvalidArgumentError("--job synthetic needs --backend remote (it exercises the coordinator)")
+    shape = config.shape()
+    non_block = config.non_block_components()
+    _check_common(config)
+    return synthetic_fingerprint(shape, non_block, steps=config.steps, seed=config.seed)
+
+
+def check_training(config: WorkerConfig, *, checkpoint: bool = True) -> dict[str, str]:
+    """Checks a training job's arguments, device and (with `checkpoint`) the checkpoint that
+    --resume continues from; returns the job's fingerprint."""
+    from .model import model_config
+    from .training import checkpoint_identity, find_resume_checkpoint, resolve_device
+
+    train_config = config.train_config()
+    model_config(config.model)
+    check_device(resolve_device(train_config.device))
+    _check_common(config)
+    if config.backend != "remote":
+        if not 0 <= config.dist_rank < config.dist_world_size or not config.dist_init:
+            raise InvalidArgumentError(
+                f"--backend {config.backend} needs --dist-world-size N, --dist-rank 0..N-1 and "
+                f"--dist-init, got rank {config.dist_rank}, world size {config.dist_world_size}, "
+                f"init {config.dist_init!r}"
+            )
+    elif config.resume and not config.node_id:
+        raise InvalidArgumentError(
+            "--resume with --backend remote needs --node-id: worker ids follow the join order, so "
+            "only a node id finds this worker's checkpoint"
+        )
+    fingerprint = job_fingerprint(config)
+    if config.resume and checkpoint:
+        identity = checkpoint_identity(train_config, config.dist_rank)
+        find_resume_checkpoint(train_config, identity, fingerprint)
+    return fingerprint
+
+
+def job_fingerprint(config: WorkerConfig) -> dict[str, str]:
+    """The training fingerprint, with the engine named as its GradientBackend names itself."""
+    from .backends import RemoteBackend, TorchDistributedBackend
+    from .fingerprint import training_fingerprint
+
+    engine = RemoteBackend.name if config.backend == "remote" else TorchDistributedBackend.name
+    return training_fingerprint(config.train_config(), backend=engine)
+
+
+def check_device(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidArgumentError(f"--device {device}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= count:
+            raise InvalidArgumentError(f"--device {device}: this machine has cuda:0..cuda:{count - 1}")
+
+
+# --- threads ------------------------------------------------------------------------------------
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask, as a container's CPU set limits it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def choose_threads(
+    explicit: int, environ: Mapping[str, str], cores: int, local_workers: int
+) -> tuple[int, str]:
+    """torch intra-op threads for a worker, and why: `--threads`, else `OMP_NUM_THREADS`, else the
+    host's cores shared out between the job's workers on it (at least one each)."""
+    if explicit > 0:
+        return explicit, "--threads"
+    omp = environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), "OMP_NUM_THREADS"
+    workers = max(1, local_workers)
+    return max(1, cores // workers), f"{cores} cores / {workers} workers on this host"
+
+
+def _set_threads(config: WorkerConfig, local_workers: int) -> None:
+    import torch
+
+    threads, why = choose_threads(config.threads, os.environ, available_cores(), local_workers)
+    torch.set_num_threads(threads)
+    log.info("using %d torch threads (%s)", threads, why)
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def _connect(
+    config: WorkerConfig,
+    backend_name: str,
+    fingerprint: Mapping[str, str],
+    committed_step: int | None = None,
+) -> WorkerClient:
     tls = TlsFiles.load(config.tls_ca, config.tls_cert, config.tls_key, what="worker TLS")
-    if tls is not None and tls.ca is None:
-        raise InvalidArgumentError("--tls-cert needs --tls-ca to verify the coordinator")
     return WorkerClient.connect(
         config.coordinator,
         node_id=config.node_id,
@@ -195,10 +389,11 @@ def _connect(config: WorkerConfig, backend_name: str, committed_step: int | None
         auth_token=config.auth_token,
         server_name=config.tls_server_name,
         committed_step=committed_step,
+        fingerprint=fingerprint,
     )
 
 
-def _run_training(config: WorkerConfig) -> int:
+def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
     from .backends import GradientBackend, RemoteBackend, TorchDistributedBackend
     from .training import resolve_device, train
 
@@ -207,21 +402,27 @@ def _run_training(config: WorkerConfig) -> int:
     backend: GradientBackend
     if config.backend == "remote":
         backend = RemoteBackend(
-            _connect(config, device.type),
-            lambda committed: _connect(config, device.type, committed),
+            _connect(config, device.type, fingerprint),
+            lambda committed: _connect(config, device.type, fingerprint, committed),
             config.reconnect_timeout,
         )
+        local_workers = backend.client.local_workers
     else:
         import torch.distributed as dist
 
-        if config.rank < 0 or config.world_size < 1 or not config.dist_init:
-            raise InvalidArgumentError("--backend gloo/nccl needs --rank, --world-size and --dist-init")
         dist.init_process_group(
-            config.backend, init_method=config.dist_init, rank=config.rank, world_size=config.world_size
+            DIST_BACKENDS[config.backend],
+            init_method=config.dist_init,
+            rank=config.dist_rank,
+            world_size=config.dist_world_size,
         )
         backend = TorchDistributedBackend()
+        # torch.distributed does not say how many ranks share this host: --threads or
+        # OMP_NUM_THREADS (which `gradserver launch` sets) decide, else every core.
+        local_workers = 1
     me = backend.rank
     set_log_context(worker_id=me)
+    _set_threads(config, local_workers)
     log.info(
         "worker %d/%d: training %s (%s backend, %s)",
         me,
@@ -265,10 +466,10 @@ def _run_training(config: WorkerConfig) -> int:
     return 0
 
 
-def _run_synthetic(config: WorkerConfig) -> int:
+def _run_synthetic(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
     shape = config.shape()
-    non_block = tuple(parse_non_block_component(name) for name in config.non_block.split(",") if name.strip())
-    with _connect(config, "cpu") as client:
+    non_block = config.non_block_components()
+    with _connect(config, "cpu", fingerprint) as client:
         me = client.worker_id
         set_log_context(worker_id=me)
         mib = shape.total_bytes(non_block) / 2**20

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 from importlib import resources
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from gradserver.common.errors import InvalidArgumentError
 
 VOCAB_SIZE = 256
+CORPUS_NAME = "kjv"
 
 
 @functools.cache
@@ -23,6 +25,12 @@ def corpus_bytes() -> bytes:
     """The shipped corpus (public-domain King James Bible text, see data/README.md)."""
     with resources.files("gradserver.worker").joinpath("data/kjv.txt.gz").open("rb") as handle:
         return gzip.decompress(handle.read())
+
+
+@functools.cache
+def corpus_digest() -> str:
+    """SHA-256 of the corpus text: workers agree on the data set, not only on its size."""
+    return hashlib.sha256(corpus_bytes()).hexdigest()
 
 
 def encode(text: str) -> torch.Tensor:

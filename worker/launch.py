@@ -1,20 +1,29 @@
 """`gradserver launch`: the main job on this machine: train (or run the synthetic exchange) with
 N workers, and leave metrics, checkpoints and a loss plot in --out.
 
-Backends: `remote` starts a coordinator process and N worker processes; `gloo` starts N worker
-processes joined by torch.distributed; `local` runs N workers as threads of this process. A
-progress bar shows step, loss, tokens/s and all-reduce time (from rank 0); other output of the
-processes is relayed with a prefix. At the end: DIR/metrics.jsonl (per step, per worker),
-DIR/checkpoint-rank{r}.pt and DIR/loss.png. Exit 1 if any process fails or the run exceeds
---timeout; every process is stopped on the way out.
+Backends: `remote` starts a coordinator process and N worker processes (node ids local-0..N-1);
+`gloo` starts N worker processes joined by torch.distributed; `local` runs N workers as threads
+of this process. A progress bar shows step, loss, tokens/s and all-reduce time (from rank 0);
+other output of the processes is relayed with a prefix. At the end: DIR/metrics.jsonl (per step,
+per worker), DIR/checkpoint-local-{i}.pt (checkpoint-rank{r}.pt with --backend local) and
+DIR/loss.png.
+
+The workers' arguments are checked before anything starts (exit 2, one line). Launch ends when
+the job ends: the first worker (or the coordinator) that exits non-zero or is killed stops every
+other process (SIGTERM, then SIGKILL after a grace period) and launch exits 1 with one line that
+names it and its error. `--timeout` is only a last resort for a job that stops making progress.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,11 +31,20 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
+from gradserver.common.config import config_from_sources
+from gradserver.common.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 
+from .cli import available_cores
 from .plots import plot_metrics
+
+_TAIL_LINES = 200
+_RELAY_GRACE_S = 5.0
+_STOP_GRACE_S = 5.0
+_COORDINATOR_EXIT_S = 10.0
+# The line `gradserver` prints for an error of the hierarchy (common/cli.py).
+_ONE_LINE_ERROR = re.compile(r"^gradserver \w+: ")
 
 
 def register(commands: Any) -> None:
@@ -97,23 +115,79 @@ class _Progress:
             self._bar.close()
 
 
-def _relay(prefix: str, stream: IO[str], sink: Callable[[str, str], None]) -> None:
-    for line in stream:
-        sink(prefix, line)
+class _Child:
+    """A started process: its output relayed with a prefix, its last lines kept for the error."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[str], sink: Callable[[str, str], None]) -> None:
+        self.name = name
+        self.proc = proc
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._relay = threading.Thread(target=self._read, args=(sink,), daemon=True)
+        self._relay.start()
+
+    def _read(self, sink: Callable[[str, str], None]) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip("\n"))
+            sink(f"[{self.name}]", line)
+
+    def watch(self, exits: queue.Queue[_Child]) -> None:
+        """Reports this child on `exits` once it has exited and its output is read."""
+
+        def wait() -> None:
+            self.proc.wait()
+            self._relay.join(_RELAY_GRACE_S)
+            exits.put(self)
+
+        threading.Thread(target=wait, daemon=True).start()
+
+    def finish_output(self) -> None:
+        self._relay.join(_RELAY_GRACE_S)
+
+    def failure(self) -> str:
+        """One line: which process, how it ended, and its error."""
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        error = error_line(list(self.tail))
+        return f"{self.name} {how}" + (f": {error}" if error else "")
+
+
+def error_line(lines: list[str]) -> str:
+    """A process's error from the end of its output: the exception line of its last traceback,
+    else the one line `gradserver` prints for a GradServerError, else ''."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last):"):
+            for line in lines[i + 1 :]:
+                if line and not line[0].isspace():
+                    return line.strip()
+            return ""
+    for line in reversed(lines):
+        if _ONE_LINE_ERROR.match(line):
+            return line.strip()
+    return ""
 
 
 def _start(
-    argv: list[str], prefix: str, sink: Callable[[str, str], None], threads: int | None = None
-) -> subprocess.Popen[str]:
+    argv: list[str], name: str, sink: Callable[[str, str], None], threads: int | None = None
+) -> _Child:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if threads is not None:
         # N processes each using every core for torch's intra-op threads oversubscribe the
         # machine and stall at random; like torchrun, share the cores out unless told otherwise.
+        # The worker applies the same rule itself when started by hand (worker/cli.py).
         env.setdefault("OMP_NUM_THREADS", str(threads))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    assert proc.stdout is not None
-    threading.Thread(target=_relay, args=(prefix, proc.stdout, sink), daemon=True).start()
-    return proc
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env
+    )
+    child = _Child(name, proc, sink)
+    sink("[launch]", f"started {name} (pid {proc.pid})")
+    return child
 
 
 def _worker_flags(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -125,12 +199,43 @@ def _worker_flags(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return flags + extra
 
 
-def run(args: argparse.Namespace) -> int:
+def _worker_argvs(args: argparse.Namespace, extra: list[str], target: str) -> list[list[str]]:
+    """Each worker's `gradserver worker` arguments; `target` is the coordinator's address (remote)
+    or the torch.distributed init method (gloo)."""
+    argvs = []
+    for i in range(args.workers):
+        # A node id per worker: checkpoints are found by it on --resume, not by join order.
+        own = ["--node-id", f"local-{i}"]
+        if args.backend == "remote":
+            own += ["--coordinator", target]
+        else:
+            own += ["--backend", "gloo", "--dist-rank", str(i)]
+            own += ["--dist-world-size", str(args.workers), "--dist-init", target]
+        argvs.append([*own, *_worker_flags(args, extra)])
+    return argvs
+
+
+def _check_arguments(args: argparse.Namespace, extra: list[str]) -> None:
+    """Every argument the workers will get, checked here before anything starts (a checkpoint
+    to resume is each worker's own, checked by it before it connects)."""
     if args.workers < 1 or args.steps < 1:
         raise InvalidArgumentError("--workers and --steps must be at least 1")
     if args.backend != "remote" and args.job != "train":
         raise InvalidArgumentError("--job synthetic needs --backend remote (it exercises the coordinator)")
+    from .cli import WorkerConfig, check_synthetic, check_training, worker_parser
+
+    placeholder = "127.0.0.1:0" if args.backend == "remote" else "file:///dev/null"
+    argv = _worker_argvs(args, extra, placeholder)[0]  # the others differ only in their ids
+    config: WorkerConfig = config_from_sources(WorkerConfig, worker_parser().parse_args(argv))
+    if args.job == "synthetic":
+        check_synthetic(config)
+    else:
+        check_training(config, checkpoint=False)
+
+
+def run(args: argparse.Namespace) -> int:
     extra = [a for a in args.worker_args if a != "--"]
+    _check_arguments(args, extra)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "metrics.jsonl").unlink(missing_ok=True)
@@ -141,11 +246,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     elapsed = time.monotonic() - started
-    if code == 0 and args.out and args.job == "train":
+    if code != 0:
+        return code
+    if args.out and args.job == "train":
         plot = plot_metrics(Path(args.out) / "metrics.jsonl", Path(args.out) / "loss.png")
         print(f"launch: {args.steps} steps in {elapsed:.1f} s; {plot}")
-    print("launch: all processes finished" if code == 0 else "launch: a process failed")
-    return code
+    print("launch: all processes finished")
+    return 0
 
 
 def _run_local(args: argparse.Namespace) -> int:
@@ -183,84 +290,132 @@ def _run_local(args: argparse.Namespace) -> int:
 
 def _run_processes(args: argparse.Namespace, extra: list[str], progress: _Progress) -> int:
     deadline = time.monotonic() + args.timeout
-    procs: list[subprocess.Popen[str]] = []
+    children: list[_Child] = []
+    failure = ""
     with tempfile.TemporaryDirectory(prefix="gradserver-launch-") as tmp:
         try:
-            if args.backend == "remote":
-                port_file = Path(tmp) / "port"
-                coordinator = _start(
-                    gradserver_command(
-                        "coordinator",
-                        "--bind",
-                        "127.0.0.1:0",
-                        "--world-size",
-                        str(args.workers),
-                        "--max-steps",
-                        str(args.steps),
-                        "--port-file",
-                        str(port_file),
-                        "--log-level",
-                        "WARNING",
-                    ),
-                    "[coordinator]",
-                    progress.line,
-                )
-                procs.append(coordinator)
-                while not port_file.exists():
-                    if coordinator.poll() is not None:
-                        print("launch: the coordinator exited before it was ready", file=sys.stderr)
-                        return 1
-                    if time.monotonic() > deadline:
-                        raise DeadlineExceededError("the coordinator did not start in time")
-                    time.sleep(0.05)
-                address = f"127.0.0.1:{port_file.read_text().strip()}"
-                worker_argvs = [
-                    ["--coordinator", address, "--node-id", f"local-{i}"] for i in range(args.workers)
-                ]
-            else:
-                init = f"file://{tmp}/dist-store"
-                worker_argvs = [
-                    [
-                        "--backend",
-                        "gloo",
-                        "--rank",
-                        str(i),
-                        "--world-size",
-                        str(args.workers),
-                        "--dist-init",
-                        init,
-                    ]
-                    for i in range(args.workers)
-                ]
-            threads = max(1, (os.cpu_count() or 1) // args.workers)
-            workers = [
-                _start(
-                    gradserver_command("worker", *argv, *_worker_flags(args, extra)),
-                    f"[local-{i}]",
-                    progress.line,
-                    threads,
-                )
-                for i, argv in enumerate(worker_argvs)
-            ]
-            coordinators = list(procs)  # waited for last: it exits once the workers are done
-            procs.extend(workers)
-            failed = 0
-            for proc in [*workers, *coordinators]:
-                try:
-                    code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise DeadlineExceededError(
-                        f"the run did not finish within --timeout {args.timeout:g} s"
-                    ) from None
-                failed += code != 0
-            return 1 if failed else 0
+            failure = _supervise(args, extra, progress, Path(tmp), deadline, children)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            _stop(children)
+    for child in children:
+        child.finish_output()
+    if failure:
+        # Last, after the other processes' final lines: the one line that says what went wrong.
+        print(f"launch: {failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _supervise(
+    args: argparse.Namespace,
+    extra: list[str],
+    progress: _Progress,
+    tmp: Path,
+    deadline: float,
+    children: list[_Child],
+) -> str:
+    """Starts the processes and watches them until the job ends; returns '' on success, else the
+    first failure (the caller stops whatever still runs)."""
+    exits: queue.Queue[_Child] = queue.Queue()
+    coordinator = None
+    if args.backend == "remote":
+        coordinator, address = _start_coordinator(args, progress, tmp, deadline)
+        children.append(coordinator)
+        coordinator.watch(exits)
+        target = address
+    else:
+        target = f"file://{tmp}/dist-store"
+    threads = max(1, available_cores() // args.workers)
+    workers = [
+        _start(gradserver_command("worker", *argv), f"local-{i}", progress.line, threads)
+        for i, argv in enumerate(_worker_argvs(args, extra, target))
+    ]
+    children.extend(workers)
+    for child in workers:
+        child.watch(exits)
+    running = set(workers)
+    while running:
+        child = _next_exit(exits, deadline, args.timeout)
+        if child is coordinator:
+            if child.proc.returncode != 0:
+                return child.failure()
+            continue  # done with its steps; the workers finish (or fail) on their own
+        running.discard(child)
+        if child.proc.returncode != 0:
+            return child.failure()
+    if coordinator is not None:
+        return _end_coordinator(coordinator)
+    return ""
+
+
+def _end_coordinator(coordinator: _Child) -> str:
+    """Every worker is done: the coordinator exits by itself after --max-steps (unless the
+    workers resumed, so that it counted fewer steps); after a short wait it is asked to stop."""
+    try:
+        code = coordinator.proc.wait(_COORDINATOR_EXIT_S)
+    except subprocess.TimeoutExpired:
+        coordinator.proc.terminate()
+        try:
+            code = coordinator.proc.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            return f"coordinator did not stop within {_STOP_GRACE_S:g} s of SIGTERM"
+        if code == -signal.SIGTERM:
+            return ""
+    return coordinator.failure() if code != 0 else ""
+
+
+def _start_coordinator(
+    args: argparse.Namespace, progress: _Progress, tmp: Path, deadline: float
+) -> tuple[_Child, str]:
+    port_file = tmp / "port"
+    coordinator = _start(
+        gradserver_command(
+            "coordinator",
+            "--bind",
+            "127.0.0.1:0",
+            "--world-size",
+            str(args.workers),
+            "--max-steps",
+            str(args.steps),
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            "WARNING",
+        ),
+        "coordinator",
+        progress.line,
+    )
+    try:
+        while not port_file.exists():
+            if coordinator.proc.poll() is not None:
+                coordinator.finish_output()
+                raise FailedPreconditionError(f"the {coordinator.failure()} before it was ready")
+            if time.monotonic() > deadline:
+                raise DeadlineExceededError("the coordinator did not start within --timeout")
+            time.sleep(0.05)
+    except BaseException:
+        _stop([coordinator])
+        raise
+    return coordinator, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def _next_exit(exits: queue.Queue[_Child], deadline: float, timeout: float) -> _Child:
+    try:
+        return exits.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+        raise DeadlineExceededError(f"the run did not finish within --timeout {timeout:g} s") from None
+
+
+def _stop(children: list[_Child]) -> None:
+    """SIGTERM to every process still running, SIGKILL to those alive after a grace period."""
+    alive = [c for c in children if c.proc.poll() is None]
+    for child in alive:
+        with contextlib.suppress(ProcessLookupError):
+            child.proc.terminate()
+    grace_end = time.monotonic() + _STOP_GRACE_S
+    for child in alive:
+        try:
+            child.proc.wait(max(0.0, grace_end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()

@@ -84,7 +84,7 @@ CONFIGS = {
 
 def model_config(name: str) -> ModelConfig:
     if name not in CONFIGS:
-        raise InvalidArgumentError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}")
+        raise InvalidArgumentError(f"--model {name!r} is not one of {', '.join(CONFIGS)}")
     return CONFIGS[name]
 
 

@@ -37,6 +37,11 @@ from .clipping import clip_by_global_norm_
 from .gradients import PerBlockGradientAccumulator
 from .model import TransformerLM
 
+# AdamW's settings besides the learning rate; part of the job fingerprint, so named here.
+ADAMW_BETAS = (0.9, 0.999)
+ADAMW_EPS = 1e-8
+DEFAULT_WEIGHT_DECAY = 0.0
+
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
@@ -106,7 +111,7 @@ class DistributedTrainer:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         lr: float = 3e-3,
-        weight_decay: float = 0.0,
+        weight_decay: float = DEFAULT_WEIGHT_DECAY,
         max_grad_norm: float | None = None,
         step: int = 0,
         keep_snapshot: bool = False,
@@ -118,7 +123,9 @@ class DistributedTrainer:
             raise InvalidArgumentError(f"max_grad_norm must be positive, got {max_grad_norm}")
         self.model = model
         self.backend = backend
-        self.optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = optimizer or torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=weight_decay
+        )
         self.max_grad_norm = max_grad_norm
         self.step = step
         self.keep_snapshot = keep_snapshot

@@ -2,8 +2,11 @@
 
 Every worker builds the same model from the same seed, takes its interleaved shard of each step's
 global batch (from the coordinator for the remote backend), and runs DistributedTrainer steps.
-With an output directory it appends one line per step to metrics.jsonl and saves a per-rank
-checkpoint (`checkpoint-rank{r}.pt`) that `resume` continues from, data position included.
+With an output directory it appends one line per step to metrics.jsonl and saves a checkpoint
+per worker identity (`checkpoint-{node_id}.pt`, or `checkpoint-rank{r}.pt` without a node id)
+that `resume` continues from, data position included. A resume finds the checkpoint by that
+identity, never by join order, and refuses rather than silently starting again at step 0: a
+checkpoint of another identity or of another job (fingerprint) is an error naming what differs.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -26,8 +30,9 @@ from gradserver.common.errors import (
 from gradserver.common.logs import set_log_context
 
 from .backends import GradientBackend
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .corpus import TokenWindows, corpus_bytes
+from .fingerprint import RESUMABLE_CHANGES, differences, training_fingerprint
 from .metrics_log import open_metrics_log
 from .model import TransformerLM, model_config
 from .trainer import DistributedTrainer, StepResult
@@ -50,6 +55,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     device: str = "auto"
     reconnect_timeout: float = 0.0
+    node_id: str = ""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accumulation_steps"):
@@ -61,15 +67,26 @@ class TrainConfig:
             raise InvalidArgumentError(
                 "--lr must be positive; --max-grad-norm, --seq-len, --checkpoint-every >= 0"
             )
+        if self.node_id and not _IDENTITY.fullmatch(self.node_id):
+            raise InvalidArgumentError(
+                f"--node-id {self.node_id!r} names checkpoint files: use letters, digits, '.', '_', '-'"
+            )
+        if self.resume and not self.out:
+            raise InvalidArgumentError("--resume needs --out, the directory that holds the checkpoint")
+
+
+_IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as exc:
-        raise InvalidArgumentError(f"--device {name!r}: {exc}") from None
+    if not _DEVICE.fullmatch(name):
+        raise InvalidArgumentError(f"--device {name!r} must be cpu, cuda, cuda:N or auto")
+    return torch.device(name)
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def _rejoin(trainer: DistributedTrainer, backend: GradientBackend, lost: UnavailableError) -> None:
@@ -87,8 +104,42 @@ def _rejoin(trainer: DistributedTrainer, backend: GradientBackend, lost: Unavail
     raise InternalError(f"cannot resume at step {resume}: this worker has applied {trainer.step} steps")
 
 
-def checkpoint_path(out: str, rank: int) -> Path:
-    return Path(out) / f"checkpoint-rank{rank}.pt"
+def checkpoint_identity(config: TrainConfig, rank: int) -> str:
+    """Whose checkpoint: the node id when given, else the rank (stable only where ranks are
+    fixed by configuration, not by join order)."""
+    return config.node_id or f"rank{rank}"
+
+
+def checkpoint_path(out: str, identity: str) -> Path:
+    return Path(out) / f"checkpoint-{identity}.pt"
+
+
+def find_resume_checkpoint(
+    config: TrainConfig, identity: str, fingerprint: Mapping[str, str]
+) -> Checkpoint | None:
+    """The checkpoint `--resume` continues from, checked against this worker and job; None when
+    --out holds no checkpoint at all. Raises naming the file and what is wrong otherwise."""
+    path = checkpoint_path(config.out, identity)
+    if not path.exists():
+        others = sorted(p.name for p in Path(config.out).glob("checkpoint-*.pt"))
+        if others:
+            raise InvalidArgumentError(
+                f"--resume: {config.out} has no checkpoint of node {identity!r} ({path.name}) but has "
+                f"{', '.join(others)}: start this worker with the --node-id that wrote its checkpoint"
+            )
+        log.warning("--resume: no checkpoint in %s yet; starting at step 0", config.out)
+        return None
+    ckpt = load_checkpoint(path)
+    if ckpt.node_id and ckpt.node_id != identity:
+        raise InvalidArgumentError(f"{path} was written by node {ckpt.node_id!r}, not {identity!r}")
+    if ckpt.fingerprint:
+        changed = differences(ckpt.fingerprint, fingerprint, ignore=RESUMABLE_CHANGES)
+        if changed:
+            raise InvalidArgumentError(f"{path} is from a different job: {'; '.join(changed)} (checkpoint)")
+    cfg = model_config(config.model)
+    if ckpt.model_config != cfg:
+        raise InvalidArgumentError(f"{path} is of model {ckpt.model_config.name}, not {cfg.name}")
+    return ckpt
 
 
 def train(
@@ -106,13 +157,26 @@ def train(
         model, backend, lr=config.lr, max_grad_norm=config.max_grad_norm or None, keep_snapshot=reconnect
     )
     data = TokenWindows(corpus_bytes(), seq_len)
-    if config.resume and config.out and checkpoint_path(config.out, backend.rank).exists():
-        ckpt = load_checkpoint(checkpoint_path(config.out, backend.rank))
-        if ckpt.model_config != cfg:
-            raise InvalidArgumentError(f"checkpoint is of model {ckpt.model_config.name}, not {cfg.name}")
+    identity = checkpoint_identity(config, backend.rank)
+    fingerprint = training_fingerprint(config, backend=backend.name)
+    ckpt = find_resume_checkpoint(config, identity, fingerprint) if config.resume else None
+    if ckpt is not None:
         model.load_state_dict(ckpt.model_state)
         trainer.optimizer.load_state_dict(ckpt.optimizer_state)
         trainer.step = ckpt.data_position
+        log.info("resumed %s at step %d", checkpoint_path(config.out, identity), trainer.step)
+
+    def save(step: int, data_position: int) -> None:
+        save_checkpoint(
+            checkpoint_path(config.out, identity),
+            model,
+            trainer.optimizer,
+            step,
+            data_position,
+            node_id=identity,
+            fingerprint=fingerprint,
+        )
+
     metrics = open_metrics_log(config.out)
     results = []
     per_worker = config.batch_size * config.accumulation_steps
@@ -147,17 +211,9 @@ def train(
                 on_step(result)
             every = config.checkpoint_every
             if config.out and every and (step + 1) % every == 0:
-                save_checkpoint(
-                    checkpoint_path(config.out, backend.rank), model, trainer.optimizer, step, step + 1
-                )
+                save(step, step + 1)
         if config.out and results:
-            save_checkpoint(
-                checkpoint_path(config.out, backend.rank),
-                model,
-                trainer.optimizer,
-                trainer.step - 1,
-                trainer.step,
-            )
+            save(trainer.step - 1, trainer.step)
     finally:
         trainer.close()
         if metrics is not None:

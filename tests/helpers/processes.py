@@ -3,7 +3,7 @@
 `ProcessGroup` owns every process a test starts and ends them all in its `close()` (the fixture's
 `finally`). Output is read by a thread into a list so a test can wait for a line (bounded) and
 inject a fault when a given worker reaches a given step: `kill`, `stop` (SIGSTOP), `resume`,
-`slow` (stopped for a while, then resumed).
+`slow` (stopped for a while, then resumed). An `env` value of None removes that variable.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class ManagedProcess:
-    def __init__(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], name: str, env: dict[str, str | None] | None = None) -> None:
         self.name = name
         self.lines: list[str] = []
         self._cond = threading.Condition()
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        merged = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {k: v for k, v in merged.items() if v is not None}
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -115,15 +116,15 @@ class ProcessGroup:
         self.tmp = tmp
         self.procs: list[ManagedProcess] = []
 
-    def start(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> ManagedProcess:
+    def start(self, argv: list[str], name: str, env: dict[str, str | None] | None = None) -> ManagedProcess:
         proc = ManagedProcess(argv, name, env)
         self.procs.append(proc)
         return proc
 
-    def gradserver(self, *args: str, name: str, env: dict[str, str] | None = None) -> ManagedProcess:
+    def gradserver(self, *args: str, name: str, env: dict[str, str | None] | None = None) -> ManagedProcess:
         return self.start([sys.executable, "-m", "gradserver.common.cli", *args], name, env)
 
-    def coordinator(self, *args: str, env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
+    def coordinator(self, *args: str, env: dict[str, str | None] | None = None) -> tuple[ManagedProcess, str]:
         """Starts `gradserver coordinator` on 127.0.0.1:0 and returns it with its address."""
         port_file = self.tmp / f"port-{len(self.procs)}"
         proc = self.gradserver(
@@ -149,6 +150,49 @@ class ProcessGroup:
             [sys.executable, "-m", "tests.helpers.scripted_worker", "--coordinator", address, *args], name
         )
 
+    def wait_any(self, procs: list[ManagedProcess], timeout: float) -> ManagedProcess:
+        """The first of `procs` to exit (its output read); fails naming them if none does."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in procs:
+                try:
+                    proc.proc.wait(0.2)
+                except subprocess.TimeoutExpired:
+                    continue
+                proc._reader.join(5)
+                return proc
+        outputs = "\n".join(f"--- {p.name}:\n{p.output}" for p in procs)
+        raise AssertionError(f"none of {[p.name for p in procs]} exited within {timeout} s\n{outputs}")
+
     def close(self) -> None:
         for proc in self.procs:
             proc.ensure_ended()
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every living descendant of `pid` (read from /proc)."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                try:
+                    found[child] = (Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")).decode()
+                except OSError:
+                    continue
+                todo.append(child)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (an exited child nobody reaped yet)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return fields[0] not in ("Z", "X")

@@ -40,11 +40,17 @@ def train_workers(
 
 
 def assert_identical_checkpoints(out: Path, ranks: int) -> list[Checkpoint]:
-    """Every rank's checkpoint holds bit-identical weights (C-DDP-001); returns them."""
-    states = [load_checkpoint(out / f"checkpoint-rank{r}.pt") for r in range(ranks)]
+    """`ranks` checkpoints in `out` (whatever their workers' names) hold bit-identical weights
+    (C-DDP-001); returns them."""
+    paths = sorted(out.glob("checkpoint-*.pt"))
+    assert len(paths) == ranks, [p.name for p in paths]
+    return assert_identical(paths)
+
+
+def assert_identical(paths: list[Path]) -> list[Checkpoint]:
+    """The checkpoints at `paths` hold bit-identical weights; returns them."""
+    states = [load_checkpoint(p) for p in paths]
     for name, tensor in states[0].model_state.items():
-        for rank, other in enumerate(states[1:], start=1):
-            assert torch.equal(tensor, other.model_state[name]), (
-                f"{name} differs between rank 0 and rank {rank}"
-            )
+        for path, other in zip(paths[1:], states[1:], strict=True):
+            assert torch.equal(tensor, other.model_state[name]), f"{name} differs: {paths[0]} vs {path}"
     return states
