@@ -604,6 +604,10 @@ class GradientServer:
         w = stream.member.worker_id
         while True:
             while self._over_budget(stream):
+                if not stream.paused:
+                    log.debug(
+                        "holding back worker %d's stream (in-flight budget full)", w, extra={"worker_id": w}
+                    )
                 stream.paused = True
                 stream.room.clear()
                 await stream.room.wait()
