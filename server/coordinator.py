@@ -23,6 +23,7 @@ import enum
 import logging
 import os
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -241,6 +242,7 @@ class GradientServer:
         )
         server.add_generic_rpc_handlers((handler,))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        _check_port_free(self.config.bind)
         try:
             self.port = self._add_port(server)
         except RuntimeError as exc:
@@ -805,6 +807,27 @@ class GradientServer:
         stream = self._streams.get(member.worker_id)
         if stream is not None:
             stream.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))
+
+
+def _check_port_free(bind: str) -> None:
+    """Raises AddressInUseError when another process listens on `bind`'s port, before gRPC tries
+    (whose own failure is a multi-line core log). Port 0 is always free."""
+    host, port = parse_address(bind)
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError:
+        return  # unresolvable: gRPC's own bind reports it
+    with socket.socket(family, kind, proto) as probe:
+        # The same option gRPC sets: a port left in TIME_WAIT is free, a listening one is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise AddressInUseError(f"cannot bind {bind}: {exc.strerror or exc}") from None
 
 
 def refused_key(raw: bytes) -> TensorKey | None:
