@@ -646,25 +646,27 @@ class GradientServer:
             stream.send(codec.encode_server_event(HeartbeatAckOut(event.sequence)))
             return False
         if isinstance(event, ChunkIn):
-            if self._beyond_final_step(stream, event.key.step, event.key):
+            if self._beyond_final_step(stream, event.key.step, key=event.key):
                 return False
             self._deliver(self._table.contribute(event))
         elif isinstance(event, BarrierIn):
-            if self._beyond_final_step(stream, event.step, None):
+            if self._beyond_final_step(stream, event.step, barrier=event.name):
                 return False
             self._deliver(self._table.barrier(event))
         elif isinstance(event, ShardRequestIn):
             self._deliver(self._table.shard(event))
         return False
 
-    def _beyond_final_step(self, stream: _WorkerStream, step: int, key: TensorKey | None) -> bool:
+    def _beyond_final_step(
+        self, stream: _WorkerStream, step: int, *, key: TensorKey | None = None, barrier: str | None = None
+    ) -> bool:
         if self._final_step is None or step <= self._final_step:
             return False
         message = (
             f"step {step} refused: --max-steps {self.config.max_steps} ends the job after step "
             f"{self._final_step}"
         )
-        self._send_error(stream, grpc.StatusCode.FAILED_PRECONDITION, message, step, key)
+        self._send_error(stream, grpc.StatusCode.FAILED_PRECONDITION, message, step, key, barrier)
         return True
 
     def _check_step_limit(self) -> None:
@@ -708,11 +710,13 @@ class GradientServer:
         message: str,
         step: int,
         key: TensorKey | None = None,
+        barrier: str | None = None,
     ) -> None:
         """An in-stream error about one message of this worker (counted in the metrics); with
-        `key`, the worker fails only that key's result."""
+        `key` (or `barrier`), the worker fails only that result (or barrier wait)."""
         self.metrics.errors.labels(code.name).inc()
-        stream.send(codec.encode_server_event(ErrorOut(int(code.value[0]), message, step, key=key)))
+        event = ErrorOut(int(code.value[0]), message, step, key=key, barrier_name=barrier)
+        stream.send(codec.encode_server_event(event))
 
     def _over_budget(self, stream: _WorkerStream) -> bool:
         held = self._table.buffered_bytes(stream.member.worker_id) + stream.outbound_bytes

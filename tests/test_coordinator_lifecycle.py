@@ -18,7 +18,7 @@ from gradserver.common import codec
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.config import CoordinatorConfig
 from gradserver.common.errors import UnavailableError
-from gradserver.common.messages import JoinAccepted, JoinRequestIn, TensorKey
+from gradserver.common.messages import BarrierIn, JoinAccepted, JoinRequestIn, TensorKey
 from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
 from gradserver.server import GradientServer
 from gradserver.server import coordinator as coordinator_module
@@ -129,6 +129,9 @@ def test_a_step_beyond_max_steps_is_refused(coordinator) -> None:
         assert error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
         assert "--max-steps 2 ends the job after step 1" in error.message
         assert error.key == TensorKey.non_block(2, NonBlockComponent.FINAL_NORM)
+        raw.send(BarrierIn(raw.worker_id, 3, "commit"))
+        refused = raw.recv_error()
+        assert refused.barrier_name == "commit" and refused.step == 3 and refused.key is None
     finally:
         raw.close()
 
