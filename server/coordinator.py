@@ -503,7 +503,6 @@ class GradientServer:
             member.streaming = False
             stream.closed.set_result(None)
             self._progress.set()
-            self._after_membership_change()
         if status is not None:
             await context.abort(status[0], status[1])
 
@@ -673,12 +672,6 @@ class GradientServer:
         if not self._limit_logged and self._job_done():
             self._limit_logged = True
             log.info("reached --max-steps %d at step %s", self.config.max_steps, self._final_step)
-
-    def _after_membership_change(self) -> None:
-        """A stream closed: a finished job whose last stream closed stops the coordinator."""
-        assert self._membership is not None
-        if self.state is JobState.FINISHED and not self._streams and self._stopping is None:
-            self.request_stop(f"all workers left after --max-steps {self.config.max_steps}")
 
     async def _write_loop(self, stream: _WorkerStream) -> None:
         while True:
