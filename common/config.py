@@ -67,10 +67,21 @@ class CoordinatorConfig:
         default=1 << 32, metadata={"help": "largest tensor a key may declare, elements"}
     )
     max_steps: int = dataclasses.field(
-        default=0, metadata={"help": "stop after this many completed steps (0: no limit)"}
+        default=0,
+        metadata={
+            "help": "absolute step count of the job, like the workers' --steps: the job ends once step "
+            "max_steps-1 is complete and every worker left, also for a resumed job (0: no limit)"
+        },
     )
     drain_timeout: float = dataclasses.field(
         default=10.0, metadata={"help": "seconds a shutdown waits for steps in flight"}
+    )
+    rejoin_timeout: float = dataclasses.field(
+        default=60.0,
+        metadata={
+            "help": "seconds a job whose worker was lost waits for the world to be complete again; "
+            "then the coordinator exits 1 naming the lost workers"
+        },
     )
     metrics_port: int = dataclasses.field(
         default=-1,
@@ -121,7 +132,7 @@ class CoordinatorConfig:
                 "can join the job: add --tls-cert/--tls-key or --auth-token, or --insecure to accept that"
             )
         _require(self.world_size >= 1, "world_size", self.world_size, "at least 1")
-        for name in ("join_timeout", "step_timeout", "heartbeat_timeout", "drain_timeout"):
+        for name in ("join_timeout", "step_timeout", "heartbeat_timeout", "drain_timeout", "rejoin_timeout"):
             value = getattr(self, name)
             _require(math.isfinite(value) and value > 0, name, value, "a positive number of seconds")
         _require(self.chunk_mib > 0 and self.chunk_bytes >= 4, "chunk_mib", self.chunk_mib, "positive")

@@ -31,14 +31,25 @@ KEEPALIVE_TIME_MS = 5_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Options for the coordinator: message limits, and permission for workers' keepalive."""
+def server_options(max_message_bytes: int, heartbeat_timeout_s: float = 10.0) -> list[tuple[str, int]]:
+    """Options for the coordinator: message limits, exclusive port, permission for workers'
+    keepalive, and its own keepalive: it pings every worker's connection twice per heartbeat
+    timeout and drops it when a ping stays unanswered for a heartbeat timeout, even while it
+    holds the worker's stream back and reads nothing from it (a stopped worker)."""
+    timeout = max(1, int(heartbeat_timeout_s * 1000))
+    half = max(1, timeout // 2)
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # Exclusive port: a second coordinator on a bound address fails to start instead of
+        # sharing the port's connections with the first.
+        ("grpc.so_reuseport", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.keepalive_time_ms", half),
+        ("grpc.keepalive_timeout_ms", timeout),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 

@@ -1,4 +1,6 @@
-"""`gradserver coordinator` runs a GradientServer until SIGTERM/SIGINT or --max-steps;
+"""`gradserver coordinator` runs a GradientServer until SIGTERM/SIGINT or its job ends: exit 0
+when the job finished (or on a signal), 1 when it failed (one ERROR line names the cause), 2 when
+the configuration is bad or the --bind address is already in use (one line, no traceback).
 `gradserver health HOST:PORT` asks a coordinator's standard gRPC health service (for container
 health checks: exit 0 when SERVING, 1 otherwise)."""
 
@@ -7,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from typing import Any
 
 from gradserver.common.config import (
@@ -19,7 +22,7 @@ from gradserver.common.config import (
 from gradserver.common.logs import configure_logging
 from gradserver.common.security import TlsFiles
 
-from .coordinator import GradientServer
+from .coordinator import AddressInUseError, GradientServer
 
 
 def register(commands: Any) -> None:
@@ -80,9 +83,13 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: CoordinatorConfig) -> int:
     server = GradientServer(config)
-    await server.start()
+    try:
+        await server.start()
+    except AddressInUseError as exc:
+        print(f"gradserver coordinator: {exc.message}", file=sys.stderr)
+        return 2
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop, f"received {sig.name}")
     await server.wait_for_termination()
-    return 0
+    return server.exit_code

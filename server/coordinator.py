@@ -6,15 +6,24 @@ answers is encoded once and queued to each recipient's writer task, so every wor
 same bytes. A monitor task evicts workers whose messages stop (heartbeat timeout) and fails steps
 past their deadline. A reader stops reading while its worker's unreduced contributions plus its
 unsent results exceed the in-flight budget, which turns into HTTP/2 back-pressure on that worker:
-the coordinator's memory is bounded by chunks in flight, not by the model.
+the coordinator's memory is bounded by chunks in flight, not by the model. A paused stream
+whose writes make no progress for the heartbeat timeout counts as lost, and server keepalive
+pings catch a stopped worker even while nothing is read from it.
+
+The job is a small state machine (docs/RELIABILITY.md): waiting for joins -> running ->
+finished | failed, with restarting while a lost worker's place may be retaken within
+`--rejoin-timeout`. Finished and failed stop the coordinator (exit 0 and 1 from the CLI); a job
+whose workers all left cleanly without `--max-steps` makes way for a fresh job.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gradserver.common import codec
+from gradserver.common._pb import gradient_server_pb2 as pb
 from gradserver.common.config import CoordinatorConfig, parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
@@ -41,6 +51,7 @@ from gradserver.common.messages import (
     LeaveIn,
     ShardRequestIn,
     ShutdownOut,
+    TensorKey,
     WorkerEvent,
 )
 from gradserver.common.rpc import (
@@ -50,7 +61,7 @@ from gradserver.common.rpc import (
     SERVICE_NAME,
     server_options,
 )
-from gradserver.common.security import TlsFiles, peer_identity, token_matches
+from gradserver.common.security import AUTH_METADATA, TlsFiles, peer_identity, token_matches
 
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
@@ -60,11 +71,36 @@ log = logging.getLogger("gradserver.server")
 
 _STOP = object()
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_MONITOR_RESTARTS = 5  # consecutive monitor failures before the job fails loudly
+
+
+class JobState(enum.Enum):
+    """Where the coordinator's job is (docs/RELIABILITY.md draws the transitions)."""
+
+    WAITING = "waiting"  # for the world to join
+    RUNNING = "running"
+    RESTARTING = "restarting"  # a lost worker's place may be retaken until --rejoin-timeout
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class AddressInUseError(UnavailableError):
+    """The coordinator's --bind address cannot be bound (another process holds it)."""
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string: 'ipv4:127.0.0.1:5555' -> 'ipv4:127.0.0.1',
+    'ipv6:[::1]:5555' -> 'ipv6:[::1]'; every unix-socket peer is on this host."""
+    if peer.startswith("unix"):
+        return "unix"
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Refuses every call without the shared token (UNAUTHENTICATED), except health checks, which
-    container probes and load balancers make without credentials."""
+    container probes and load balancers make without credentials. Each refusal is reported with
+    the peer and which check failed (never the token)."""
 
     def __init__(self, token: str, on_reject: Any) -> None:
         self._token = token
@@ -72,14 +108,17 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
-        if details.method.startswith(_HEALTH_PREFIX) or token_matches(
-            details.invocation_metadata, self._token
-        ):
+        metadata = details.invocation_metadata
+        if details.method.startswith(_HEALTH_PREFIX) or token_matches(metadata, self._token):
             return handler
-        self._on_reject()
+        check = (
+            "wrong auth token" if any(k == AUTH_METADATA for k, _ in metadata or ()) else "missing auth token"
+        )
         message = f"{details.method}: missing or wrong auth token"
+        on_reject = self._on_reject
 
         async def deny(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            on_reject(context.peer(), grpc.StatusCode.UNAUTHENTICATED, f"{details.method}: {check}")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         if handler is not None and handler.request_streaming:
@@ -88,7 +127,7 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 class _WorkerStream:
-    """One worker's Exchange stream: its outbound queue and how it ends."""
+    """One worker's Exchange stream: its outbound queue, write progress and how it ends."""
 
     def __init__(self, member: Member, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         self.member = member
@@ -99,11 +138,16 @@ class _WorkerStream:
         self.room.set()
         self.paused = False
         self.said_goodbye = False
-        self.ended: asyncio.Future[tuple[grpc.StatusCode, str] | None] = (
-            asyncio.get_running_loop().create_future()
-        )
+        self.by_shutdown = False
+        # When the oldest unsent byte was queued or the last write completed, whichever is later.
+        self.write_progress = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self.ended: asyncio.Future[tuple[grpc.StatusCode, str] | None] = loop.create_future()
+        self.closed: asyncio.Future[None] = loop.create_future()
 
     def send(self, raw: bytes) -> None:
+        if self.outbound_bytes == 0:
+            self.write_progress = time.monotonic()
         self.outbound_bytes += len(raw)
         self.outbound.put_nowait(raw)
 
@@ -111,11 +155,16 @@ class _WorkerStream:
         if not self.ended.done():
             self.ended.set_result(status)
 
+    def stalled_for(self, now: float) -> float:
+        """Seconds the writes to this worker made no progress while bytes waited (0 when none)."""
+        return now - self.write_progress if self.outbound_bytes else 0.0
+
 
 class GradientServer:
     """The coordinator. `await start()` binds (port 0 picks one), `await stop()` drains and ends.
 
     Usable as `async with GradientServer(CoordinatorConfig(world_size=2, bind="127.0.0.1:0")) as s`.
+    `state` is the job's state; `exit_code` is 1 once the job failed, else 0.
     """
 
     def __init__(self, config: CoordinatorConfig | None = None, **overrides: Any) -> None:
@@ -134,21 +183,33 @@ class GradientServer:
         self._health = health.aio.HealthServicer()
         self._membership: Membership | None = None
         self.metrics = CoordinatorMetrics(config.world_size)
-        self._table = ReductionTable(
-            config.world_size,
-            config.chunk_bytes // 4,
-            config.step_timeout,
-            on_key_reduced=self.metrics.reduce_latency.observe,
-            on_barrier_released=self.metrics.barrier_wait.observe,
-            on_worker_loss=config.on_worker_loss,
-        )
-        self._counted = (0, 0)  # steps and keys already added to the metrics
+        self._table = self._new_table()
+        self._counted = (0, 0)  # steps and keys of this job already added to the metrics
         self._streams: dict[int, _WorkerStream] = {}
         self._monitor: asyncio.Task[None] | None = None
+        self._monitor_failures = 0
         self._stopping: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
-        self._final_step: int | None = None
+        self._progress = asyncio.Event()  # set whenever the reduction table answers or a stream closes
+        self._final_step: int | None = config.max_steps - 1 if config.max_steps else None
+        self.state = JobState.WAITING
+        self.failure: str | None = None
+        self._departures: list[str] = []  # why each worker of this job left, for the failure line
+        self._had_loss = False
+        self._limit_logged = False
+        self._rejoin_timer: asyncio.TimerHandle | None = None
+        self.metrics.job_state.state(self.state.value)
         self.port = 0
+
+    def _new_table(self) -> ReductionTable:
+        return ReductionTable(
+            self.config.world_size,
+            self.config.chunk_bytes // 4,
+            self.config.step_timeout,
+            on_key_reduced=self.metrics.reduce_latency.observe,
+            on_barrier_released=self.metrics.barrier_wait.observe,
+            on_worker_loss=self.config.on_worker_loss,
+        )
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -157,15 +218,20 @@ class GradientServer:
         host, _ = parse_address(self.config.bind)
         return f"{host}:{self.port}"
 
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.state is JobState.FAILED else 0
+
     async def start(self) -> int:
-        """Binds and starts serving; returns the bound port."""
+        """Binds and starts serving; returns the bound port. A bound address raises
+        `AddressInUseError` (ports are exclusive: no SO_REUSEPORT)."""
         self._membership = Membership(self.config.world_size, self.config.join_timeout, self.session_id)
         interceptors = []
         if self.config.auth_token:
-            reject = self.metrics.errors.labels(grpc.StatusCode.UNAUTHENTICATED.name).inc
-            interceptors.append(_TokenInterceptor(self.config.auth_token, reject))
+            interceptors.append(_TokenInterceptor(self.config.auth_token, self._auth_refused))
         server = grpc.aio.server(
-            options=server_options(self.config.max_message_bytes), interceptors=interceptors
+            options=server_options(self.config.max_message_bytes, self.config.heartbeat_timeout),
+            interceptors=interceptors,
         )
         handler = grpc.method_handlers_generic_handler(
             SERVICE_NAME,
@@ -176,17 +242,18 @@ class GradientServer:
         )
         server.add_generic_rpc_handlers((handler,))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        _check_port_free(self.config.bind)
         try:
             self.port = self._add_port(server)
         except RuntimeError as exc:
-            raise UnavailableError(f"cannot bind {self.config.bind}: {exc}") from exc
+            raise AddressInUseError(f"cannot bind {self.config.bind}: {exc}") from None
         if self.port == 0:
-            raise UnavailableError(f"cannot bind {self.config.bind}: address in use or invalid")
+            raise AddressInUseError(f"cannot bind {self.config.bind}: address in use or invalid")
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._monitor = asyncio.create_task(self._monitor_loop(), name="gradserver-monitor")
+        self._start_monitor()
         if self.config.metrics_port >= 0:
             host, _ = parse_address(self.config.bind)
             self.metrics.serve(host.strip("[]"), self.config.metrics_port)
@@ -196,10 +263,11 @@ class GradientServer:
                 handle.write(f"{self.port}\n")
             os.replace(tmp, self.config.port_file)
         log.info(
-            "coordinator listening on %s for %d worker(s), session %#x",
+            "coordinator listening on %s for %d worker(s), session %#x; job %s",
             self.address,
             self.config.world_size,
             self.session_id,
+            self.state.value,
         )
         return self.port
 
@@ -245,21 +313,24 @@ class GradientServer:
 
     async def _shutdown(self, reason: str) -> None:
         log.info("shutting down: %s", reason)
+        self._cancel_rejoin_timer()
         await self._health.enter_graceful_shutdown()
         self._broadcast(ShutdownOut(reason))
-        deadline = time.monotonic() + self.config.drain_timeout
-        while self._table.has_pending() and time.monotonic() < deadline and self._streams:
-            await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout
+        while self._table.has_pending() and self._streams:
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), deadline - loop.time())
+            except TimeoutError:
+                break
         self._deliver(self._table.fail_all(grpc.StatusCode.UNAVAILABLE, f"coordinator {reason}"))
-        for stream in list(self._streams.values()):
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.by_shutdown = True
             stream.end(None)
-        if self._streams:
-            await asyncio.wait(
-                [asyncio.ensure_future(asyncio.sleep(self.config.drain_timeout))]
-                + [asyncio.ensure_future(self._stream_gone(w)) for w in list(self._streams)],
-                return_when=asyncio.ALL_COMPLETED,
-                timeout=self.config.drain_timeout,
-            )
+        if streams:
+            await asyncio.wait([s.closed for s in streams], timeout=max(0.0, deadline - loop.time()))
         if self._monitor is not None:
             self._monitor.cancel()
         if self._server is not None:
@@ -268,9 +339,82 @@ class GradientServer:
         self._stopped.set()
         log.info("coordinator stopped")
 
-    async def _stream_gone(self, worker_id: int) -> None:
-        while worker_id in self._streams:
-            await asyncio.sleep(0.02)
+    # --- job state ----------------------------------------------------------------------------
+
+    def _set_state(self, new: JobState, why: str) -> None:
+        if new is self.state:
+            return
+        old, self.state = self.state, new
+        self.metrics.job_state.state(new.value)
+        if new is JobState.FAILED:
+            self.failure = why
+            log.error("job failed: %s", why)
+        else:
+            log.info("job %s -> %s: %s", old.value, new.value, why)
+        if new is not JobState.RESTARTING:
+            self._cancel_rejoin_timer()
+        if new in (JobState.FINISHED, JobState.FAILED):
+            self.request_stop(f"job {new.value}: {why}")
+
+    def _world_complete(self) -> None:
+        if self.state in (JobState.WAITING, JobState.RESTARTING):
+            self._departures.clear()
+            self._had_loss = False
+            self._set_state(JobState.RUNNING, f"the world of {self.config.world_size} is complete")
+
+    def _job_done(self) -> bool:
+        last = self._table.last_completed_step
+        return self._final_step is not None and last is not None and last >= self._final_step
+
+    def _after_departure(self, lost: bool) -> None:
+        """Moves the job on after a member left (`lost`: without a goodbye)."""
+        assert self._membership is not None
+        if self._stopping is not None or self.state not in (JobState.RUNNING, JobState.RESTARTING):
+            return
+        self._had_loss = self._had_loss or lost
+        empty = self._membership.joined == 0
+        if empty and self._job_done():
+            self._set_state(
+                JobState.FINISHED,
+                f"step {self._final_step} (--max-steps {self.config.max_steps}) done and every worker left",
+            )
+            return
+        if empty:
+            self._reset_job()
+            if not self._had_loss and self._final_step is None:
+                self._departures.clear()
+                self._set_state(JobState.WAITING, "every worker left; the next Join starts a new job")
+                return
+        if empty or (lost and self.config.on_worker_loss == "abort"):
+            self._restarting()
+
+    def _restarting(self) -> None:
+        self._set_state(JobState.RESTARTING, "; ".join(self._departures))
+        if self._rejoin_timer is None:
+            self._rejoin_timer = asyncio.get_running_loop().call_later(
+                self.config.rejoin_timeout, self._rejoin_expired
+            )
+
+    def _rejoin_expired(self) -> None:
+        self._rejoin_timer = None
+        if self.state is JobState.RESTARTING and self._stopping is None:
+            self._set_state(
+                JobState.FAILED,
+                f"the world of {self.config.world_size} did not complete again within --rejoin-timeout "
+                f"{self.config.rejoin_timeout:g} s: {'; '.join(self._departures)}",
+            )
+
+    def _cancel_rejoin_timer(self) -> None:
+        if self._rejoin_timer is not None:
+            self._rejoin_timer.cancel()
+            self._rejoin_timer = None
+
+    def _reset_job(self) -> None:
+        """No member is left: nothing of this job may leak into the next joiners' (ids, steps,
+        reductions, barriers, shards, fingerprint)."""
+        self._table = self._new_table()
+        self._counted = (0, 0)
+        log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
 
     # --- Join -----------------------------------------------------------------------------------
 
@@ -283,9 +427,9 @@ class GradientServer:
                     f"node {request.node_id!r} speaks protocol version {request.protocol_version}, "
                     f"this coordinator {codec.PROTOCOL_VERSION}"
                 )
-            if self._stopping is not None:
-                raise UnavailableError("the coordinator is shutting down")
-            member = await self._membership.join(request, self._identity(context))
+            if self._stopping is not None or self.state in (JobState.FINISHED, JobState.FAILED):
+                raise UnavailableError(f"the coordinator is shutting down (job {self.state.value})")
+            member = await self._membership.join(request, self._identity(context), peer_host(context.peer()))
         except GradServerError as exc:
             self.metrics.errors.labels(exc.code.name).inc()
             await context.abort(exc.code, exc.message)
@@ -293,6 +437,7 @@ class GradientServer:
         finally:
             self.metrics.workers_joined.set(self._membership.joined)
         self._table.worker_joined(member.worker_id)
+        self._world_complete()
         cfg = self.config
         return codec.encode_join_accepted(
             JoinAccepted(
@@ -309,6 +454,7 @@ class GradientServer:
                 step_timeout_s=cfg.step_timeout,
                 max_steps=cfg.max_steps,
                 resume_step=self._membership.resume_step(),
+                local_workers=self._membership.local_workers(member),
             )
         )
 
@@ -320,7 +466,8 @@ class GradientServer:
         assert self._membership is not None
         try:
             member = self._authenticate(context)
-            if member.worker_id in self._streams:
+            existing = self._streams.get(member.worker_id)
+            if existing is not None and existing.member is member:
                 raise FailedPreconditionError(
                     f"worker {member.worker_id} already has an Exchange stream open",
                     worker_id=member.worker_id,
@@ -331,6 +478,10 @@ class GradientServer:
             self.metrics.errors.labels(exc.code.name).inc()
             await context.abort(exc.code, exc.message)
             raise
+        if existing is not None:
+            # The stream of this place's previous member is still closing: it cannot block the
+            # new member, who replaces it.
+            existing.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} was replaced"))
         stream = _WorkerStream(member, context)
         member.streaming = True
         member.last_seen = time.monotonic()
@@ -345,28 +496,46 @@ class GradientServer:
             cancelled = False
         finally:
             reader.cancel()
-            left = not cancelled and status is None and stream.said_goodbye
-            if left:
-                why = "left the job"
-            elif cancelled:
-                why = "disconnected (its stream was cancelled)"
-            elif status is not None:
-                why = status[1]
-            else:
-                why = "disconnected (its stream ended without a goodbye)"
-            if self._membership.remove(member, why, expected=left):
-                self._worker_gone(member.worker_id, why, lost=not left)
-            stream.outbound.put_nowait(_STOP)
-            try:
-                await asyncio.wait_for(writer, timeout=self.config.drain_timeout)
-            except (TimeoutError, asyncio.CancelledError):
-                writer.cancel()
+            self._stream_ended(stream, status, cancelled)
+            await self._finish_writer(stream, writer, drain=not cancelled)
             if self._streams.get(member.worker_id) is stream:
                 del self._streams[member.worker_id]
             member.streaming = False
-            self._after_membership_change()
+            stream.closed.set_result(None)
+            self._progress.set()
         if status is not None:
             await context.abort(status[0], status[1])
+
+    def _stream_ended(
+        self, stream: _WorkerStream, status: tuple[grpc.StatusCode, str] | None, cancelled: bool
+    ) -> None:
+        """Frees the member's place (when it still holds it) with the reason its stream ended."""
+        assert self._membership is not None
+        member = stream.member
+        left = not cancelled and status is None and stream.said_goodbye
+        expected = left or (not cancelled and status is None and stream.by_shutdown)
+        if left:
+            why = "left the job"
+        elif expected:
+            why = "disconnected: the coordinator is shutting down"
+        elif cancelled:
+            why = "disconnected (its stream was cancelled)"
+        elif status is not None:
+            why = status[1]
+        else:
+            why = "disconnected (its stream ended without a goodbye)"
+        if self._membership.remove(member, why, expected=expected):
+            self._worker_gone(member.worker_id, why, lost=not expected)
+
+    async def _finish_writer(self, stream: _WorkerStream, writer: asyncio.Task[None], *, drain: bool) -> None:
+        """Lets the writer send what is queued (bounded by drain_timeout; not at all for a
+        cancelled stream, whose peer is gone). Never raises: the caller's clean-up must run."""
+        stream.outbound.put_nowait(_STOP)
+        if drain:
+            await asyncio.wait([writer], timeout=self.config.drain_timeout)
+        if not writer.done():
+            writer.cancel()
+            await asyncio.wait([writer])
 
     def _identity(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
         """The client certificate's name under mutual TLS; None otherwise."""
@@ -379,7 +548,14 @@ class GradientServer:
         self.metrics.workers_joined.set(self._membership.joined)
         if lost:
             self.metrics.workers_lost.inc()
+        self._departures.append(f"worker {worker_id} {reason}")
         self._deliver(self._table.worker_lost(worker_id, reason))
+        self._after_departure(lost)
+
+    def _auth_refused(self, peer: str, code: grpc.StatusCode, check: str) -> None:
+        """Logs and counts a refused credential (the peer and the check, never a secret)."""
+        self.metrics.errors.labels(code.name).inc()
+        log.warning("refused a call from %s: %s", peer, check)
 
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
         assert self._membership is not None
@@ -389,13 +565,25 @@ class GradientServer:
             session_id = int(metadata[META_SESSION_ID])
             token = int(metadata[META_MEMBER_TOKEN])
         except (KeyError, ValueError, TypeError):
+            log.warning("refused an Exchange from %s: no membership metadata", context.peer())
             raise FailedPreconditionError(
                 f"Exchange needs metadata {META_WORKER_ID}, {META_SESSION_ID} and "
                 f"{META_MEMBER_TOKEN} from Join"
             ) from None
-        member = self._membership.authenticate(worker_id, session_id, token)
+        try:
+            member = self._membership.authenticate(worker_id, session_id, token)
+        except GradServerError as exc:
+            log.warning("refused an Exchange from %s: %s", context.peer(), exc.message)
+            raise
         presented = self._identity(context)
         if member.identity is not None and presented != member.identity:
+            log.warning(
+                "refused an Exchange from %s: certificate %r does not match worker %d's %r",
+                context.peer(),
+                presented,
+                worker_id,
+                member.identity,
+            )
             raise PermissionDeniedError(
                 f"worker {worker_id} joined as certificate {member.identity!r}; this connection "
                 f"presents {presented!r} and cannot act as it",
@@ -417,6 +605,10 @@ class GradientServer:
         w = stream.member.worker_id
         while True:
             while self._over_budget(stream):
+                if not stream.paused:
+                    log.debug(
+                        "holding back worker %d's stream (in-flight budget full)", w, extra={"worker_id": w}
+                    )
                 stream.paused = True
                 stream.room.clear()
                 await stream.room.wait()
@@ -434,7 +626,8 @@ class GradientServer:
                     return
             except GradServerError as exc:
                 log.info("rejected message: %s", exc.message, extra={"worker_id": w, "step": exc.step})
-                self._send_error(stream, exc.code, exc.message, exc.step or 0)
+                key = refused_key(raw) if exc.key is not None else None
+                self._send_error(stream, exc.code, exc.message, exc.step or 0, key)
 
     def _handle(self, stream: _WorkerStream, event: WorkerEvent) -> bool:
         """Dispatches one decoded message; True when the worker announced that it leaves."""
@@ -452,39 +645,33 @@ class GradientServer:
             stream.send(codec.encode_server_event(HeartbeatAckOut(event.sequence)))
             return False
         if isinstance(event, ChunkIn):
-            if self._beyond_final_step(stream, event.key.step):
+            if self._beyond_final_step(stream, event.key.step, key=event.key):
                 return False
             self._deliver(self._table.contribute(event))
         elif isinstance(event, BarrierIn):
-            if self._beyond_final_step(stream, event.step):
+            if self._beyond_final_step(stream, event.step, barrier=event.name):
                 return False
             self._deliver(self._table.barrier(event))
         elif isinstance(event, ShardRequestIn):
             self._deliver(self._table.shard(event))
-        self._check_step_limit()
         return False
 
-    def _beyond_final_step(self, stream: _WorkerStream, step: int) -> bool:
+    def _beyond_final_step(
+        self, stream: _WorkerStream, step: int, *, key: TensorKey | None = None, barrier: str | None = None
+    ) -> bool:
         if self._final_step is None or step <= self._final_step:
             return False
         message = (
-            f"step {step} refused: the coordinator ran its --max-steps {self.config.max_steps} "
-            f"steps (last step {self._final_step})"
+            f"step {step} refused: --max-steps {self.config.max_steps} ends the job after step "
+            f"{self._final_step}"
         )
-        self._send_error(stream, grpc.StatusCode.FAILED_PRECONDITION, message, step)
-        self.request_stop(f"reached --max-steps {self.config.max_steps}")
+        self._send_error(stream, grpc.StatusCode.FAILED_PRECONDITION, message, step, key, barrier)
         return True
 
     def _check_step_limit(self) -> None:
-        limit = self.config.max_steps
-        if limit and self._final_step is None and self._table.steps_completed >= limit:
-            last = self._table.last_completed_step
-            self._final_step = max(self._table.pending_steps() | {-1 if last is None else last})
-            log.info("reached --max-steps %d at step %d", limit, self._final_step)
-
-    def _after_membership_change(self) -> None:
-        if self._final_step is not None and not self._streams and self._stopping is None:
-            self.request_stop(f"all workers left after --max-steps {self.config.max_steps}")
+        if not self._limit_logged and self._job_done():
+            self._limit_logged = True
+            log.info("reached --max-steps %d at step %s", self.config.max_steps, self._final_step)
 
     async def _write_loop(self, stream: _WorkerStream) -> None:
         while True:
@@ -495,14 +682,34 @@ class GradientServer:
             try:
                 await stream.context.write(item)
                 self.metrics.sent_bytes.inc(len(item))
+            except Exception as exc:  # noqa: BLE001 - any failed write (e.g. ExecuteBatchError) means the peer is gone
+                log.info("writing to worker %d failed: %r", stream.member.worker_id, exc)
+                stream.end(
+                    (
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"writing to worker {stream.member.worker_id} failed: {exc!r}",
+                    )
+                )
+                return
             finally:
                 stream.outbound_bytes -= len(item)
+                stream.write_progress = time.monotonic()
                 self._wake_readers()
 
-    def _send_error(self, stream: _WorkerStream, code: grpc.StatusCode, message: str, step: int) -> None:
-        """An in-stream error about one message of this worker (counted in the metrics)."""
+    def _send_error(
+        self,
+        stream: _WorkerStream,
+        code: grpc.StatusCode,
+        message: str,
+        step: int,
+        key: TensorKey | None = None,
+        barrier: str | None = None,
+    ) -> None:
+        """An in-stream error about one message of this worker (counted in the metrics); with
+        `key` (or `barrier`), the worker fails only that result (or barrier wait)."""
         self.metrics.errors.labels(code.name).inc()
-        stream.send(codec.encode_server_event(ErrorOut(int(code.value[0]), message, step)))
+        event = ErrorOut(int(code.value[0]), message, step, key=key, barrier_name=barrier)
+        stream.send(codec.encode_server_event(event))
 
     def _over_budget(self, stream: _WorkerStream) -> bool:
         held = self._table.buffered_bytes(stream.member.worker_id) + stream.outbound_bytes
@@ -529,6 +736,8 @@ class GradientServer:
         self.metrics.steps_completed.inc(steps - self._counted[0])
         self.metrics.keys_reduced.inc(keys - self._counted[1])
         self._counted = (steps, keys)
+        self._check_step_limit()
+        self._progress.set()
 
     def _broadcast(self, event: ShutdownOut) -> None:
         raw = codec.encode_server_event(event)
@@ -537,27 +746,55 @@ class GradientServer:
 
     # --- liveness -------------------------------------------------------------------------------
 
+    def _start_monitor(self) -> None:
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="gradserver-monitor")
+        self._monitor.add_done_callback(self._monitor_done)
+
+    def _monitor_done(self, task: asyncio.Task[None]) -> None:
+        """Heartbeat eviction and step expiry must never end silently: a failed monitor is
+        logged and restarted; one that keeps failing fails the job."""
+        if task.cancelled() or self._stopping is not None:
+            return
+        exc = task.exception()
+        self._monitor_failures += 1
+        log.error("liveness monitor failed (%d in a row): %r", self._monitor_failures, exc, exc_info=exc)
+        if self._monitor_failures >= _MONITOR_RESTARTS:
+            self._set_state(
+                JobState.FAILED, f"the liveness monitor failed {self._monitor_failures} times: {exc!r}"
+            )
+            return
+        self._start_monitor()
+
     async def _monitor_loop(self) -> None:
-        assert self._membership is not None
         tick = min(1.0, self.config.heartbeat_timeout / 4)
         while True:
             await asyncio.sleep(tick)
-            now = time.monotonic()
-            for member in self._membership.members():
-                stream = self._streams.get(member.worker_id)
-                if stream is not None and stream.paused:
-                    continue
-                silent = now - member.last_seen
-                # A member that never opened its stream is silent too, once the world is
-                # complete (before that, Join itself is still waiting for others).
-                watched = member.streaming or self._membership.joined == self.config.world_size
-                if watched and silent > self.config.heartbeat_timeout:
+            self._check_liveness(time.monotonic())
+            self._deliver(self._table.expire())
+            self._monitor_failures = 0
+
+    def _check_liveness(self, now: float) -> None:
+        assert self._membership is not None
+        limit = self.config.heartbeat_timeout
+        for member in self._membership.members():
+            stream = self._streams.get(member.worker_id)
+            if stream is not None and stream.member is member:
+                stalled = stream.stalled_for(now)
+                if stalled > limit:
                     self._evict(
                         member,
-                        f"lost: no message for {silent:.1f} s (heartbeat timeout "
-                        f"{self.config.heartbeat_timeout:g} s)",
+                        f"lost: it read nothing of its results for {stalled:.1f} s (heartbeat "
+                        f"timeout {limit:g} s)",
                     )
-            self._deliver(self._table.expire())
+                    continue
+                if stream.paused:
+                    continue  # the coordinator holds it back: its silence is not its fault
+            silent = now - member.last_seen
+            # A member that never opened its stream is silent too, once the world is
+            # complete (before that, Join itself is still waiting for others).
+            watched = member.streaming or self._membership.complete
+            if watched and silent > limit:
+                self._evict(member, f"lost: no message for {silent:.1f} s (heartbeat timeout {limit:g} s)")
 
     def _evict(self, member: Member, reason: str) -> None:
         assert self._membership is not None
@@ -567,3 +804,36 @@ class GradientServer:
         stream = self._streams.get(member.worker_id)
         if stream is not None:
             stream.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))
+
+
+def _check_port_free(bind: str) -> None:
+    """Raises AddressInUseError when another process listens on `bind`'s port, before gRPC tries
+    (whose own failure is a multi-line core log). Port 0 is always free."""
+    host, port = parse_address(bind)
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError:
+        return  # unresolvable: gRPC's own bind reports it
+    with socket.socket(family, kind, proto) as probe:
+        # The same option gRPC sets: a port left in TIME_WAIT is free, a listening one is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise AddressInUseError(f"cannot bind {bind}: {exc.strerror or exc}") from None
+
+
+def refused_key(raw: bytes) -> TensorKey | None:
+    """The key of a chunk the codec refused after parsing its key, so the error names it and the
+    worker fails only that key's result instead of every pending one."""
+    try:
+        msg = pb.WorkerMessage.FromString(raw)
+        if msg.WhichOneof("kind") != "chunk":
+            return None
+        return codec._key_from_pb(msg.chunk.key, who="refused chunk", limits=None)
+    except (GradServerError, ValueError):
+        return None

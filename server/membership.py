@@ -1,9 +1,12 @@
-"""Who is in the job: join, worker ids, member tokens and liveness.
+"""Who is in the job: join, worker ids, member tokens, the job's fingerprint and liveness.
 
-Worker ids are handed out lowest-free-first. The first `world_size` joiners wait until the world
-is complete (or the join timeout passes, which frees their places again). A place whose worker was
-lost can be taken by a new joiner, which gets the same worker id and a new member token, so a
-resumed zombie holding the old token is refused instead of mixing old data into a new step.
+Worker ids are handed out lowest-free-first. Every joiner waits until the world is complete (or
+the join timeout passes, which frees its place again): a Join never returns while a place is
+empty. A place whose worker was lost can be taken by a new joiner, which gets the same worker id
+and a new member token, so a resumed zombie holding the old token is refused instead of mixing
+old data into a new step. The first member's fingerprint (settings every worker must share)
+defines the job until the last member is gone; a joiner whose fingerprint differs is refused
+before it takes a place.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 
 from gradserver.common.errors import (
     DeadlineExceededError,
@@ -35,6 +39,7 @@ class Member:
     streaming: bool = False
     identity: str | None = None
     committed_step: int | None = None
+    host: str = ""
 
 
 class Membership:
@@ -44,6 +49,7 @@ class Membership:
         self.session_id = session_id
         self._members: list[Member | None] = [None] * world_size
         self._complete = asyncio.Event()
+        self._fingerprint: dict[str, str] | None = None
 
     @property
     def joined(self) -> int:
@@ -57,9 +63,19 @@ class Membership:
             return self._members[worker_id]
         return None
 
-    async def join(self, request: JoinRequestIn, identity: str | None = None) -> Member:
+    @property
+    def complete(self) -> bool:
+        return self._complete.is_set()
+
+    def local_workers(self, member: Member) -> int:
+        """How many members connect from the same host as `member` (itself included)."""
+        return sum(1 for m in self.members() if m.host == member.host)
+
+    async def join(self, request: JoinRequestIn, identity: str | None = None, host: str = "") -> Member:
         """Takes the lowest free place and waits for the world to be complete. `identity` (the
-        client certificate's name under mutual TLS) is bound to the place."""
+        client certificate's name under mutual TLS) is bound to the place; `host` is the peer's
+        address without its port."""
+        self._check_fingerprint(request)
         free = [i for i, m in enumerate(self._members) if m is None]
         if not free:
             raise ResourceExhaustedError(
@@ -76,7 +92,10 @@ class Membership:
             last_seen=time.monotonic(),
             identity=identity,
             committed_step=request.committed_step,
+            host=host,
         )
+        if self._fingerprint is None:
+            self._fingerprint = dict(request.fingerprint)
         self._members[worker_id] = member
         log.info(
             "worker %d joined: node %r, %d GPU(s), backend %r (%d of %d)",
@@ -105,6 +124,18 @@ class Membership:
             raise
         member.last_seen = time.monotonic()
         return member
+
+    def _check_fingerprint(self, request: JoinRequestIn) -> None:
+        """Refuses a joiner whose settings differ from the job's, naming every field and both
+        values."""
+        job = self._fingerprint
+        if job is None:
+            return
+        differences = fingerprint_differences(request.fingerprint, job)
+        if differences:
+            raise FailedPreconditionError(
+                f"node {request.node_id!r} does not match the job: {', '.join(differences)}"
+            )
 
     def resume_step(self) -> int | None:
         """Where a rejoining world resumes: the fewest steps any member reported applied."""
@@ -152,3 +183,21 @@ class Membership:
     def _vacate(self, member: Member) -> None:
         if self._members[member.worker_id] is member:
             self._members[member.worker_id] = None
+            # A later joiner waits for the world to be complete again.
+            self._complete.clear()
+            if self.joined == 0:
+                self._fingerprint = None
+
+
+def fingerprint_differences(joiner: Mapping[str, str], job: Mapping[str, str]) -> list[str]:
+    """'field joiner != job (job)' for every field that differs, is missing or is extra."""
+    out = []
+    for name in sorted(set(joiner) | set(job)):
+        mine, theirs = joiner.get(name), job.get(name)
+        if mine != theirs:
+            out.append(f"{name} {_shown(mine)} != {_shown(theirs)} (job)")
+    return out
+
+
+def _shown(value: str | None) -> str:
+    return "(missing)" if value is None else value

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, start_http_server
 
 log = logging.getLogger("gradserver.server.metrics")
 
@@ -29,7 +29,9 @@ class CoordinatorMetrics:
             "gradserver_workers_lost", "Workers lost or evicted (not counting goodbyes)", registry=registry
         )
         self.steps_completed = Counter(
-            "gradserver_steps_completed", "Steps with at least one key fully averaged", registry=registry
+            "gradserver_steps_completed",
+            "Steps with every key and barrier done, not failed, and every worker moved on or left",
+            registry=registry,
         )
         self.keys_reduced = Counter("gradserver_keys_reduced", "Keys fully averaged", registry=registry)
         self.received_bytes = Counter(
@@ -52,6 +54,13 @@ class CoordinatorMetrics:
         )
         self.errors = Counter(
             "gradserver_errors", "Errors sent to workers, by gRPC status code", ["code"], registry=registry
+        )
+        self.job_state = Enum(
+            "gradserver_job_state",
+            "The job's state: waiting (for joins), running, restarting (a lost worker's place may be "
+            "retaken), finished, failed",
+            states=["waiting", "running", "restarting", "finished", "failed"],
+            registry=registry,
         )
         self._http: Any = None
         self.port = 0

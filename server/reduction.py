@@ -11,8 +11,12 @@ Rules (docs/PROTOCOL.md lists them with their status codes):
 - A message that is wrong on its own (stale or future step, duplicate) is rejected to its sender
   without changing any state, so what was already accepted stays counted exactly once.
 - A message that disagrees with what other workers sent for the same key (sizes, num_blocks),
-  a non-finite value, a lost worker, a worker that moved to a later step without sending a key,
-  or a timeout fails the step: the culprit gets its own code, everyone else ABORTED.
+  a non-finite value, a lost worker, a worker that moved to a later step without sending a key
+  (also a key first opened after one of its workers moved on), or a timeout fails the step: the
+  culprit gets its own code, everyone else ABORTED.
+- A step counts as completed only when it did not fail, none of its keys or barriers is pending,
+  and every worker expected at it has moved to a later step or left: the table cannot know a
+  step's last key before its workers move on.
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ class ReductionTable:
         self._buffered = [0] * world_size
         self._shard_shape: tuple[int, int] | None = None
         self._step_stats: collections.OrderedDict[int, _StepStats] = collections.OrderedDict()
+        self._open_steps: set[int] = set()  # steps seen, neither failed nor counted yet
         self.steps_completed = 0
         self.keys_reduced = 0
         self.contributions_counted = 0
@@ -189,12 +194,14 @@ class ReductionTable:
         self._vacant[worker_id] = reason
         self._worker_step[worker_id] = None
         if self.on_worker_loss == "continue":
-            return self._continue_without(worker_id, reason)
-        out: list[Outgoing] = []
-        for step in sorted(self.pending_steps()):
-            out += self._fail_step(
-                step, f"step {step} aborted: worker {worker_id} {reason}", culprit=worker_id
-            )
+            out = self._continue_without(worker_id, reason)
+        else:
+            out = []
+            for step in sorted(self.pending_steps()):
+                out += self._fail_step(
+                    step, f"step {step} aborted: worker {worker_id} {reason}", culprit=worker_id
+                )
+        self._settle_steps()
         return out
 
     def worker_joined(self, worker_id: int) -> None:
@@ -248,6 +255,11 @@ class ReductionTable:
 
     def contribute(self, chunk: ChunkIn) -> list[Outgoing]:
         """Accepts, rejects or reduces one chunk of one worker's contribution."""
+        out = self._contribute(chunk)
+        self._settle_steps()
+        return out
+
+    def _contribute(self, chunk: ChunkIn) -> list[Outgoing]:
         w, key = chunk.worker_id, chunk.key
         rejected = self._admit(w, key.step, key, what=str(key))
         if rejected is not None:
@@ -282,6 +294,9 @@ class ReductionTable:
         out = self._advance_worker(w, key.step)
         if slot is None:
             slot = self._open(key, chunk.header)
+            behind = self._left_behind(key.step, slot.expected, str(key), key)
+            if behind:
+                return out + behind
         elif (mismatch := self._header_mismatch(slot, chunk)) is not None:
             return out + self._fail_step(key.step, mismatch, culprit=w, culprit_code=_INVALID, key=key)
         if w not in slot.expected:
@@ -323,6 +338,12 @@ class ReductionTable:
         return out
 
     def barrier(self, arrival: BarrierIn) -> list[Outgoing]:
+        """Records one worker's arrival at a barrier; releases it when every worker arrived."""
+        out = self._barrier(arrival)
+        self._settle_steps()
+        return out
+
+    def _barrier(self, arrival: BarrierIn) -> list[Outgoing]:
         w, step, name = arrival.worker_id, arrival.step, arrival.name
         what = f"step {step} barrier {name!r}"
         rejected = self._admit(w, step, name, what=what)
@@ -345,6 +366,10 @@ class ReductionTable:
             bar = self._barriers[(step, name)] = _Barrier(
                 step, name, now + self.step_timeout, now, expected=self._expected(step)
             )
+            self._open_steps.add(step)
+            behind = self._left_behind(step, bar.expected, what)
+            if behind:
+                return out + behind
         if w in bar.arrived:
             return out + self._reject(w, step, _INVALID, name, f"worker {w} arrived at {what} twice")
         bar.arrived.add(w)
@@ -504,7 +529,42 @@ class ReductionTable:
         )
         self._high_step = max(self._high_step, key.step)
         self._pending[key.slot] = slot
+        self._open_steps.add(key.step)
         return slot
+
+    def _left_behind(
+        self, step: int, expected: frozenset[int], what: str, key: TensorKey | None = None
+    ) -> list[Outgoing]:
+        """Fails `step` at once when a worker expected at a key or barrier that just opened has
+        already moved to a later step: steps only move forward, so it will never send it."""
+        for w in sorted(expected):
+            if self._moved_past(w, step):
+                return self._fail_step(
+                    step,
+                    f"worker {w} moved on to step {self._worker_step[w]} without completing {what}",
+                    culprit=w,
+                    culprit_code=_PRECONDITION,
+                    key=key,
+                )
+        return []
+
+    def _moved_past(self, w: int, step: int) -> bool:
+        known = self._worker_step[w]
+        return known is not None and known > step
+
+    def _settle_steps(self) -> None:
+        """Counts every open step that can no longer change: nothing of it pending, and every
+        worker expected at it moved to a later step or left."""
+        if not self._open_steps:
+            return
+        pending = self.pending_steps()
+        for step in sorted(self._open_steps - pending):
+            if not all(self._moved_past(w, step) for w in self._expected(step)):
+                continue
+            self._open_steps.discard(step)
+            self.steps_completed += 1
+            if self._last_completed_step is None or step > self._last_completed_step:
+                self._last_completed_step = step
 
     def _header_mismatch(self, slot: _Slot, chunk: ChunkIn) -> str | None:
         ref, got, w = slot.header, chunk.header, chunk.worker_id
@@ -569,9 +629,6 @@ class ReductionTable:
             self.keys_reduced += 1
             if self._on_key_reduced is not None:
                 self._on_key_reduced(self._clock() - slot.opened)
-            if self._last_completed_step != slot.key.step:
-                self._last_completed_step = slot.key.step
-                self.steps_completed += 1
         return out
 
     @staticmethod
@@ -599,6 +656,7 @@ class ReductionTable:
             return []
         failure = _Failure(code, message, culprit, culprit_code)
         self._failed[step] = failure
+        self._open_steps.discard(step)
         while len(self._failed) > _FAILED_STEPS_KEPT:
             self._failed.popitem(last=False)
         for ident, slot in list(self._pending.items()):

@@ -128,6 +128,27 @@ def _check_invariants(table: ReductionTable, out: list, world: int) -> None:
         assert table.buffered_bytes(w) >= 0
     if not table.has_pending():
         assert all(table.buffered_bytes(w) == 0 for w in range(world))
+    _check_no_abandoned_step(table)
+
+
+def _check_no_abandoned_step(table: ReductionTable) -> None:
+    """No key or barrier stays pending once every worker that still owes it moved to a later
+    step (steps only move forward, so it could only end at the step timeout)."""
+
+    def moved_on(w: int, step: int) -> bool:
+        known = table._worker_step[w]
+        return known is not None and known > step
+
+    for slot in table._pending.values():
+        owing = slot.missing_workers()
+        assert not owing or not all(moved_on(w, slot.key.step) for w in owing), (
+            f"{slot.key} is pending, but every worker that owes it moved on: {owing}"
+        )
+    for bar in table._barriers.values():
+        owing = sorted(bar.expected - bar.arrived)
+        assert not owing or not all(moved_on(w, bar.step) for w in owing), (
+            f"step {bar.step} barrier {bar.name!r} is pending, but every worker that owes it moved on"
+        )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -167,6 +188,47 @@ def test_reduction_table_survives_any_sequence(events: list, policy: str) -> Non
             else:
                 out = []
         _check_invariants(table, out, world)
+
+
+def _whole_contribution(worker: int, step: int, which: int) -> list[ChunkIn]:
+    chunks = []
+    for index in range(3):
+        event = _decode(_valid_chunk(worker, step, which, index, 1.0))
+        assert isinstance(event, ChunkIn)
+        if all(c.offset != event.offset for c in chunks):
+            chunks.append(event)
+    return chunks
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("key"), st.integers(0, 1), st.integers(0, 2), st.integers(0, 2)),
+            st.tuples(st.just("barrier"), st.integers(0, 1), st.integers(0, 2), st.integers(0, 1)),
+            st.tuples(st.just("lost"), st.integers(0, 1), st.just(0), st.just(0)),
+            st.tuples(st.just("joined"), st.integers(0, 1), st.just(0), st.just(0)),
+        ),
+        max_size=40,
+    ),
+    st.sampled_from(["abort", "continue"]),
+)
+def test_no_step_stays_pending_after_its_contributors_moved_on(events: list, policy: str) -> None:
+    """Well-formed whole contributions in any order of workers, steps and keys: whatever is
+    still pending is owed by a worker that has not moved past its step."""
+    table = ReductionTable(2, CHUNK, 300.0, lambda: 0.0, on_worker_loss=policy)
+    for kind, worker, step, which in events:
+        out: list = []
+        if kind == "key":
+            for chunk in _whole_contribution(worker, step, which):
+                out += table.contribute(chunk)
+        elif kind == "barrier":
+            out = table.barrier(BarrierIn(worker, step, "ab"[which]))
+        elif kind == "lost":
+            out = table.worker_lost(worker, "fuzzed away")
+        else:
+            table.worker_joined(worker)
+        _check_invariants(table, out, 2)
 
 
 def test_a_live_coordinator_answers_garbage_with_status_codes(coordinator) -> None:

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -101,19 +100,20 @@ def test_health_is_serving_then_not_serving_during_graceful_shutdown(coordinator
     )
     assert cli.returncode == 0 and "SERVING" in cli.stdout
     clients = connect_all(server.address, 2)
+    channel = grpc.insecure_channel(server.address)
     try:
         sizes = SHAPES["tiny"].block_sizes
         clients[0].send_block_gradient(0, 0, 1, np.ones(sum(sizes), np.float32), sizes)
+        # Watch, not polling Check: a graceful stop may now end within milliseconds.
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         stopper = threading.Thread(target=server.stop)
         stopper.start()
-        deadline = time.monotonic() + 5
-        status = "SERVING"
-        while status == "SERVING" and time.monotonic() < deadline:
-            status = _health(server.address)
-            time.sleep(0.02)
-        assert status == "NOT_SERVING"
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
         stopper.join(30)
     finally:
+        channel.close()
         for c in clients:
             c.close()
 

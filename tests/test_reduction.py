@@ -88,7 +88,7 @@ def test_memory_is_freed_chunk_by_chunk() -> None:
     for c in (b[1], a[2], b[2]):
         t.contribute(c)
     assert t.buffered_bytes(0) == t.buffered_bytes(1) == 0 and not t.has_pending()
-    assert t.steps_completed == 1 and t.contributions_counted == 2
+    assert t.keys_reduced == 1 and t.contributions_counted == 2
 
 
 def test_zero_element_tensor_completes() -> None:
@@ -187,3 +187,73 @@ def test_shard_requests_must_agree(world: int) -> None:
     assert isinstance(ok.event, ShardAssignmentOut)
     [bad] = t.shard(ShardRequestIn(0, 1, 99, 3))
     assert isinstance(bad.event, ErrorOut) and "this job uses 100 samples" in bad.event.message
+
+
+EMB0 = TensorKey.non_block(0, NonBlockComponent.EMBEDDING)
+NORM0 = TensorKey.non_block(0, NonBlockComponent.FINAL_NORM)
+EMB1 = TensorKey.non_block(1, NonBlockComponent.EMBEDDING)
+NORM1 = TensorKey.non_block(1, NonBlockComponent.FINAL_NORM)
+
+
+def send(t: ReductionTable, worker: int, key: TensorKey, value: float = 1.0) -> list:
+    out: list = []
+    for c in chunks(worker, key, np.full(4, value, np.float32)):
+        out += t.contribute(c)
+    return out
+
+
+def test_a_key_opened_after_one_of_its_workers_moved_on_fails_at_once() -> None:
+    """Issue 10 item 4a: worker 0 moved to step 1 without final_norm@0; worker 1 then opens
+    final_norm@0, which worker 0 can never send: step 0 fails now, not at the step timeout."""
+    t, clock = table(2, timeout=300.0)
+    send(t, 0, EMB0)
+    send(t, 1, EMB0)
+    send(t, 0, EMB1)
+    out = send(t, 1, NORM0)
+    failed = errors(out)
+    assert failed, "step 0 must fail at once"
+    assert all(e.step_failed and e.step == 0 for _, e in failed)
+    assert (
+        "worker 0 moved on to step 1 without completing step 0 non-block FINAL_NORM" in failed[0][1].message
+    )
+    to_culprit = [e for to, e in failed if to == (0,)]
+    assert to_culprit and to_culprit[0].code == code("FAILED_PRECONDITION")
+    assert 0 not in t.pending_steps()
+    out = send(t, 1, EMB1)
+    assert averages(out), "step 1 goes on"
+    assert t.expire() == [] and clock.now == 0.0
+
+
+def test_a_barrier_opened_after_one_of_its_workers_moved_on_fails_at_once() -> None:
+    t, _ = table(2, timeout=300.0)
+    send(t, 0, EMB1)
+    out = t.barrier(BarrierIn(1, 0, "commit"))
+    failed = errors(out)
+    assert failed and all(e.step_failed and e.step == 0 for _, e in failed)
+    assert "worker 0 moved on to step 1 without completing step 0 barrier 'commit'" in failed[0][1].message
+    assert not t.pending_steps() - {1}
+
+
+def test_a_step_counts_only_when_every_key_is_done_and_its_workers_moved_on() -> None:
+    """Issue 10 item 4b: a step whose first key was reduced and that then fails (NaN in another
+    key) is not counted; a step counts once all its keys are done and its workers moved on."""
+    t, _ = table(2)
+    send(t, 0, EMB0)
+    send(t, 1, EMB0)
+    assert t.keys_reduced == 1 and t.steps_completed == 0, "other keys of step 0 may follow"
+    send(t, 0, NORM0)
+    out = send(t, 1, NORM0, float("nan"))
+    assert errors(out) and all(e.step_failed for _, e in errors(out))
+    send(t, 0, EMB1)
+    send(t, 1, EMB1)
+    assert t.steps_completed == 0 and t.last_completed_step is None, "the failed step 0 is not counted"
+    send(t, 0, NORM1)
+    send(t, 1, NORM1)
+    assert t.steps_completed == 0, "step 1 is still open: its workers have not moved on"
+    t.barrier(BarrierIn(0, 2, "end"))
+    assert t.steps_completed == 0, "worker 1 is still at step 1"
+    t.barrier(BarrierIn(1, 2, "end"))
+    assert t.steps_completed == 1 and t.last_completed_step == 1
+    t.worker_lost(0, "left the job")
+    t.worker_lost(1, "left the job")
+    assert t.steps_completed == 2 and t.last_completed_step == 2, "the last step counts when all left"

@@ -124,8 +124,10 @@ def test_token_is_required_checked_and_never_logged(coordinator, caplog) -> None
     assert cli.returncode == 0
 
 
-def test_a_worker_cannot_act_under_another_workers_id(coordinator, pki: Pki) -> None:
-    """Mutual TLS plus token: worker B, holding worker A's id and member token, is refused."""
+def test_a_worker_cannot_act_under_another_workers_id(coordinator, pki: Pki, caplog) -> None:
+    """Mutual TLS plus token: worker B, holding worker A's id and member token, is refused (and
+    the refusal is logged with the peer and both certificate names)."""
+    caplog.set_level(logging.INFO)
     server = _tls_server(coordinator, pki, mutual=True, world_size=2, auth_token=TOKEN)
     tls_a, tls_b = pki.client("worker-a"), pki.client("worker-b")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -147,6 +149,10 @@ def test_a_worker_cannot_act_under_another_workers_id(coordinator, pki: Pki) -> 
                 list(call)
         assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
         assert "worker-a" in info.value.details() and "worker-b" in info.value.details()
+        refusals = [r.getMessage() for r in caplog.records if "refused an Exchange" in r.getMessage()]
+        assert len(refusals) == 1 and "ipv4:127.0.0.1:" in refusals[0], refusals
+        assert f"certificate 'worker-b' does not match worker {stolen.worker_id}'s 'worker-a'" in refusals[0]
+        assert TOKEN not in caplog.text
         run_each([a, b], lambda c: run_exchange(c, SHAPES["tiny"], 1))  # the real pair still works
     finally:
         a.close()

@@ -1,0 +1,330 @@
+"""The coordinator's job lifecycle (issue 9): a job always ends (finished: exit 0, failed: exit
+1 with one line naming the cause), a fresh job after a clean end leaks nothing of the old one,
+one coordinator per port, mismatched workers refused at Join, co-located workers counted, auth
+refusals logged and counted, and --max-steps as an absolute step number."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Mapping
+
+import grpc
+import numpy as np
+import pytest
+
+from gradserver.common import codec
+from gradserver.common.components import NonBlockComponent
+from gradserver.common.config import CoordinatorConfig
+from gradserver.common.errors import UnavailableError
+from gradserver.common.messages import BarrierIn, JoinAccepted, JoinRequestIn, TensorKey
+from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
+from gradserver.server import GradientServer
+from gradserver.server import coordinator as coordinator_module
+from gradserver.server import membership as membership_module
+from gradserver.worker import WorkerClient
+from gradserver.worker.synthetic import SHAPES, run_exchange
+
+from .helpers.logwait import log_waiter
+from .helpers.raw import RawWorker, join
+from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each
+
+JOB = {"model": "tiny", "seed": "0", "lr": "0.003"}
+
+
+def _join(address: str, node: str, fingerprint: Mapping[str, str], timeout: float = 20.0) -> JoinAccepted:
+    """A bare Join with a fingerprint (raises grpc.RpcError when refused)."""
+    with grpc.insecure_channel(address, options=worker_channel_options()) as channel:
+        request = JoinRequestIn(node, 0, "cpu", codec.PROTOCOL_VERSION, None, dict(fingerprint))
+        raw = channel.unary_unary(JOIN_METHOD)(codec.encode_join_request(request), timeout=timeout)
+    return codec.decode_join_accepted(raw)
+
+
+def _state(server: ServerThread) -> str:
+    return server.call(lambda s: s.state.value)
+
+
+def _wait_ended(server: ServerThread, timeout: float = 30.0) -> GradientServer:
+    """The coordinator stopped by itself (its thread ends when it stops)."""
+    server._thread.join(timeout)
+    assert not server._thread.is_alive(), "the coordinator did not stop by itself"
+    assert server.server is not None
+    return server.server
+
+
+# --- a job always ends ---------------------------------------------------------------------------
+
+
+def test_all_workers_lost_fails_the_job_after_the_rejoin_timeout(coordinator) -> None:
+    server = coordinator(world_size=2, rejoin_timeout=1.5, heartbeat_timeout=60.0)
+    with log_waiter() as logs:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            raws = [RawWorker(*f.result(30)) for f in [pool.submit(join, server.address) for _ in range(2)]]
+        for raw in raws:
+            raw.close()  # the stream ends without a goodbye: lost
+        ended = _wait_ended(server)
+        failed = [r for r in logs.records if r.levelno >= logging.ERROR]
+    assert ended.state.value == "failed" and ended.exit_code == 1
+    assert logs.matching(r"job running -> restarting")
+    assert len(failed) == 1, [r.getMessage() for r in failed]
+    line = failed[0].getMessage()
+    assert "--rejoin-timeout 1.5 s" in line
+    assert "worker 0 disconnected" in line and "worker 1 disconnected" in line
+    sample = ended.metrics.registry.get_sample_value
+    assert sample("gradserver_job_state", {"gradserver_job_state": "failed"}) == 1
+
+
+def test_a_lost_worker_replaced_in_time_keeps_the_job_running(coordinator) -> None:
+    server = coordinator(world_size=2, rejoin_timeout=30.0, heartbeat_timeout=60.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        raws = [RawWorker(*f.result(30)) for f in [pool.submit(join, server.address) for _ in range(2)]]
+    raws.sort(key=lambda r: r.worker_id)
+    with log_waiter() as logs:
+        raws[1].close()
+        logs.wait_for(r"job running -> restarting")
+        replacement = RawWorker(*join(server.address, node_id="replacement"))
+        logs.wait_for(r"job restarting -> running")
+    try:
+        assert replacement.worker_id == 1
+        key = TensorKey.non_block(0, NonBlockComponent.FINAL_NORM)
+        for raw in (raws[0], replacement):
+            raw.send_tensor(key, np.ones(4, np.float32))
+        assert all(_first_average(raw).key == key for raw in (raws[0], replacement))
+    finally:
+        raws[0].close()
+        replacement.close()
+
+
+def _first_average(raw: RawWorker):  # type: ignore[no-untyped-def]
+    while True:
+        event = raw.recv(20)
+        assert not isinstance(event, grpc.RpcError), f"{event.code()}: {event.details()}"
+        if hasattr(event, "data"):
+            return event
+
+
+def test_the_job_finishes_at_the_absolute_max_steps_also_when_resumed(coordinator) -> None:
+    """Issue 10 item 4c: --max-steps 5 with workers resumed at step 3 ends after step 4 (it used
+    to count this session's steps and never end)."""
+    server = coordinator(world_size=2, max_steps=5, heartbeat_timeout=60.0)
+    with log_waiter() as logs:
+        clients = connect_all(server.address, 2)
+        try:
+            run_each(clients, lambda c: run_exchange(c, SHAPES["tiny"], 2, first_step=3))
+        finally:
+            for client in clients:
+                client.close()
+        ended = _wait_ended(server)
+        assert logs.matching(r"reached --max-steps 5 at step 4")
+    assert ended.state.value == "finished" and ended.exit_code == 0
+
+
+def test_a_step_beyond_max_steps_is_refused(coordinator) -> None:
+    server = coordinator(world_size=1, max_steps=2, heartbeat_timeout=60.0)
+    raw = RawWorker(*join(server.address))
+    try:
+        raw.send_tensor(TensorKey.non_block(2, NonBlockComponent.FINAL_NORM), np.ones(4, np.float32))
+        error = raw.recv_error()
+        assert error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert "--max-steps 2 ends the job after step 1" in error.message
+        assert error.key == TensorKey.non_block(2, NonBlockComponent.FINAL_NORM)
+        raw.send(BarrierIn(raw.worker_id, 3, "commit"))
+        refused = raw.recv_error()
+        assert refused.barrier_name == "commit" and refused.step == 3 and refused.key is None
+    finally:
+        raw.close()
+
+
+@pytest.mark.processes
+def test_the_coordinator_exits_1_with_one_line_when_its_workers_are_lost(processes) -> None:
+    coord, address = processes.coordinator(
+        "--world-size", "1", "--rejoin-timeout", "1", "--heartbeat-timeout", "30"
+    )
+    raw = RawWorker(*join(address, node_id="doomed"))
+    raw.close()
+    assert coord.wait(60) == 1, coord.output
+    errors = [line for line in coord.output.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, coord.output
+    assert "job failed" in errors[0] and "worker 0 disconnected" in errors[0]
+
+
+# --- a fresh job after a clean end ---------------------------------------------------------------
+
+
+def test_a_fresh_job_after_every_worker_left_starts_from_scratch(coordinator) -> None:
+    """Every worker left cleanly (no --max-steps): the next joiners get ids from 0, their Join
+    waits for the whole world, step 0 is new again and a different fingerprint defines the job."""
+    server = coordinator(world_size=2, heartbeat_timeout=60.0)
+    with log_waiter() as logs:
+        first = _connect_all(server.address, 2, JOB)
+        try:
+            run_each(first, lambda c: run_exchange(c, SHAPES["tiny"], 2))
+        finally:
+            for client in first:
+                client.close()
+        logs.wait_for(r"job running -> waiting")
+    assert _state(server) == "waiting"
+    other_job = {**JOB, "seed": "7"}
+    with log_waiter() as logs, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        early = pool.submit(_connect, server.address, "fresh-0", other_job)
+        logs.wait_for(r"worker 0 joined: node 'fresh-0'.*\(1 of 2\)")
+        with pytest.raises(concurrent.futures.TimeoutError):
+            early.result(timeout=1.0)  # Join returns only when the whole world joined
+        late = pool.submit(_connect, server.address, "fresh-1", other_job)
+        second = sorted([early.result(30), late.result(30)], key=lambda c: c.worker_id)
+    try:
+        assert [c.worker_id for c in second] == [0, 1]
+        reports = run_each(second, lambda c: run_exchange(c, SHAPES["tiny"], 2))
+        assert len({r[0].checksum for r in reports}) == 1
+    finally:
+        for client in second:
+            client.close()
+
+
+def _connect(address: str, node: str, fingerprint: Mapping[str, str]) -> WorkerClient:
+    return WorkerClient.connect(address, node_id=node, timeout=TEST_TIMEOUTS, fingerprint=fingerprint)
+
+
+def _connect_all(address: str, n: int, fingerprint: Mapping[str, str]) -> list[WorkerClient]:
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(_connect, address, f"w{i}", fingerprint) for i in range(n)]
+        return sorted((f.result(30) for f in futures), key=lambda c: c.worker_id)
+
+
+# --- one coordinator per port --------------------------------------------------------------------
+
+
+def test_a_second_coordinator_on_a_bound_port_fails_to_start(coordinator) -> None:
+    first = coordinator(world_size=1)
+
+    async def start_second() -> None:
+        second = GradientServer(CoordinatorConfig(bind=first.address, world_size=1))
+        try:
+            await second.start()
+        finally:
+            await second.stop()
+
+    with pytest.raises(UnavailableError, match=f"cannot bind {first.address}") as info:
+        asyncio.run(start_second())
+    assert isinstance(info.value, coordinator_module.AddressInUseError)
+
+
+@pytest.mark.processes
+def test_the_second_coordinator_cli_exits_2_with_one_line(processes) -> None:
+    _coord, address = processes.coordinator("--world-size", "1")
+    second = processes.gradserver("coordinator", "--bind", address, name="second")
+    assert second.wait(60) == 2, second.output
+    lines = [line for line in second.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"cannot bind {address}" in lines[0], second.output
+
+
+# --- workers that must agree ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fingerprint", "differences"),
+    [
+        ({**JOB, "seed": "1", "lr": "0.01"}, "lr 0.01 != 0.003 (job), seed 1 != 0 (job)"),
+        ({"model": "tiny", "seed": "0"}, "lr (missing) != 0.003 (job)"),
+        ({**JOB, "accumulate": "2"}, "accumulate 2 != (missing) (job)"),
+        ({**JOB, "model": "small"}, "model small != tiny (job)"),
+    ],
+    ids=["different-values", "missing-field", "extra-field", "one-value"],
+)
+def test_a_joiner_that_differs_from_the_job_is_refused(coordinator, fingerprint, differences) -> None:
+    server = coordinator(world_size=2, heartbeat_timeout=60.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_join, server.address, "a", JOB)
+        with log_waiter() as logs:
+            logs.wait_for(r"worker 0 joined: node 'a'")
+        with pytest.raises(grpc.RpcError) as refused:
+            _join(server.address, "b", fingerprint)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details() == f"node 'b' does not match the job: {differences}"
+        # The refusal took no place and disturbed nobody: a matching joiner completes the world.
+        matching = pool.submit(_join, server.address, "c", JOB)
+        ids = sorted([first.result(30).worker_id, matching.result(30).worker_id])
+    assert ids == [0, 1]
+    assert (
+        server.call(
+            lambda s: s.metrics.registry.get_sample_value(
+                "gradserver_errors_total", {"code": "FAILED_PRECONDITION"}
+            )
+        )
+        == 1
+    )
+
+
+def test_fingerprint_differences_name_every_field() -> None:
+    fingerprint_differences = membership_module.fingerprint_differences
+    assert fingerprint_differences(JOB, JOB) == []
+    assert fingerprint_differences({}, {}) == []
+    assert fingerprint_differences({"a": "1", "b": "2"}, {"b": "3", "c": "4"}) == [
+        "a 1 != (missing) (job)",
+        "b 2 != 3 (job)",
+        "c (missing) != 4 (job)",
+    ]
+
+
+# --- co-located workers --------------------------------------------------------------------------
+
+
+def test_join_reports_how_many_workers_share_the_joiners_host(coordinator) -> None:
+    server = coordinator(world_size=2, heartbeat_timeout=60.0)
+    clients = connect_all(server.address, 2)
+    try:
+        assert [c.local_workers for c in clients] == [2, 2]
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_peer_host_drops_the_port() -> None:
+    peer_host = coordinator_module.peer_host
+    assert peer_host("ipv4:127.0.0.1:5555") == "ipv4:127.0.0.1"
+    assert peer_host("ipv6:[::1]:5555") == "ipv6:[::1]"
+    assert peer_host("ipv6:%5B::1%5D:5555") == "ipv6:%5B::1%5D"
+    assert peer_host("unix:/tmp/socket") == peer_host("unix-abstract:x") == "unix"
+
+
+# --- auth refusals are logged and counted --------------------------------------------------------
+
+
+def test_auth_refusals_are_logged_with_peer_and_check_and_counted(coordinator) -> None:
+    token = "s3cret-token-value"
+    server = coordinator(world_size=1, auth_token=token, heartbeat_timeout=60.0)
+    quick = TEST_TIMEOUTS
+    with log_waiter() as logs:
+        with pytest.raises(Exception, match="UNAUTHENTICATED"):
+            WorkerClient.connect(server.address, timeout=quick)
+        with pytest.raises(Exception, match="UNAUTHENTICATED"):
+            WorkerClient.connect(server.address, timeout=quick, auth_token="wrong")
+        missing = logs.wait_for(r"refused a call from ipv4:127\.0\.0\.1:\d+: .*Join: missing auth token")
+        wrong = logs.wait_for(r"refused a call from ipv4:127\.0\.0\.1:\d+: .*Join: wrong auth token")
+        messages = logs.messages()
+    assert missing.levelno == wrong.levelno == logging.WARNING
+    assert not any(token in m for m in messages)
+    assert not any("Bearer" in m for m in messages)
+    count = server.call(
+        lambda s: s.metrics.registry.get_sample_value("gradserver_errors_total", {"code": "UNAUTHENTICATED"})
+    )
+    assert count == 2
+
+
+def test_a_stream_with_a_wrong_member_token_is_logged(coordinator) -> None:
+    server = coordinator(world_size=1, heartbeat_timeout=60.0)
+    with log_waiter() as logs:
+        channel, accepted = join(server.address)
+        try:
+            from gradserver.common.rpc import stream_metadata
+
+            intruder = RawWorker(
+                channel,
+                accepted,
+                metadata=stream_metadata(accepted.worker_id, accepted.session_id, accepted.member_token + 1),
+            )
+            assert isinstance(intruder.recv(20), grpc.RpcError)
+            logs.wait_for(r"refused an Exchange from ipv4:127\.0\.0\.1:\d+: worker 0 is not a member")
+        finally:
+            channel.close()
