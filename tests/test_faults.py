@@ -17,6 +17,7 @@ from gradserver.common import compute_block_sizes
 from gradserver.common.errors import AbortedError, ResourceExhaustedError
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
 from gradserver.worker import WorkerClient
+from gradserver.worker.cli import WorkerConfig, check_synthetic
 from gradserver.worker.synthetic import SHAPES, synthetic_gradient
 
 from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
@@ -339,7 +340,9 @@ def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
         ],
         name="slow-link",
     )
-    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+    # The same synthetic job as the remote worker's, or the coordinator refuses one of the two.
+    job = check_synthetic(WorkerConfig(job="synthetic", model="small", steps=1, coordinator=server.address))
+    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, fingerprint=job)
     try:
         from gradserver.worker.synthetic import run_exchange
 
