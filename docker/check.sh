@@ -15,9 +15,11 @@
 #               every container exited 0, the coordinator's health check passed, a /metrics scrape
 #               has gradserver_steps_completed_total, metrics.jsonl and checkpoints are in the runs
 #               volume, containers run as non-root, the image's torch is the CPU build
-#   5. fault:   the same job with many steps; one worker container is killed mid-run; asserts the
+#   5. kill:    the same job with many steps; one worker container is killed mid-run; asserts the
 #               job ends non-zero within the heartbeat timeout plus a margin, the coordinator logs
-#               the killed container's worker as lost, and the surviving worker names it
+#               the killed container's worker as gone, and the surviving worker names it
+#   6. hang:    the same with a frozen (docker pause) worker container, which only the heartbeat
+#               timeout detects: the coordinator logs it as lost, and the job ends non-zero
 # It prints the image size and the time of each phase, and removes what it made (containers,
 # networks, volumes, images, the wheel copy, the daemon it started) on every exit.
 set -euo pipefail
@@ -28,7 +30,8 @@ RUN_ID=gradcheck$$
 IMAGE=gradserver-check:$$
 BASE_TAG=gradserver-check-base:$$
 HEARTBEAT_TIMEOUT=5
-END_MARGIN=${GRADSERVER_CHECK_END_MARGIN:-45} # how late after the heartbeat timeout a dead job may end
+END_MARGIN=${GRADSERVER_CHECK_END_MARGIN:-45} # slack for a slow machine in every time limit below
+RUN_JOB_MARGIN=20                              # run-job.sh's GRADSERVER_END_MARGIN
 CACHE=${GRADSERVER_CHECK_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/gradserver-docker-check}
 MIRROR=${DEBIAN_MIRROR:-}
 WORK=$(mktemp -d /tmp/gradserver-docker-check.XXXXXX)
@@ -59,8 +62,12 @@ end() { phase_times+=($((SECONDS - phase_start))); }
 report() {
     say "-- phase times (s):"
     local i
-    for i in "${!phase_times[@]}"; do
-        printf 'docker-check:    %-8s %4d\n' "${phase_names[$i]}" "${phase_times[$i]}" >&2
+    for i in "${!phase_names[@]}"; do
+        if [ "$i" -lt "${#phase_times[@]}" ]; then
+            printf 'docker-check:    %-8s %4d\n' "${phase_names[$i]}" "${phase_times[$i]}" >&2
+        else
+            printf 'docker-check:    %-8s %4d (did not finish)\n' "${phase_names[$i]}" $((SECONDS - phase_start)) >&2
+        fi
     done
     [ -z "$image_size" ] || say "-- image size: $image_size"
 }
@@ -107,10 +114,10 @@ trap 'exit 130' INT TERM
 apt_install() {
     [ "$(id -u)" = 0 ] || fail "$* missing, and installing it needs root"
     command -v apt-get >/dev/null || fail "$* missing, and there is no apt-get to install it"
-    say "installing $*"
-    timeout 300 apt-get update -qq >&2 || fail "apt-get update failed"
-    DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "$@" >&2 ||
-        fail "apt-get install $* failed"
+    say "installing $* (log: $WORK/apt.log)"
+    timeout 300 apt-get update -qq >>"$WORK/apt.log" 2>&1 || fail "apt-get update failed: $(tail -5 "$WORK/apt.log")"
+    DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "$@" \
+        >>"$WORK/apt.log" 2>&1 || fail "apt-get install $* failed: $(tail -10 "$WORK/apt.log")"
 }
 
 ensure_engine() {
@@ -191,7 +198,8 @@ make_rootfs_tar() {
     write_pip_conf "$rootfs/etc/pip.conf"
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/tmp/*
     mkdir -p "$(dirname "$tar")"
-    tar --numeric-owners -C "$rootfs" -cf "$tar.part" . && mv "$tar.part" "$tar"
+    tar --numeric-owner -C "$rootfs" -cf "$tar.part" . || fail "cannot write $tar.part"
+    mv "$tar.part" "$tar"
     rm -rf --one-file-system "$rootfs"
 }
 
@@ -265,7 +273,7 @@ job_env() {
     export GRADSERVER_STEPS=$2
     export GRADSERVER_MODEL=tiny
     export GRADSERVER_HEARTBEAT_TIMEOUT=$HEARTBEAT_TIMEOUT
-    export GRADSERVER_END_MARGIN=$END_MARGIN
+    export GRADSERVER_END_MARGIN=$RUN_JOB_MARGIN
     export GRADSERVER_JOB_TIMEOUT=600
     export GRADSERVER_LOG_FORMAT=text
     # Loopback only, and ports the engine picks: nothing else on this machine can collide.
@@ -390,8 +398,14 @@ success_run() {
     COMPOSE_PROJECT_NAME=$project timeout 120 "${compose[@]}" down -v >/dev/null 2>&1 || true
 }
 
+# A fault in one worker container once the job has completed 2 steps: `kill` (SIGKILL: its
+# connections close, the coordinator sees the stream break) or `pause` (frozen, connections open:
+# only the heartbeat timeout finds it). The job must end non-zero within `limit` seconds of the
+# fault, the coordinator must log the worker of that container (its hostname is the node id) as
+# gone in the words given, and the surviving worker must name the same worker.
 fault_run() {
-    local project=${RUN_ID}fault log=$WORK/${RUN_ID}fault.log
+    local kind=$1 limit=$2 words=$3
+    local project=${RUN_ID}$kind log=$WORK/${RUN_ID}$kind.log
     job_env "$project" 1000
     start_job "$log"
     wait_for_coordinator "$project"
@@ -403,28 +417,31 @@ fault_run() {
         sleep 0.5
         waited=$((waited + 1))
     done
-    local victim survivor host killed_at elapsed
-    victim=$(container_of "$project" worker | head -1)
-    survivor=$(container_of "$project" worker | tail -1)
+    local workers victim survivor host fault_at elapsed
+    workers=$(container_of "$project" worker)
+    victim=$(head -1 <<<"$workers")
+    survivor=$(tail -1 <<<"$workers")
     host=$(docker inspect -f '{{.Config.Hostname}}' "$victim")
-    say "after $done_steps steps: killing worker container $victim (hostname $host)"
-    killed_at=$SECONDS
-    docker kill "$victim" >/dev/null
-    wait_job $((HEARTBEAT_TIMEOUT + END_MARGIN + 60))
-    elapsed=$((SECONDS - killed_at))
-    sed 's/^/    | /' "$log" | grep -Ei 'lost|abort|error|exited|fail|run-job' | tail -25 >&2
-    say "job ended $elapsed s after the kill with exit code $job_code"
-    [ "$job_code" -ne 0 ] || fail "the job exited 0 after a worker was killed"
-    [ "$elapsed" -le $((HEARTBEAT_TIMEOUT + END_MARGIN)) ] ||
-        fail "the job took $elapsed s to end, more than heartbeat timeout $HEARTBEAT_TIMEOUT s + margin $END_MARGIN s"
-    local line worker_id
-    line=$(docker logs "$coordinator" 2>&1 | grep -E "worker [0-9]+ \(node '$host'\) lost" | head -1) ||
-        fail "the coordinator's log has no line naming the killed worker (node $host) as lost"
-    worker_id=$(sed -E "s/.*worker ([0-9]+) \(node '$host'\) lost.*/\1/" <<<"$line")
+    say "after $done_steps steps: docker $kind worker container $victim (hostname $host)"
+    fault_at=$SECONDS
+    docker "$kind" "$victim" >/dev/null
+    wait_job $((limit + 60))
+    elapsed=$((SECONDS - fault_at))
+    docker unpause "$victim" >/dev/null 2>&1 || true
+    sed 's/^/    | /' "$log" | grep -Ei 'lost|disconnected|exited|run-job' | tail -20 >&2
+    say "job ended $elapsed s after the $kind with exit code $job_code"
+    [ "$job_code" -ne 0 ] || fail "the job exited 0 after a worker container was hit by docker $kind"
+    [ "$elapsed" -le "$limit" ] || fail "the job took $elapsed s to end after the $kind, more than $limit s"
+    local gone="worker ([0-9]+) \\(node '$host'\\) ($words)" logs line worker_id
+    logs=$(docker logs "$coordinator" 2>&1)
+    line=$(grep -m1 -E "$gone" <<<"$logs") ||
+        fail "the coordinator's log names no worker of node $host as gone ($words): $(tail -15 <<<"$logs")"
+    worker_id=$(sed -E "s/.*$gone.*/\\1/" <<<"$line")
     say "coordinator: $line"
-    docker logs "$survivor" 2>&1 | grep -Eq "worker $worker_id\b.*lost" ||
-        fail "the surviving worker's log does not name worker $worker_id as lost"
-    say "surviving worker: $(docker logs "$survivor" 2>&1 | grep -E "worker $worker_id\b.*lost" | tail -1)"
+    logs=$(docker logs "$survivor" 2>&1)
+    line=$(grep -E "worker $worker_id ($words)" <<<"$logs" | tail -1) ||
+        fail "the surviving worker's log does not name worker $worker_id: $(tail -15 <<<"$logs")"
+    say "surviving worker: $line"
     COMPOSE_PROJECT_NAME=$project timeout 120 "${compose[@]}" down -v >/dev/null 2>&1 || true
 }
 
@@ -440,6 +457,13 @@ end
 begin job
 success_run
 end
-begin fault
-fault_run
+begin kill
+# Killed, a worker's stream breaks at once ("disconnected"); the heartbeat timeout bounds it anyway.
+fault_run kill $((HEARTBEAT_TIMEOUT + END_MARGIN)) "lost|disconnected"
+end
+begin hang
+# Frozen, a worker is found by the heartbeat timeout ("lost"); the survivor fails then, and
+# run-job.sh waits up to heartbeat timeout + its margin for the frozen one before stopping it
+# (10 s grace, then SIGKILL).
+fault_run pause $((2 * HEARTBEAT_TIMEOUT + RUN_JOB_MARGIN + 10 + END_MARGIN)) "lost"
 end

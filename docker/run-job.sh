@@ -62,7 +62,8 @@ finish() {
 trap 'say "interrupted"; stop_job; finish 130' INT TERM
 
 containers() {
-    docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME"
+    docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" \
+        --filter "label=com.docker.compose.oneoff=False"
 }
 
 # One line per container: service status exit-code name
