@@ -38,6 +38,7 @@ WORK=$(mktemp -d /tmp/gradserver-docker-check.XXXXXX)
 WHEEL_DIR=docker/wheels
 
 started_dockerd=""
+job_pid=""
 compose=()
 made_images=()
 projects=()
@@ -77,14 +78,19 @@ cleanup() {
     set +e
     trap - EXIT INT TERM
     say "== cleanup"
+    if [ -n "$job_pid" ] && kill -0 "$job_pid" 2>/dev/null; then
+        kill "$job_pid" # run-job.sh stops its containers on SIGTERM
+        wait "$job_pid"
+    fi
     local project
     for project in "${projects[@]}"; do
         COMPOSE_PROJECT_NAME=$project timeout 120 "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 ||
             say "could not remove compose project $project"
     done
-    if [ "${#made_images[@]}" -gt 0 ]; then
-        timeout 120 docker rmi -f "${made_images[@]}" >/dev/null 2>&1 || say "could not remove ${made_images[*]}"
-    fi
+    local i
+    for ((i = ${#made_images[@]} - 1; i >= 0; i--)); do # newest first: children before parents
+        timeout 120 docker rmi -f "${made_images[$i]}" >/dev/null 2>&1 || say "could not remove image ${made_images[$i]}"
+    done
     rm -f "$ROOT/$WHEEL_DIR"/torch-*.whl
     if [ -d "$WORK/rootfs" ]; then
         local m
@@ -236,7 +242,9 @@ ensure_torch_wheel() {
         local spec
         spec="torch==$(torch_pin)+cpu" # a local version: only CPU builds match, never CUDA ones
         say "pip download $spec"
-        timeout 600 python3 -m pip download -q --no-deps --only-binary :all: -d "$WHEEL_DIR" "$spec" >&2 ||
+        local python=python3
+        python3 -m pip --version >/dev/null 2>&1 || python=.venv/bin/python # made by `make test`
+        timeout 600 "$python" -m pip download -q --no-deps --only-binary :all: -d "$WHEEL_DIR" "$spec" >&2 ||
             fail "no CPU torch wheel ($spec) reachable by pip; set TORCH_WHEEL=/path/to/torch-...+cpu-...whl"
     fi
     local wheels=("$WHEEL_DIR"/torch-*.whl)
@@ -249,12 +257,19 @@ ensure_torch_wheel() {
 
 build_image() {
     ensure_torch_wheel
-    made_images+=("$IMAGE")
-    timeout 1200 docker build --network host -t "$IMAGE" \
-        --build-arg BASE_IMAGE="$base" \
-        --build-arg TORCH_WHEEL_DIR="$WHEEL_DIR" \
-        --build-arg TORCH_VARIANT=cpu . >"$WORK/build.log" 2>&1 ||
-        fail "docker build failed: $(tail -30 "$WORK/build.log")"
+    # The build stage gets a tag of its own so that removing it at the end removes its layers
+    # (the classic builder would leave them behind as an untagged image); the second build
+    # takes that stage from the cache.
+    local target
+    made_images+=("$IMAGE-build" "$IMAGE")
+    for target in build runtime; do
+        timeout 1200 docker build --force-rm --network host --target "$target" \
+            -t "$([ "$target" = build ] && echo "$IMAGE-build" || echo "$IMAGE")" \
+            --build-arg BASE_IMAGE="$base" \
+            --build-arg TORCH_WHEEL_DIR="$WHEEL_DIR" \
+            --build-arg TORCH_VARIANT=cpu . >>"$WORK/build.log" 2>&1 ||
+            fail "docker build --target $target failed: $(tail -30 "$WORK/build.log")"
+    done
     grep -h "check-torch:" "$WORK/build.log" | sed 's/^/    /' >&2 || true
     rm -f "$WHEEL_DIR"/torch-*.whl
     local bytes

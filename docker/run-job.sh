@@ -5,10 +5,11 @@
 #   export GRADSERVER_AUTH_TOKEN=$(openssl rand -hex 16)
 #   GRADSERVER_WORLD_SIZE=4 docker/run-job.sh --build        # extra arguments go to `up`
 #
-# Why not `docker compose up` alone: it returns 0 whatever the containers exit with, and its
-# --abort-on-container-exit / --exit-code-from stop every container as soon as the FIRST one
-# exits, even with 0: a worker that finishes first kills the others while they write their
-# checkpoints, and a killed worker stops the coordinator before it has logged the worker as lost.
+# Why not `docker compose up` alone: it waits for every container (a coordinator still up after
+# its workers crashed keeps it waiting), and its --abort-on-container-exit / --exit-code-from stop
+# every container as soon as the FIRST one exits, even with 0: a worker that finishes first
+# kills the others while they write their checkpoints, and a killed worker stops the coordinator
+# before it has logged the worker as lost.
 # So this starts the job detached (`up -d --scale worker=N`), follows the logs, and watches the
 # containers:
 #   - every container exited 0 (the coordinator exits after its last step once every worker has
