@@ -47,7 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.exchange
 
 # The image and the compose job under a real Docker engine (root; installs Debian's docker.io
-# when missing): see docker/check.sh. About 10 minutes from nothing on 2 CPU cores.
+# when missing): see docker/check.sh. About 4 minutes from nothing on 2 CPU cores.
 docker-check:
 	bash docker/check.sh
 

@@ -39,6 +39,7 @@ WHEEL_DIR=docker/wheels
 
 started_dockerd=""
 job_pid=""
+base_id=""
 compose=()
 made_images=()
 projects=()
@@ -73,6 +74,38 @@ report() {
     [ -z "$image_size" ] || say "-- image size: $image_size"
 }
 
+# Leaves first: every image built on this run's base image (the classic builder keeps the build
+# stage and, after a failed build, every step's layer as untagged images), then the tagged ones.
+remove_images() {
+    local id left=0 made=()
+    [ -z "$base_id" ] || mapfile -t made < <(docker image ls -aq --no-trunc | sort -u |
+        xargs -r docker image inspect -f '{{.Id}} {{.Parent}} {{.Created}}' | python3 -c '
+import sys
+rows = [line.split() for line in sys.stdin if line.strip()]
+parent = {r[0]: (r[1] if len(r) == 3 else "") for r in rows}
+created = {r[0]: r[-1] for r in rows}
+def built_on(i, base, seen=0):
+    while i and seen < 1000:
+        if i == base:
+            return True
+        i, seen = parent.get(i, ""), seen + 1
+    return False
+ours = [i for i in parent if i != sys.argv[1] and built_on(i, sys.argv[1])]
+print("\n".join(sorted(ours, key=created.get, reverse=True)))
+' "$base_id")
+    for id in "${made[@]}" "${made_images[@]}"; do
+        docker image inspect "$id" >/dev/null 2>&1 || continue
+        timeout 300 docker rmi -f "$id" >>"$WORK/rmi.log" 2>&1
+    done
+    for id in "${made_images[@]}" "${made[@]}"; do
+        if docker image inspect "$id" >/dev/null 2>&1; then
+            say "could not remove image $id: $(tail -2 "$WORK/rmi.log" 2>/dev/null)"
+            left=1
+        fi
+    done
+    return $left
+}
+
 cleanup() {
     local code=$?
     set +e
@@ -87,10 +120,7 @@ cleanup() {
         COMPOSE_PROJECT_NAME=$project timeout 120 "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 ||
             say "could not remove compose project $project"
     done
-    local i
-    for ((i = ${#made_images[@]} - 1; i >= 0; i--)); do # newest first: children before parents
-        timeout 120 docker rmi -f "${made_images[$i]}" >/dev/null 2>&1 || say "could not remove image ${made_images[$i]}"
-    done
+    remove_images || code=1
     rm -f "$ROOT/$WHEEL_DIR"/torch-*.whl
     if [ -d "$WORK/rootfs" ]; then
         local m
@@ -224,6 +254,7 @@ ensure_base() {
     fi
     made_images+=("$BASE_TAG")
     docker import "$tar" "$BASE_TAG" >/dev/null || fail "docker import $tar failed"
+    base_id=$(docker image inspect -f '{{.Id}}' "$BASE_TAG")
     base=$BASE_TAG
     docker run --rm "$base" python3 -c 'import sys, venv; assert sys.version_info[:2] == (3, 11), sys.version' ||
         fail "the base image has no Python 3.11 with venv"
@@ -257,19 +288,12 @@ ensure_torch_wheel() {
 
 build_image() {
     ensure_torch_wheel
-    # The build stage gets a tag of its own so that removing it at the end removes its layers
-    # (the classic builder would leave them behind as an untagged image); the second build
-    # takes that stage from the cache.
-    local target
-    made_images+=("$IMAGE-build" "$IMAGE")
-    for target in build runtime; do
-        timeout 1200 docker build --force-rm --network host --target "$target" \
-            -t "$([ "$target" = build ] && echo "$IMAGE-build" || echo "$IMAGE")" \
-            --build-arg BASE_IMAGE="$base" \
-            --build-arg TORCH_WHEEL_DIR="$WHEEL_DIR" \
-            --build-arg TORCH_VARIANT=cpu . >>"$WORK/build.log" 2>&1 ||
-            fail "docker build --target $target failed: $(tail -30 "$WORK/build.log")"
-    done
+    made_images+=("$IMAGE")
+    timeout 1200 docker build --force-rm --network host -t "$IMAGE" \
+        --build-arg BASE_IMAGE="$base" \
+        --build-arg TORCH_WHEEL_DIR="$WHEEL_DIR" \
+        --build-arg TORCH_VARIANT=cpu . >"$WORK/build.log" 2>&1 ||
+        fail "docker build failed: $(tail -30 "$WORK/build.log")"
     grep -h "check-torch:" "$WORK/build.log" | sed 's/^/    /' >&2 || true
     rm -f "$WHEEL_DIR"/torch-*.whl
     local bytes
