@@ -1,24 +1,35 @@
 # gradserver image: `gradserver coordinator` by default; `worker`, `launch`, `health` as commands.
 #   docker build -t gradserver .                                   (CPU torch)
-#   docker build -t gradserver:cuda \
+#   docker build -t gradserver:cuda --build-arg TORCH_VARIANT=cu128 \
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   (CUDA torch)
-# CUDA torch wheels carry the CUDA runtime, so the slim base serves both; BASE_IMAGE can name
-# another Python 3.11 image (for example one with NVIDIA's tools) when a host needs it.
+# The build fails unless the installed torch is the TORCH_VARIANT build (its version ends in
+# +cpu, +cu128, ...), so a pip that picked another torch stops it instead of passing silently.
+# Without a reachable torch index, put one torch wheel in docker/wheels/ and add
+# --build-arg TORCH_WHEEL_DIR=docker/wheels (what `make docker-check` does with the local CPU wheel).
+# CUDA torch wheels carry the CUDA runtime, so one base serves both. BASE_IMAGE can name another
+# Debian-like image with Python 3.11, venv and useradd: `make docker-check` makes one with
+# debootstrap where no registry can be reached.
 ARG BASE_IMAGE=python:3.11-slim
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VARIANT=cpu
+ARG TORCH_WHEEL_DIR=
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_INDEX_URL
+ARG TORCH_VARIANT
+ARG TORCH_WHEEL_DIR
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
-RUN python -m venv /opt/gradserver
+RUN python3 -m venv /opt/gradserver
 WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY proto ./proto
 COPY common ./common
 COPY server ./server
 COPY worker ./worker
-COPY .ci/install-runtime.sh ./install-runtime.sh
-RUN PYTHON=/opt/gradserver/bin/python TORCH_INDEX_URL="${TORCH_INDEX_URL}" sh ./install-runtime.sh /src
+COPY docker/wheels ./docker/wheels
+COPY .ci/install-runtime.sh .ci/check-torch.sh ./.ci/
+RUN PYTHON=/opt/gradserver/bin/python TORCH_INDEX_URL="${TORCH_INDEX_URL}" TORCH_VARIANT="${TORCH_VARIANT}" \
+    TORCH_WHEEL_DIR="${TORCH_WHEEL_DIR}" sh .ci/install-runtime.sh /src
 
 FROM ${BASE_IMAGE} AS runtime
 COPY --from=build /opt/gradserver /opt/gradserver

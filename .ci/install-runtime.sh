@@ -1,16 +1,40 @@
 #!/bin/sh
 # Installs gradserver (not editable) and its pinned runtime dependencies into $PYTHON's
-# environment: torch first, from $TORCH_INDEX_URL when set (the Dockerfile sets the CPU or a CUDA
-# index), then the project, everything under constraints.txt.
-# One script for two callers: the Dockerfile's build stage, and tests/test_deploy.py, which runs
+# environment, everything under SRC/constraints.txt:
+#   install-runtime.sh SRC [PROJECT]     PROJECT: a wheel or a source folder (default SRC)
+# Torch comes first, from the first of these that is set:
+#   TORCH_WHEEL_DIR   a folder holding exactly one torch wheel (the container check puts this
+#                     machine's CPU wheel there, since no torch index is reachable from it)
+#   TORCH_INDEX_URL   a torch index (the Dockerfile passes the CPU or a CUDA index)
+#   neither           pip's configured indexes
+# TORCH_VARIANT (cpu, cu128, ...): fail unless the installed torch is that build, so that a pip
+# that chose another torch (gigabytes of CUDA packages) stops the build instead of passing.
+# One script for two callers: the Dockerfile's build stage, and tests/test_wheel.py, which runs
 # it in a fresh virtual environment so a broken install step fails in CI, not in a user's build.
 set -eu
 PYTHON=${PYTHON:-python3}
 SRC=${1:-.}
+PROJECT=${2:-$SRC}
+TORCH_WHEEL_DIR=${TORCH_WHEEL_DIR:-}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
-if [ -n "$TORCH_INDEX_URL" ]; then
-    "$PYTHON" -m pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" -c "$SRC/constraints.txt" torch
+TORCH_VARIANT=${TORCH_VARIANT:-}
+CONSTRAINTS="$SRC/constraints.txt"
+pip_install() {
+    "$PYTHON" -m pip install --no-cache-dir -c "$CONSTRAINTS" "$@"
+}
+if [ -n "$TORCH_WHEEL_DIR" ]; then
+    set -- "$TORCH_WHEEL_DIR"/torch-*.whl
+    if [ ! -f "$1" ] || [ $# -ne 1 ]; then
+        echo "install-runtime: TORCH_WHEEL_DIR=$TORCH_WHEEL_DIR must hold exactly one torch-*.whl" >&2
+        exit 1
+    fi
+    pip_install "$1"
+elif [ -n "$TORCH_INDEX_URL" ]; then
+    pip_install --index-url "$TORCH_INDEX_URL" torch
 else
-    "$PYTHON" -m pip install --no-cache-dir -c "$SRC/constraints.txt" torch
+    pip_install torch
 fi
-"$PYTHON" -m pip install --no-cache-dir -c "$SRC/constraints.txt" "$SRC"
+pip_install "$PROJECT"
+if [ -n "$TORCH_VARIANT" ]; then
+    PYTHON="$PYTHON" sh "$(dirname "$0")/check-torch.sh" "$TORCH_VARIANT"
+fi
