@@ -179,7 +179,7 @@ def test_installed_wheel_trains_outside_the_source_tree(installed: Installed, tm
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert (out / "metrics.jsonl").read_text().count("\n") == 4  # 2 steps x 2 workers
-    assert (out / "checkpoint-rank0.pt").is_file() and (out / "checkpoint-rank1.pt").is_file()
+    assert (out / "checkpoint-local-0.pt").is_file() and (out / "checkpoint-local-1.pt").is_file()
 
 
 @pytest.mark.parametrize(("variant", "passes"), [("cpu", True), ("cu128", False)])
