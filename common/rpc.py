@@ -33,11 +33,14 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 
 def server_options(max_message_bytes: int, heartbeat_timeout_s: float = 10.0) -> list[tuple[str, int]]:
     """Options for the coordinator: message limits, exclusive port, permission for workers'
-    keepalive, and its own keepalive: it pings every worker's connection twice per heartbeat
-    timeout and drops it when a ping stays unanswered for a heartbeat timeout, even while it
-    holds the worker's stream back and reads nothing from it (a stopped worker)."""
+    keepalive, and its own keepalive: a backstop for the one state in which heartbeats cannot be
+    seen. While the coordinator holds a worker's stream back (in-flight budget full) it reads
+    nothing from it, heartbeats included; an HTTP/2 ping is still answered by a live worker's
+    transport, so a stopped one is dropped within 2.5 heartbeat timeouts (a ping every half
+    timeout, each given two timeouts). Everywhere else the heartbeat check (one timeout) comes
+    first and names the cause."""
     timeout = max(1, int(heartbeat_timeout_s * 1000))
-    half = max(1, timeout // 2)
+    half, twice = max(1, timeout // 2), 2 * timeout
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -48,8 +51,13 @@ def server_options(max_message_bytes: int, heartbeat_timeout_s: float = 10.0) ->
         ("grpc.http2.max_ping_strikes", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.keepalive_time_ms", half),
-        ("grpc.keepalive_timeout_ms", timeout),
+        ("grpc.keepalive_timeout_ms", twice),
         ("grpc.http2.max_pings_without_data", 0),
+        # gRPC core times a sent ping out after ping_timeout_ms (60 s by default), not after
+        # keepalive_timeout_ms, and spaces pings by min_time_between_pings_ms: both must follow
+        # the heartbeat timeout, or a stopped worker is found only a minute later.
+        ("grpc.http2.min_time_between_pings_ms", half),
+        ("grpc.http2.ping_timeout_ms", twice),
     ]
 
 

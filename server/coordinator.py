@@ -8,7 +8,7 @@ past their deadline. A reader stops reading while its worker's unreduced contrib
 unsent results exceed the in-flight budget, which turns into HTTP/2 back-pressure on that worker:
 the coordinator's memory is bounded by chunks in flight, not by the model. A paused stream
 whose writes make no progress for the heartbeat timeout counts as lost, and server keepalive
-pings catch a stopped worker even while nothing is read from it.
+pings catch a stopped worker even while nothing is read from it (within 2.5 heartbeat timeouts).
 
 The job is a small state machine (docs/RELIABILITY.md): waiting for joins -> running ->
 finished | failed, with restarting while a lost worker's place may be retaken within
@@ -616,7 +616,9 @@ class GradientServer:
                 stream.paused = False
                 stream.member.last_seen = time.monotonic()
             raw = await stream.context.read()
-            if raw is grpc.aio.EOF:
+            if raw is grpc.aio.EOF or stream.ended.done():
+                # Ended (evicted, or its job reset) while this read was under way: what it read
+                # belongs to a membership that is gone and must not reach the table.
                 return
             self.metrics.received_bytes.inc(len(raw))
             stream.member.last_seen = time.monotonic()

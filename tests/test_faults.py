@@ -20,6 +20,7 @@ from gradserver.worker import WorkerClient
 from gradserver.worker.cli import WorkerConfig, check_synthetic
 from gradserver.worker.synthetic import SHAPES, synthetic_gradient
 
+from .helpers.logwait import log_waiter
 from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
 
 HEARTBEAT = 2.0
@@ -86,6 +87,37 @@ def test_row2_sigstopped_worker_is_evicted_and_told_after_sigcont(processes, coo
         assert "evicted" in result and "FailedPrecondition" in result
     finally:
         client.close()
+
+
+@pytest.mark.processes
+def test_row16_a_sigstopped_worker_whose_stream_is_held_back_is_dropped_in_time(
+    processes, coordinator
+) -> None:
+    # The coordinator reads nothing from a stream it holds back, so it cannot see that worker's
+    # heartbeats; only its own HTTP/2 keepalive can tell a stopped process from a waiting one.
+    server = coordinator(
+        world_size=2, heartbeat_timeout=HEARTBEAT, step_timeout=120.0, chunk_mib=0.03, max_inflight_mib=0.05
+    )
+    with log_waiter() as logs:
+        proc = processes.scripted_worker(
+            server.address, "--send-blocks", "2", "--hold", "60", "--then-receive", name="held-back"
+        )
+        client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+        try:
+            stopped = int(proc.wait_for(r"JOINED worker (\d)").group(1))
+            proc.wait_for(r"STALLED")
+            logs.wait_for(rf"holding back worker {stopped}'s stream")
+            proc.stop()
+            started = time.monotonic()
+            logs.wait_for(rf"worker {stopped} .*(lost|disconnected)", timeout=HEARTBEAT + MARGIN)
+            assert time.monotonic() - started < HEARTBEAT + MARGIN  # far below the step timeout
+            sizes = SHAPES["tiny"].block_sizes
+            client.send_block_gradient(0, 0, 2, np.ones(sum(sizes), np.float32), sizes)
+            with pytest.raises(AbortedError, match=rf"worker {stopped} "):
+                client.receive_averaged_block()
+        finally:
+            client.close()
+            proc.resume()
 
 
 def test_row10_a_barrier_waiter_that_cancels_leaves_the_count_right(coordinator) -> None:
