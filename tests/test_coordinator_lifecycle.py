@@ -23,8 +23,8 @@ from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
 from gradserver.server import GradientServer
 from gradserver.server import coordinator as coordinator_module
 from gradserver.server import membership as membership_module
+from gradserver.train.synthetic import SHAPES, run_exchange
 from gradserver.worker import WorkerClient
-from gradserver.worker.synthetic import SHAPES, run_exchange
 
 from .helpers.logwait import log_waiter
 from .helpers.raw import RawWorker, join

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gradserver.common import compute_block_sizes
 from gradserver.common.errors import AbortedError, ResourceExhaustedError
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
+from gradserver.train.synthetic import SHAPES, synthetic_gradient
 from gradserver.worker import WorkerClient
-from gradserver.worker.synthetic import SHAPES, synthetic_gradient
 
 from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
 
@@ -176,7 +176,7 @@ def _pair(server, proxy) -> tuple[WorkerClient, WorkerClient]:
 
 
 def test_row8_sliced_and_delayed_bytes_still_average_correctly(proxied) -> None:
-    from gradserver.worker.synthetic import run_exchange
+    from gradserver.train.synthetic import run_exchange
 
     server, proxy = proxied
     proxy.slice_bytes, proxy.delay_s = 997, 0.0005
@@ -323,7 +323,7 @@ def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
             *test_host.prefix(),
             sys.executable,
             "-m",
-            "gradserver.common.cli",
+            "gradserver.cli",
             "worker",
             "--job",
             "synthetic",
@@ -341,7 +341,7 @@ def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
     )
     client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
     try:
-        from gradserver.worker.synthetic import run_exchange
+        from gradserver.train.synthetic import run_exchange
 
         ours = run_exchange(client, SHAPES["small"], 1)
         assert remote.wait(120) == 0, remote.output
@@ -384,11 +384,11 @@ def test_row5_coordinator_restarted_on_the_same_port(processes, tmp_path) -> Non
 
 
 def test_a_worker_ahead_after_a_restart_rolls_its_step_back() -> None:
-    from gradserver.worker.backends import LocalBackend, LocalHub
-    from gradserver.worker.corpus import TokenWindows, corpus_bytes
-    from gradserver.worker.model import CONFIGS, TransformerLM
-    from gradserver.worker.trainer import DistributedTrainer
-    from gradserver.worker.training import _rejoin
+    from gradserver.train.backends import LocalBackend, LocalHub
+    from gradserver.train.corpus import TokenWindows, corpus_bytes
+    from gradserver.train.model import CONFIGS, TransformerLM
+    from gradserver.train.trainer import DistributedTrainer
+    from gradserver.train.training import _rejoin
 
     class Restartable(LocalBackend):
         resume = 0

@@ -32,7 +32,7 @@ def test_installed_package_has_no_bare_top_level_modules() -> None:
 
 def test_server_does_not_import_torch() -> None:
     code = (
-        "import sys, gradserver.server, gradserver.common.cli as cli; cli.build_parser(); "
+        "import sys, gradserver.server, gradserver.cli as cli; cli.build_parser(); "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

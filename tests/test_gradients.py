@@ -14,9 +14,9 @@ from gradserver.common.errors import (
     ShapeMismatchError,
     UnknownParameterError,
 )
+from gradserver.train.clipping import clip_by_global_norm_, global_norm
+from gradserver.train.gradient_buffers import BlockGradientSet, PerBlockGradientAccumulator
 from gradserver.worker.accumulator import AccumulationConfig, GradientAccumulator
-from gradserver.worker.clipping import clip_by_global_norm_, global_norm
-from gradserver.worker.gradients import BlockGradientSet, PerBlockGradientAccumulator
 
 SIZES = compute_block_sizes(8, 4, 16)
 

@@ -20,8 +20,7 @@ from gradserver.common.errors import (
     ShapeMismatchError,
     UnknownParameterError,
 )
-
-from .clipping import clip_by_global_norm_
+from gradserver.train.clipping import clip_by_global_norm_
 
 
 @dataclasses.dataclass(frozen=True)
