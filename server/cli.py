@@ -13,7 +13,6 @@ import sys
 from typing import Any
 
 from gradserver.common.config import (
-    CoordinatorConfig,
     add_config_arguments,
     config_from_sources,
     describe_config,
@@ -22,6 +21,7 @@ from gradserver.common.config import (
 from gradserver.common.logs import configure_logging
 from gradserver.common.security import TlsFiles
 
+from .config import CoordinatorConfig
 from .coordinator import AddressInUseError, GradientServer
 
 

@@ -33,7 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gradserver.common import codec
 from gradserver.common._pb import gradient_server_pb2 as pb
-from gradserver.common.config import CoordinatorConfig, parse_address
+from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
@@ -62,6 +62,7 @@ from gradserver.common.rpc import (
     server_options,
 )
 from gradserver.common.security import AUTH_METADATA, TlsFiles, peer_identity, token_matches
+from gradserver.server.config import CoordinatorConfig
 
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics

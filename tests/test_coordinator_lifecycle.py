@@ -16,13 +16,13 @@ import pytest
 
 from gradserver.common import codec
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.config import CoordinatorConfig
 from gradserver.common.errors import UnavailableError
 from gradserver.common.messages import BarrierIn, JoinAccepted, JoinRequestIn, TensorKey
 from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
 from gradserver.server import GradientServer
 from gradserver.server import coordinator as coordinator_module
 from gradserver.server import membership as membership_module
+from gradserver.server.config import CoordinatorConfig
 from gradserver.train.synthetic import SHAPES, run_exchange
 from gradserver.worker import WorkerClient
 

@@ -13,10 +13,10 @@ import grpc
 import pytest
 import trustme
 
-from gradserver.common.config import CoordinatorConfig
 from gradserver.common.errors import InvalidArgumentError, UnauthenticatedError, UnavailableError
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
 from gradserver.common.security import TlsFiles, bearer_metadata, is_loopback, token_matches
+from gradserver.server.config import CoordinatorConfig
 from gradserver.train.synthetic import SHAPES, run_exchange
 from gradserver.worker import Timeouts, WorkerClient
 

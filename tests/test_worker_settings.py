@@ -15,9 +15,10 @@ import pytest
 
 from gradserver.cli import build_parser, main
 from gradserver.common import codec
-from gradserver.common.config import CoordinatorConfig, config_from_sources
+from gradserver.common.config import config_from_sources
 from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.timeouts import Timeouts
+from gradserver.server.config import CoordinatorConfig
 from gradserver.train import cli as worker_cli
 from gradserver.train import corpus, trainer
 from gradserver.train.cli import WorkerConfig, check_synthetic, check_training, choose_threads
