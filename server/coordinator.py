@@ -32,7 +32,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gradserver.common import codec
-from gradserver.common._pb import gradient_server_pb2 as pb
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
@@ -627,7 +626,7 @@ class GradientServer:
                     return
             except GradServerError as exc:
                 log.info("rejected message: %s", exc.message, extra={"worker_id": w, "step": exc.step})
-                key = refused_key(raw) if exc.key is not None else None
+                key = codec.chunk_key(raw) if exc.key is not None else None
                 self._send_error(stream, exc.code, exc.message, exc.step or 0, key)
 
     def _handle(self, stream: _WorkerStream, event: WorkerEvent) -> bool:
@@ -826,15 +825,3 @@ def _check_port_free(bind: str) -> None:
             probe.bind(address)
         except OSError as exc:
             raise AddressInUseError(f"cannot bind {bind}: {exc.strerror or exc}") from None
-
-
-def refused_key(raw: bytes) -> TensorKey | None:
-    """The key of a chunk the codec refused after parsing its key, so the error names it and the
-    worker fails only that key's result instead of every pending one."""
-    try:
-        msg = pb.WorkerMessage.FromString(raw)
-        if msg.WhichOneof("kind") != "chunk":
-            return None
-        return codec._key_from_pb(msg.chunk.key, who="refused chunk", limits=None)
-    except (GradServerError, ValueError):
-        return None
