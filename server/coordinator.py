@@ -65,7 +65,8 @@ from gradserver.server.config import CoordinatorConfig
 
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
-from .reduction import Outgoing, ReductionTable
+from .outgoing import Outgoing
+from .reduction import ReductionTable
 
 log = logging.getLogger("gradserver.server")
 
