@@ -21,8 +21,9 @@ from gradserver.common.config import (
 from gradserver.common.logs import configure_logging
 from gradserver.common.security import TlsFiles
 
+from .binding import AddressInUseError
 from .config import CoordinatorConfig
-from .coordinator import AddressInUseError, GradientServer
+from .coordinator import GradientServer
 
 
 def register(commands: Any) -> None:

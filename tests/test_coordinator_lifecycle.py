@@ -20,6 +20,7 @@ from gradserver.common.errors import UnavailableError
 from gradserver.common.messages import BarrierIn, JoinAccepted, JoinRequestIn, TensorKey
 from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
 from gradserver.server import GradientServer
+from gradserver.server import binding as binding_module
 from gradserver.server import coordinator as coordinator_module
 from gradserver.server import membership as membership_module
 from gradserver.server.config import CoordinatorConfig
@@ -207,7 +208,7 @@ def test_a_second_coordinator_on_a_bound_port_fails_to_start(coordinator) -> Non
 
     with pytest.raises(UnavailableError, match=f"cannot bind {first.address}") as info:
         asyncio.run(start_second())
-    assert isinstance(info.value, coordinator_module.AddressInUseError)
+    assert isinstance(info.value, binding_module.AddressInUseError)
 
 
 @pytest.mark.processes
