@@ -14,8 +14,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradserver.common import compute_block_sizes
+from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import AbortedError, ResourceExhaustedError
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
+from gradserver.train.fingerprint import synthetic_fingerprint
 from gradserver.train.synthetic import SHAPES, synthetic_gradient
 from gradserver.worker import WorkerClient
 
@@ -339,7 +341,9 @@ def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
         ],
         name="slow-link",
     )
-    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+    # The CLI worker sends its job's fingerprint; a joiner without one would not match it.
+    fingerprint = synthetic_fingerprint(SHAPES["small"], tuple(NonBlockComponent), steps=1, seed=0)
+    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, fingerprint=fingerprint)
     try:
         from gradserver.train.synthetic import run_exchange
 
