@@ -26,6 +26,8 @@ COPY proto ./proto
 COPY common ./common
 COPY server ./server
 COPY worker ./worker
+COPY train ./train
+COPY cli ./cli
 COPY docker/wheels ./docker/wheels
 COPY .ci/install-runtime.sh .ci/check-torch.sh ./.ci/
 RUN PYTHON=/opt/gradserver/bin/python TORCH_INDEX_URL="${TORCH_INDEX_URL}" TORCH_VARIANT="${TORCH_VARIANT}" \

@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: a looser spec would pull a CUDA build of several GB.
 	$(BIN)/python -m pip install -q -c constraints.txt torch
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[train,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -31,7 +31,7 @@ lint: $(STAMP)
 # mirrors its installed layout (gradserver/common -> common, ...).
 typecheck: $(STAMP)
 	rm -rf $(TYPECHECK_ROOT) && mkdir -p $(TYPECHECK_ROOT)/gradserver
-	for part in common server worker; do ln -s ../../../$$part $(TYPECHECK_ROOT)/gradserver/$$part; done
+	for part in common server worker train cli; do ln -s ../../../$$part $(TYPECHECK_ROOT)/gradserver/$$part; done
 	cd $(TYPECHECK_ROOT) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p gradserver
 
 pytest: $(STAMP)

@@ -18,10 +18,16 @@ PROJECT=${2:-$SRC}
 TORCH_WHEEL_DIR=${TORCH_WHEEL_DIR:-}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
 TORCH_VARIANT=${TORCH_VARIANT:-}
+# The training extra (torch, tqdm, matplotlib); EXTRAS= installs the coordinator and client only.
+EXTRAS=${EXTRAS-train}
 CONSTRAINTS="$SRC/constraints.txt"
 pip_install() {
     "$PYTHON" -m pip install --no-cache-dir -c "$CONSTRAINTS" "$@"
 }
+if [ -z "$EXTRAS" ]; then
+    pip_install "$PROJECT"
+    exit 0
+fi
 if [ -n "$TORCH_WHEEL_DIR" ]; then
     set -- "$TORCH_WHEEL_DIR"/torch-*.whl
     if [ ! -f "$1" ] || [ $# -ne 1 ]; then
@@ -34,7 +40,7 @@ elif [ -n "$TORCH_INDEX_URL" ]; then
 else
     pip_install torch
 fi
-pip_install "$PROJECT"
+pip_install "$PROJECT[$EXTRAS]"
 if [ -n "$TORCH_VARIANT" ]; then
     PYTHON="$PYTHON" sh "$(dirname "$0")/check-torch.sh" "$TORCH_VARIANT"
 fi

@@ -206,7 +206,7 @@ def run_gradserver(
             [
                 sys.executable,
                 "-m",
-                "gradserver.common.cli",
+                "gradserver.cli",
                 "coordinator",
                 "--bind",
                 "127.0.0.1:0",

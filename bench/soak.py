@@ -50,7 +50,7 @@ def main() -> int:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--early", type=int, default=100, help="step at which the early sample is taken")
     args = parser.parse_args()
-    cli = [sys.executable, "-m", "gradserver.common.cli"]
+    cli = [sys.executable, "-m", "gradserver.cli"]
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         metrics_port = 0

@@ -27,7 +27,7 @@ def run(backend: str, workers: int, model: str, steps: int, batch: int, warmup: 
         cmd = [
             sys.executable,
             "-m",
-            "gradserver.common.cli",
+            "gradserver.cli",
             "launch",
             "--workers",
             str(workers),

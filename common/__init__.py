@@ -11,7 +11,6 @@ from .components import (
     NonBlockComponent,
     compute_block_sizes,
 )
-from .config import CoordinatorConfig
 from .errors import (
     AbortedError,
     CoordinatorShutdownError,
@@ -32,7 +31,6 @@ __all__ = [
     "BLOCK_GRAD_COMPONENTS",
     "AbortedError",
     "BlockComponent",
-    "CoordinatorConfig",
     "CoordinatorShutdownError",
     "DeadlineExceededError",
     "FailedPreconditionError",

@@ -1,6 +1,7 @@
 """The wire codec: protobuf bytes to and from the plain types of `gradserver.common.messages`.
 
-This is the only module that touches the generated protobuf classes. Decoding validates
+This is the only module that touches the generated protobuf classes; the hand-written wire
+reader and writer that keep multi-MiB payloads out of message objects are in `_wire`. Decoding validates
 everything that can be judged from one message alone (well-formed bytes, known enums, allowed
 dtype, sizes within limits, chunk offsets and lengths) and raises an error of the project's
 hierarchy naming the worker, step and key; checks that need other workers' messages live in the
@@ -16,9 +17,10 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError
 
 from ._pb import gradient_server_pb2 as pb
+from ._wire import split_payload, with_payload
 from .chunking import check_chunk_length
 from .components import BLOCK_GRAD_COMPONENTS, NonBlockComponent
-from .errors import InternalError, InvalidArgumentError, ResourceExhaustedError
+from .errors import GradServerError, InternalError, InvalidArgumentError, ResourceExhaustedError
 from .messages import (
     ALLOWED_DTYPES,
     AveragedChunkOut,
@@ -63,91 +65,6 @@ _WORKER_CHUNK_FIELD = pb.WorkerMessage.DESCRIPTOR.fields_by_name["chunk"].number
 _CHUNK_DATA_FIELD = pb.GradientChunk.DESCRIPTOR.fields_by_name["data"].number
 _SERVER_AVERAGED_FIELD = pb.ServerMessage.DESCRIPTOR.fields_by_name["averaged_chunk"].number
 _AVERAGED_DATA_FIELD = pb.AveragedChunk.DESCRIPTOR.fields_by_name["data"].number
-_LENGTH_DELIMITED = 2
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        low = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
-def _with_payload(outer_field: int, header: bytes, data_field: int, data: bytes | memoryview) -> bytes:
-    """Serialises {outer_field: header + {data_field: data}} with a single copy of `data`.
-
-    Protobuf parsers accept fields in any order, so appending the payload field to the
-    separately serialised header yields the same message as setting it on the header; this
-    avoids copying multi-MiB payloads into and back out of a message object.
-    """
-    length = len(data) if isinstance(data, bytes) else data.nbytes
-    inner = [header, _varint(data_field << 3 | _LENGTH_DELIMITED), _varint(length), data]
-    inner_len = len(header) + len(inner[1]) + len(inner[2]) + length
-    return b"".join([_varint(outer_field << 3 | _LENGTH_DELIMITED), _varint(inner_len), *inner])
-
-
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _split_payload(raw: bytes, outer_field: int, data_field: int) -> tuple[bytes, memoryview | None] | None:
-    """Counterpart of `_with_payload`: for a message {outer_field: {...}}, the inner message's
-    bytes without its `data_field`, and a zero-copy view of that field's payload.
-
-    Returns None when `raw` is not such a message or is malformed, so the caller falls back to
-    the protobuf parser (which then reports the problem).
-    """
-    view = memoryview(raw)
-    try:
-        tag, pos = _read_varint(view, 0)
-        if tag != (outer_field << 3 | _LENGTH_DELIMITED):
-            return None
-        length, pos = _read_varint(view, pos)
-        if pos + length != len(view):
-            return None
-        header: list[memoryview] = []
-        data: memoryview | None = None
-        while pos < len(view):
-            start = pos
-            tag, pos = _read_varint(view, pos)
-            wire = tag & 7
-            if wire == 0:
-                _, pos = _read_varint(view, pos)
-            elif wire == 1:
-                pos += 8
-            elif wire == 5:
-                pos += 4
-            elif wire == _LENGTH_DELIMITED:
-                size, pos = _read_varint(view, pos)
-                if tag >> 3 == data_field:
-                    data = view[pos : pos + size]
-                    pos += size
-                    if pos > len(view):
-                        return None
-                    continue
-                pos += size
-            else:
-                return None
-            if pos > len(view):
-                return None
-            header.append(view[start:pos])
-    except ValueError:
-        return None
-    return b"".join(header), data
 
 
 # --- keys -------------------------------------------------------------------------------------
@@ -189,6 +106,18 @@ def _key_from_pb(msg: pb.TensorKey, *, who: str, limits: WireLimits | None) -> T
     if kind == "whole_model":
         return TensorKey.whole_model(msg.step)
     raise InvalidArgumentError(f"{who}, step {msg.step}: key names no tensor kind", step=msg.step)
+
+
+def chunk_key(raw: bytes) -> TensorKey | None:
+    """The key of the chunk in a serialised WorkerMessage, or None when `raw` holds no chunk or no
+    readable key: for naming a chunk that `decode_worker_message` refused after its key was read."""
+    try:
+        msg = pb.WorkerMessage.FromString(raw)
+        if msg.WhichOneof("kind") != "chunk":
+            return None
+        return _key_from_pb(msg.chunk.key, who="refused chunk", limits=None)
+    except (DecodeError, GradServerError, ValueError):
+        return None
 
 
 def _dtype_from_pb(value: int, *, context: str) -> DType:
@@ -299,7 +228,7 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
         )
         if event.stats is not None:
             chunk.stats.CopyFrom(_stats_to_pb(event.stats))
-        return _with_payload(_WORKER_CHUNK_FIELD, chunk.SerializeToString(), _CHUNK_DATA_FIELD, event.data)
+        return with_payload(_WORKER_CHUNK_FIELD, chunk.SerializeToString(), _CHUNK_DATA_FIELD, event.data)
     if isinstance(event, BarrierIn):
         msg = pb.WorkerMessage(
             barrier=pb.Barrier(worker_id=event.worker_id, step=event.step, name=event.name)
@@ -322,7 +251,7 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
 
 def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
     """Parses and validates one message from a worker; raises naming what is wrong."""
-    split = _split_payload(raw, _WORKER_CHUNK_FIELD, _CHUNK_DATA_FIELD)
+    split = split_payload(raw, _WORKER_CHUNK_FIELD, _CHUNK_DATA_FIELD)
     if split is not None:
         header, data = split
         return _decode_chunk(_parse(pb.GradientChunk, header, "WorkerMessage"), limits, data)
@@ -471,9 +400,7 @@ def encode_server_event(event: ServerEvent) -> bytes:
             avg.global_loss = event.stats.loss
             avg.correct = event.stats.correct
             avg.total = event.stats.total
-        return _with_payload(
-            _SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data
-        )
+        return with_payload(_SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data)
     if isinstance(event, BarrierReleaseOut):
         msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
     elif isinstance(event, ShardAssignmentOut):
@@ -506,7 +433,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
     """Parses one message from the coordinator; a malformed one is an InternalError."""
     data: memoryview | None = None
     try:
-        split = _split_payload(raw, _SERVER_AVERAGED_FIELD, _AVERAGED_DATA_FIELD)
+        split = split_payload(raw, _SERVER_AVERAGED_FIELD, _AVERAGED_DATA_FIELD)
         if split is not None:
             header, data = split
             msg = pb.ServerMessage(averaged_chunk=pb.AveragedChunk.FromString(header))

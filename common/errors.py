@@ -14,10 +14,6 @@ import grpc
 
 __all__ = [
     "AbortedError",
-    "AccumulatorFullError",
-    "NoGradientsError",
-    "ShapeMismatchError",
-    "UnknownParameterError",
     "CoordinatorShutdownError",
     "DeadlineExceededError",
     "FailedPreconditionError",
@@ -111,25 +107,6 @@ class InternalError(GradServerError):
     """A bug or an unexpected reply; the message says what was seen."""
 
     code = grpc.StatusCode.INTERNAL
-
-
-class ShapeMismatchError(InvalidArgumentError):
-    """A gradient's size or shape differs from what was registered or expected."""
-
-
-class UnknownParameterError(InvalidArgumentError, KeyError):
-    """A gradient names a parameter that was never registered."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return GradServerError.__str__(self)
-
-
-class NoGradientsError(FailedPreconditionError):
-    """An update was asked for before any gradient was accumulated."""
-
-
-class AccumulatorFullError(FailedPreconditionError):
-    """More micro-batches were accumulated than the configured accumulation steps."""
 
 
 _BY_CODE: dict[grpc.StatusCode, type[GradServerError]] = {

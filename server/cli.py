@@ -13,7 +13,6 @@ import sys
 from typing import Any
 
 from gradserver.common.config import (
-    CoordinatorConfig,
     add_config_arguments,
     config_from_sources,
     describe_config,
@@ -22,7 +21,9 @@ from gradserver.common.config import (
 from gradserver.common.logs import configure_logging
 from gradserver.common.security import TlsFiles
 
-from .coordinator import AddressInUseError, GradientServer
+from .binding import AddressInUseError
+from .config import CoordinatorConfig
+from .coordinator import GradientServer
 
 
 def register(commands: Any) -> None:

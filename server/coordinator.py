@@ -14,6 +14,10 @@ The job is a small state machine (docs/RELIABILITY.md): waiting for joins -> run
 finished | failed, with restarting while a lost worker's place may be retaken within
 `--rejoin-timeout`. Finished and failed stop the coordinator (exit 0 and 1 from the CLI); a job
 whose workers all left cleanly without `--max-steps` makes way for a fresh job.
+
+Beside it: `auth` (the token interceptor), `binding` (plain/TLS port, exclusive bind, port file),
+`streams` (one worker's outbound queue and write progress), `membership` (join and member
+tokens), `reduction` (the table) and `metrics`.
 """
 
 from __future__ import annotations
@@ -21,9 +25,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
 import secrets
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,8 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gradserver.common import codec
-from gradserver.common._pb import gradient_server_pb2 as pb
-from gradserver.common.config import CoordinatorConfig, parse_address
+from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
@@ -61,16 +62,20 @@ from gradserver.common.rpc import (
     SERVICE_NAME,
     server_options,
 )
-from gradserver.common.security import AUTH_METADATA, TlsFiles, peer_identity, token_matches
+from gradserver.common.security import peer_identity
 
+from .auth import TokenInterceptor, peer_host
+from .binding import bind_port, write_port_file
+from .config import CoordinatorConfig
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
-from .reduction import Outgoing, ReductionTable
+from .outgoing import Outgoing
+from .reduction import ReductionTable
+from .streams import WorkerStream
 
 log = logging.getLogger("gradserver.server")
 
 _STOP = object()
-_HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _MONITOR_RESTARTS = 5  # consecutive monitor failures before the job fails loudly
 
 
@@ -82,82 +87,6 @@ class JobState(enum.Enum):
     RESTARTING = "restarting"  # a lost worker's place may be retaken until --rejoin-timeout
     FINISHED = "finished"
     FAILED = "failed"
-
-
-class AddressInUseError(UnavailableError):
-    """The coordinator's --bind address cannot be bound (another process holds it)."""
-
-
-def peer_host(peer: str) -> str:
-    """The host part of a gRPC peer string: 'ipv4:127.0.0.1:5555' -> 'ipv4:127.0.0.1',
-    'ipv6:[::1]:5555' -> 'ipv6:[::1]'; every unix-socket peer is on this host."""
-    if peer.startswith("unix"):
-        return "unix"
-    host, sep, port = peer.rpartition(":")
-    return host if sep and port.isdigit() else peer
-
-
-class _TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every call without the shared token (UNAUTHENTICATED), except health checks, which
-    container probes and load balancers make without credentials. Each refusal is reported with
-    the peer and which check failed (never the token)."""
-
-    def __init__(self, token: str, on_reject: Any) -> None:
-        self._token = token
-        self._on_reject = on_reject
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = await continuation(details)
-        metadata = details.invocation_metadata
-        if details.method.startswith(_HEALTH_PREFIX) or token_matches(metadata, self._token):
-            return handler
-        check = (
-            "wrong auth token" if any(k == AUTH_METADATA for k, _ in metadata or ()) else "missing auth token"
-        )
-        message = f"{details.method}: missing or wrong auth token"
-        on_reject = self._on_reject
-
-        async def deny(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-            on_reject(context.peer(), grpc.StatusCode.UNAUTHENTICATED, f"{details.method}: {check}")
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        if handler is not None and handler.request_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
-
-
-class _WorkerStream:
-    """One worker's Exchange stream: its outbound queue, write progress and how it ends."""
-
-    def __init__(self, member: Member, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        self.member = member
-        self.context = context
-        self.outbound: asyncio.Queue[bytes | object] = asyncio.Queue()
-        self.outbound_bytes = 0
-        self.room = asyncio.Event()
-        self.room.set()
-        self.paused = False
-        self.said_goodbye = False
-        self.by_shutdown = False
-        # When the oldest unsent byte was queued or the last write completed, whichever is later.
-        self.write_progress = time.monotonic()
-        loop = asyncio.get_running_loop()
-        self.ended: asyncio.Future[tuple[grpc.StatusCode, str] | None] = loop.create_future()
-        self.closed: asyncio.Future[None] = loop.create_future()
-
-    def send(self, raw: bytes) -> None:
-        if self.outbound_bytes == 0:
-            self.write_progress = time.monotonic()
-        self.outbound_bytes += len(raw)
-        self.outbound.put_nowait(raw)
-
-    def end(self, status: tuple[grpc.StatusCode, str] | None) -> None:
-        if not self.ended.done():
-            self.ended.set_result(status)
-
-    def stalled_for(self, now: float) -> float:
-        """Seconds the writes to this worker made no progress while bytes waited (0 when none)."""
-        return now - self.write_progress if self.outbound_bytes else 0.0
 
 
 class GradientServer:
@@ -185,7 +114,7 @@ class GradientServer:
         self.metrics = CoordinatorMetrics(config.world_size)
         self._table = self._new_table()
         self._counted = (0, 0)  # steps and keys of this job already added to the metrics
-        self._streams: dict[int, _WorkerStream] = {}
+        self._streams: dict[int, WorkerStream] = {}
         self._monitor: asyncio.Task[None] | None = None
         self._monitor_failures = 0
         self._stopping: asyncio.Task[None] | None = None
@@ -228,7 +157,7 @@ class GradientServer:
         self._membership = Membership(self.config.world_size, self.config.join_timeout, self.session_id)
         interceptors = []
         if self.config.auth_token:
-            interceptors.append(_TokenInterceptor(self.config.auth_token, self._auth_refused))
+            interceptors.append(TokenInterceptor(self.config.auth_token, self._auth_refused))
         server = grpc.aio.server(
             options=server_options(self.config.max_message_bytes, self.config.heartbeat_timeout),
             interceptors=interceptors,
@@ -242,13 +171,7 @@ class GradientServer:
         )
         server.add_generic_rpc_handlers((handler,))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        _check_port_free(self.config.bind)
-        try:
-            self.port = self._add_port(server)
-        except RuntimeError as exc:
-            raise AddressInUseError(f"cannot bind {self.config.bind}: {exc}") from None
-        if self.port == 0:
-            raise AddressInUseError(f"cannot bind {self.config.bind}: address in use or invalid")
+        self.port = bind_port(server, self.config)
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
@@ -258,10 +181,7 @@ class GradientServer:
             host, _ = parse_address(self.config.bind)
             self.metrics.serve(host.strip("[]"), self.config.metrics_port)
         if self.config.port_file:
-            tmp = f"{self.config.port_file}.tmp"
-            with open(tmp, "w", encoding="ascii") as handle:
-                handle.write(f"{self.port}\n")
-            os.replace(tmp, self.config.port_file)
+            write_port_file(self.config.port_file, self.port)
         log.info(
             "coordinator listening on %s for %d worker(s), session %#x; job %s",
             self.address,
@@ -270,20 +190,6 @@ class GradientServer:
             self.state.value,
         )
         return self.port
-
-    def _add_port(self, server: grpc.aio.Server) -> int:
-        cfg = self.config
-        if not cfg.tls_cert:
-            return int(server.add_insecure_port(cfg.bind))
-        own = TlsFiles.load(cert=cfg.tls_cert, key=cfg.tls_key, what="coordinator TLS")
-        client_ca = TlsFiles.load(ca=cfg.tls_client_ca, what="coordinator TLS") if cfg.tls_client_ca else None
-        assert own is not None
-        credentials = grpc.ssl_server_credentials(
-            [(own.key, own.cert)],
-            root_certificates=client_ca.ca if client_ca else None,
-            require_client_auth=client_ca is not None,
-        )
-        return int(server.add_secure_port(cfg.bind, credentials))
 
     async def stop(self, reason: str = "coordinator stopped") -> None:
         """Graceful shutdown: NOT_SERVING, workers told, steps in flight drained (bounded by
@@ -482,7 +388,7 @@ class GradientServer:
             # The stream of this place's previous member is still closing: it cannot block the
             # new member, who replaces it.
             existing.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} was replaced"))
-        stream = _WorkerStream(member, context)
+        stream = WorkerStream(member, context)
         member.streaming = True
         member.last_seen = time.monotonic()
         self._streams[member.worker_id] = stream
@@ -507,7 +413,7 @@ class GradientServer:
             await context.abort(status[0], status[1])
 
     def _stream_ended(
-        self, stream: _WorkerStream, status: tuple[grpc.StatusCode, str] | None, cancelled: bool
+        self, stream: WorkerStream, status: tuple[grpc.StatusCode, str] | None, cancelled: bool
     ) -> None:
         """Frees the member's place (when it still holds it) with the reason its stream ended."""
         assert self._membership is not None
@@ -527,7 +433,7 @@ class GradientServer:
         if self._membership.remove(member, why, expected=expected):
             self._worker_gone(member.worker_id, why, lost=not expected)
 
-    async def _finish_writer(self, stream: _WorkerStream, writer: asyncio.Task[None], *, drain: bool) -> None:
+    async def _finish_writer(self, stream: WorkerStream, writer: asyncio.Task[None], *, drain: bool) -> None:
         """Lets the writer send what is queued (bounded by drain_timeout; not at all for a
         cancelled stream, whose peer is gone). Never raises: the caller's clean-up must run."""
         stream.outbound.put_nowait(_STOP)
@@ -591,7 +497,7 @@ class GradientServer:
             )
         return member
 
-    def _reader_done(self, stream: _WorkerStream, task: asyncio.Task[None]) -> None:
+    def _reader_done(self, stream: WorkerStream, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return
         exc = task.exception()
@@ -601,7 +507,7 @@ class GradientServer:
             log.error("stream reader failed: %r", exc, extra={"worker_id": stream.member.worker_id})
             stream.end((grpc.StatusCode.INTERNAL, f"coordinator error: {exc!r}"))
 
-    async def _read_loop(self, stream: _WorkerStream) -> None:
+    async def _read_loop(self, stream: WorkerStream) -> None:
         w = stream.member.worker_id
         while True:
             while self._over_budget(stream):
@@ -628,10 +534,10 @@ class GradientServer:
                     return
             except GradServerError as exc:
                 log.info("rejected message: %s", exc.message, extra={"worker_id": w, "step": exc.step})
-                key = refused_key(raw) if exc.key is not None else None
+                key = codec.chunk_key(raw) if exc.key is not None else None
                 self._send_error(stream, exc.code, exc.message, exc.step or 0, key)
 
-    def _handle(self, stream: _WorkerStream, event: WorkerEvent) -> bool:
+    def _handle(self, stream: WorkerStream, event: WorkerEvent) -> bool:
         """Dispatches one decoded message; True when the worker announced that it leaves."""
         w = stream.member.worker_id
         if isinstance(event, LeaveIn):
@@ -659,7 +565,7 @@ class GradientServer:
         return False
 
     def _beyond_final_step(
-        self, stream: _WorkerStream, step: int, *, key: TensorKey | None = None, barrier: str | None = None
+        self, stream: WorkerStream, step: int, *, key: TensorKey | None = None, barrier: str | None = None
     ) -> bool:
         if self._final_step is None or step <= self._final_step:
             return False
@@ -675,7 +581,7 @@ class GradientServer:
             self._limit_logged = True
             log.info("reached --max-steps %d at step %s", self.config.max_steps, self._final_step)
 
-    async def _write_loop(self, stream: _WorkerStream) -> None:
+    async def _write_loop(self, stream: WorkerStream) -> None:
         while True:
             item = await stream.outbound.get()
             if item is _STOP:
@@ -700,7 +606,7 @@ class GradientServer:
 
     def _send_error(
         self,
-        stream: _WorkerStream,
+        stream: WorkerStream,
         code: grpc.StatusCode,
         message: str,
         step: int,
@@ -713,7 +619,7 @@ class GradientServer:
         event = ErrorOut(int(code.value[0]), message, step, key=key, barrier_name=barrier)
         stream.send(codec.encode_server_event(event))
 
-    def _over_budget(self, stream: _WorkerStream) -> bool:
+    def _over_budget(self, stream: WorkerStream) -> bool:
         held = self._table.buffered_bytes(stream.member.worker_id) + stream.outbound_bytes
         return held > self.config.max_inflight_bytes
 
@@ -806,36 +712,3 @@ class GradientServer:
         stream = self._streams.get(member.worker_id)
         if stream is not None:
             stream.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))
-
-
-def _check_port_free(bind: str) -> None:
-    """Raises AddressInUseError when another process listens on `bind`'s port, before gRPC tries
-    (whose own failure is a multi-line core log). Port 0 is always free."""
-    host, port = parse_address(bind)
-    if port == 0:
-        return
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except OSError:
-        return  # unresolvable: gRPC's own bind reports it
-    with socket.socket(family, kind, proto) as probe:
-        # The same option gRPC sets: a port left in TIME_WAIT is free, a listening one is not.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise AddressInUseError(f"cannot bind {bind}: {exc.strerror or exc}") from None
-
-
-def refused_key(raw: bytes) -> TensorKey | None:
-    """The key of a chunk the codec refused after parsing its key, so the error names it and the
-    worker fails only that key's result instead of every pending one."""
-    try:
-        msg = pb.WorkerMessage.FromString(raw)
-        if msg.WhichOneof("kind") != "chunk":
-            return None
-        return codec._key_from_pb(msg.chunk.key, who="refused chunk", limits=None)
-    except (GradServerError, ValueError):
-        return None

@@ -5,6 +5,10 @@ coordinator delivers them. One pending slot exists per key identity (a block ind
 component, the whole model) and holds only the chunks that not every worker has sent yet; a chunk
 is averaged as soon as the last worker's copy arrives and its buffers are freed.
 
+Beside the table: `participation` (which workers a step waits for: lost, rejoined, live),
+`shards` (the answers to shard requests), `step_stats` (per-step counts, logged at DEBUG),
+`outgoing` (what the table returns) and `averaging` (the float64 mean of one chunk).
+
 Rules (docs/PROTOCOL.md lists them with their status codes):
 - A step either completes for every key or fails for all workers at once; the failure is
   broadcast as one step-wide error and late contributions to it are answered, never counted.
@@ -30,7 +34,6 @@ from collections.abc import Callable
 import grpc
 
 from gradserver.common.chunking import chunk_count
-from gradserver.common.errors import GradServerError
 from gradserver.common.messages import (
     AveragedChunkOut,
     BarrierIn,
@@ -40,14 +43,15 @@ from gradserver.common.messages import (
     ErrorOut,
     KeyKind,
     SampleStats,
-    ServerEvent,
-    ShardAssignmentOut,
     ShardRequestIn,
     TensorKey,
 )
-from gradserver.common.sharding import step_shard
 
 from .averaging import Averager, NonFiniteContribution
+from .outgoing import Outgoing, error_to
+from .participation import Participation
+from .shards import ShardAssigner
+from .step_stats import StepStatistics
 
 log = logging.getLogger("gradserver.server.reduction")
 
@@ -56,14 +60,6 @@ _ABORTED = grpc.StatusCode.ABORTED
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 _DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-@dataclasses.dataclass(frozen=True)
-class Outgoing:
-    """One message for the listed workers (each gets the very same encoded bytes)."""
-
-    to: tuple[int, ...]
-    event: ServerEvent
 
 
 @dataclasses.dataclass
@@ -114,13 +110,6 @@ class _Failure:
         return self.culprit_code if worker_id == self.culprit else self.code
 
 
-@dataclasses.dataclass
-class _StepStats:
-    keys: int = 0
-    bytes_in: int = 0
-    started: float = 0.0
-
-
 class ReductionTable:
     """All reductions of one job. Not thread-safe: the coordinator calls it from its event loop."""
 
@@ -141,8 +130,7 @@ class ReductionTable:
             raise ValueError(f"on_worker_loss must be abort or continue, got {on_worker_loss!r}")
         self.world_size = world_size
         self.on_worker_loss = on_worker_loss
-        self._joined_at: dict[int, int] = {}
-        self._high_step = -1
+        self._roster = Participation(world_size, rejoin_next_step=on_worker_loss == "continue")
         self._on_key_reduced = on_key_reduced
         self._on_barrier_released = on_barrier_released
         self.chunk_elements = chunk_elements
@@ -155,10 +143,9 @@ class ReductionTable:
         self._last_barrier: dict[str, int] = {}
         self._worker_step: list[int | None] = [None] * world_size
         self._failed: collections.OrderedDict[int, _Failure] = collections.OrderedDict()
-        self._vacant: dict[int, str] = {}
         self._buffered = [0] * world_size
-        self._shard_shape: tuple[int, int] | None = None
-        self._step_stats: collections.OrderedDict[int, _StepStats] = collections.OrderedDict()
+        self._shards = ShardAssigner(world_size)
+        self._step_stats = StepStatistics(clock)
         self._open_steps: set[int] = set()  # steps seen, neither failed nor counted yet
         self.steps_completed = 0
         self.keys_reduced = 0
@@ -184,14 +171,14 @@ class ReductionTable:
         return self._last_completed_step
 
     def live_workers(self) -> tuple[int, ...]:
-        return tuple(w for w in range(self.world_size) if w not in self._vacant)
+        return self._roster.live_workers()
 
     # --- membership ---------------------------------------------------------------------------
 
     def worker_lost(self, worker_id: int, reason: str) -> list[Outgoing]:
         """abort: fails every step in flight and refuses new keys until a replacement joins.
         continue: keys go on with the survivors (see `_continue_without`)."""
-        self._vacant[worker_id] = reason
+        self._roster.lost(worker_id, reason)
         self._worker_step[worker_id] = None
         if self.on_worker_loss == "continue":
             out = self._continue_without(worker_id, reason)
@@ -206,15 +193,8 @@ class ReductionTable:
 
     def worker_joined(self, worker_id: int) -> None:
         """A (re)joined worker takes part from the next step that has not started yet."""
-        self._vacant.pop(worker_id, None)
+        self._roster.joined(worker_id)
         self._worker_step[worker_id] = None
-        if self.on_worker_loss == "continue" and self._high_step >= 0:
-            self._joined_at[worker_id] = self._high_step + 1
-
-    def _expected(self, step: int) -> frozenset[int]:
-        return frozenset(
-            w for w in range(self.world_size) if w not in self._vacant and self._joined_at.get(w, 0) <= step
-        )
 
     def _continue_without(self, lost: int, reason: str) -> list[Outgoing]:
         """A lost worker's complete contributions stay counted; its partial ones are dropped,
@@ -332,7 +312,7 @@ class ReductionTable:
         parts = slot.chunks.setdefault(index, [None] * self.world_size)
         parts[w] = chunk.data
         self._buffered[w] += _nbytes(chunk.data)
-        self._stats_for(key.step).bytes_in += _nbytes(chunk.data)
+        self._step_stats.bytes_received(key.step, _nbytes(chunk.data))
         if slot.chunk_complete(index):
             out += self._reduce(slot, index)
         return out
@@ -362,9 +342,9 @@ class ReductionTable:
         bar = self._barriers.get((step, name))
         if bar is None:
             now = self._clock()
-            self._high_step = max(self._high_step, step)
+            self._roster.saw_step(step)
             bar = self._barriers[(step, name)] = _Barrier(
-                step, name, now + self.step_timeout, now, expected=self._expected(step)
+                step, name, now + self.step_timeout, now, expected=self._roster.expected(step)
             )
             self._open_steps.add(step)
             behind = self._left_behind(step, bar.expected, what)
@@ -385,27 +365,8 @@ class ReductionTable:
         return [Outgoing(self.live_workers(), BarrierReleaseOut(bar.step, bar.name))]
 
     def shard(self, request: ShardRequestIn) -> list[Outgoing]:
-        """Answers a shard request; every worker must describe the same data set and batch."""
-        w = request.worker_id
-        shape = (request.dataset_size, request.batch_size)
-        if self._shard_shape is None:
-            self._shard_shape = shape
-        try:
-            if shape != self._shard_shape:
-                raise GradServerError(
-                    f"worker {w} asked for step {request.step} shards of a data set of "
-                    f"{shape[0]} samples with batch {shape[1]}, but this job uses "
-                    f"{self._shard_shape[0]} samples with batch {self._shard_shape[1]}"
-                )
-            ranges = step_shard(request.step, w, self.world_size, *shape)
-        except GradServerError as exc:
-            return [
-                Outgoing(
-                    (w,),
-                    ErrorOut(int(_INVALID.value[0]), exc.message, request.step, shard_step=request.step),
-                )
-            ]
-        return [Outgoing((w,), ShardAssignmentOut(request.step, w, ranges))]
+        """Answers a shard request (see `ShardAssigner`)."""
+        return self._shards.answer(request)
 
     def expire(self) -> list[Outgoing]:
         """Fails every step that has a key or barrier past its deadline."""
@@ -447,11 +408,11 @@ class ReductionTable:
             if (w, subject) in failure.answered:
                 return []
             failure.answered.add((w, subject))
-            return [self._error_to(w, step, failure.code_for(w), failure.message, subject, step_failed=True)]
-        joined_at = self._joined_at.get(w, 0)
+            return [error_to(w, step, failure.code_for(w), failure.message, subject, step_failed=True)]
+        joined_at = self._roster.first_step(w)
         if step < joined_at:
             return [
-                self._error_to(
+                error_to(
                     w,
                     step,
                     _PRECONDITION,
@@ -460,22 +421,23 @@ class ReductionTable:
                     subject,
                 )
             ]
-        if self._vacant and self.on_worker_loss == "abort":
-            lost = ", ".join(f"worker {v} {why}" for v, why in sorted(self._vacant.items()))
+        vacant = self._roster.vacant
+        if vacant and self.on_worker_loss == "abort":
+            lost = ", ".join(f"worker {v} {why}" for v, why in sorted(vacant.items()))
             return [
-                self._error_to(
+                error_to(
                     w,
                     step,
                     _ABORTED,
                     f"{what} refused: the world is incomplete ({lost}); waiting for a replacement to join",
                     subject,
-                    culprit=min(self._vacant),
+                    culprit=min(vacant),
                 )
             ]
         known = self._worker_step[w]
         if known is not None and step < known:
             return [
-                self._error_to(
+                error_to(
                     w,
                     step,
                     _PRECONDITION,
@@ -514,10 +476,7 @@ class ReductionTable:
         return out
 
     def _open(self, key: TensorKey, header: ChunkHeader) -> _Slot:
-        if key.step not in self._step_stats:
-            self._log_previous_steps(key.step)
-            self._step_stats[key.step] = _StepStats(started=self._clock())
-        self._stats_for(key.step).keys += 1
+        self._step_stats.key_opened(key.step, self._failed)
         slot = _Slot(
             key=key,
             header=header,
@@ -525,9 +484,9 @@ class ReductionTable:
             deadline=self._clock() + self.step_timeout,
             world_size=self.world_size,
             opened=self._clock(),
-            expected=self._expected(key.step),
+            expected=self._roster.expected(key.step),
         )
-        self._high_step = max(self._high_step, key.step)
+        self._roster.saw_step(key.step)
         self._pending[key.slot] = slot
         self._open_steps.add(key.step)
         return slot
@@ -559,7 +518,7 @@ class ReductionTable:
             return
         pending = self.pending_steps()
         for step in sorted(self._open_steps - pending):
-            if not all(self._moved_past(w, step) for w in self._expected(step)):
+            if not all(self._moved_past(w, step) for w in self._roster.expected(step)):
                 continue
             self._open_steps.discard(step)
             self.steps_completed += 1
@@ -683,51 +642,7 @@ class ReductionTable:
     ) -> list[Outgoing]:
         """Refuses one message (about a key, or a barrier name) to its sender only."""
         log.info("rejected: %s", message, extra={"step": step, "worker_id": w})
-        return [self._error_to(w, step, code, message, subject)]
-
-    @staticmethod
-    def _error_to(
-        w: int,
-        step: int,
-        code: grpc.StatusCode,
-        message: str,
-        subject: TensorKey | str,
-        culprit: int | None = None,
-        *,
-        step_failed: bool = False,
-    ) -> Outgoing:
-        key = subject if isinstance(subject, TensorKey) else None
-        barrier = subject if isinstance(subject, str) else None
-        event = ErrorOut(
-            int(code.value[0]),
-            message,
-            step,
-            key=key,
-            culprit_worker_id=culprit,
-            barrier_name=barrier,
-            step_failed=step_failed,
-        )
-        return Outgoing((w,), event)
-
-    def _stats_for(self, step: int) -> _StepStats:
-        stats = self._step_stats.get(step)
-        if stats is None:
-            stats = self._step_stats[step] = _StepStats(started=self._clock())
-        return stats
-
-    def _log_previous_steps(self, new_step: int) -> None:
-        for step in [s for s in self._step_stats if s < new_step]:
-            stats = self._step_stats.pop(step)
-            if log.isEnabledFor(logging.DEBUG):
-                state = "failed" if step in self._failed else "done"
-                log.debug(
-                    "step %d %s: %d keys, %.1f MiB in, %.3f s",
-                    step,
-                    state,
-                    stats.keys,
-                    stats.bytes_in / 2**20,
-                    self._clock() - stats.started,
-                )
+        return [error_to(w, step, code, message, subject)]
 
 
 def _nbytes(data: bytes | memoryview | None) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gradserver.common.config import CoordinatorConfig
+from gradserver.server.config import CoordinatorConfig
 from gradserver.worker import WorkerClient
 
 from .helpers.processes import ProcessGroup

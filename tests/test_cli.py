@@ -100,7 +100,7 @@ def test_launch_runs_the_demo_job(processes) -> None:
 )
 def test_invalid_configuration_fails_at_start_with_one_line(args, env, message) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "gradserver.common.cli", "coordinator", *args],
+        [sys.executable, "-m", "gradserver.cli", "coordinator", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -114,7 +114,7 @@ def test_invalid_configuration_fails_at_start_with_one_line(args, env, message) 
 
 def test_every_flag_names_its_environment_variable() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "gradserver.common.cli", "coordinator", "--help"],
+        [sys.executable, "-m", "gradserver.cli", "coordinator", "--help"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -188,7 +188,7 @@ def test_after_a_failed_step_the_next_step_gets_its_own_averages(workers) -> Non
 def test_torch_distributed_loss_is_reduced_on_the_gradients_device(monkeypatch) -> None:
     import torch.distributed as dist
 
-    from gradserver.worker.backends import TorchDistributedBackend
+    from gradserver.train.backends import TorchDistributedBackend
 
     reduced: list[torch.Tensor] = []
 
@@ -219,7 +219,7 @@ def test_torch_distributed_loss_is_reduced_on_the_gradients_device(monkeypatch) 
 def test_nccl_engine_averages_gradients_and_loss_on_the_gpu(tmp_path) -> None:
     import torch.distributed as dist
 
-    from gradserver.worker.backends import TorchDistributedBackend
+    from gradserver.train.backends import TorchDistributedBackend
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)

@@ -221,6 +221,15 @@ def test_decoder_rejects_with_a_named_reason(raw: bytes, error: type, text: str)
     assert text in info.value.message
 
 
+def test_chunk_key_reads_the_key_of_a_refused_chunk() -> None:
+    raw = _chunk(data=b"\0" * 12)
+    with pytest.raises(InvalidArgumentError):
+        codec.decode_worker_message(raw, LIMITS)
+    assert codec.chunk_key(raw) == TensorKey.non_block(4, NonBlockComponent.LM_HEAD)
+    assert codec.chunk_key(codec.encode_worker_event(HeartbeatIn(2, 7))) is None
+    assert codec.chunk_key(b"\xff\xff") is None
+
+
 def test_chunk_errors_name_worker_step_and_key() -> None:
     with pytest.raises(InvalidArgumentError) as info:
         codec.decode_worker_message(_chunk(data=b"\0" * 12), LIMITS)

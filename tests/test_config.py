@@ -8,9 +8,10 @@ import grpc
 import pytest
 
 from gradserver.common import errors
-from gradserver.common.config import CoordinatorConfig, add_config_arguments, config_from_sources
+from gradserver.common.config import add_config_arguments, config_from_sources
 from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.timeouts import Timeouts
+from gradserver.server.config import CoordinatorConfig
 
 
 def parse(argv: list[str], env: dict[str, str]) -> CoordinatorConfig:

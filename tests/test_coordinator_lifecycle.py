@@ -16,15 +16,16 @@ import pytest
 
 from gradserver.common import codec
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.config import CoordinatorConfig
 from gradserver.common.errors import UnavailableError
 from gradserver.common.messages import BarrierIn, JoinAccepted, JoinRequestIn, TensorKey
 from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
 from gradserver.server import GradientServer
+from gradserver.server import binding as binding_module
 from gradserver.server import coordinator as coordinator_module
 from gradserver.server import membership as membership_module
+from gradserver.server.config import CoordinatorConfig
+from gradserver.train.synthetic import SHAPES, run_exchange
 from gradserver.worker import WorkerClient
-from gradserver.worker.synthetic import SHAPES, run_exchange
 
 from .helpers.logwait import log_waiter
 from .helpers.raw import RawWorker, join
@@ -207,7 +208,7 @@ def test_a_second_coordinator_on_a_bound_port_fails_to_start(coordinator) -> Non
 
     with pytest.raises(UnavailableError, match=f"cannot bind {first.address}") as info:
         asyncio.run(start_second())
-    assert isinstance(info.value, coordinator_module.AddressInUseError)
+    assert isinstance(info.value, binding_module.AddressInUseError)
 
 
 @pytest.mark.processes

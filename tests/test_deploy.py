@@ -11,9 +11,10 @@ from typing import Any
 
 import yaml
 
-from gradserver.common.cli import build_parser
-from gradserver.common.config import CoordinatorConfig, config_from_sources, env_name
-from gradserver.worker.cli import WorkerConfig
+from gradserver.cli import build_parser
+from gradserver.common.config import config_from_sources, env_name
+from gradserver.server.config import CoordinatorConfig
+from gradserver.train.cli import WorkerConfig
 
 from .helpers.processes import ROOT
 

@@ -14,11 +14,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradserver.common import compute_block_sizes
+from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import AbortedError, ResourceExhaustedError
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
+from gradserver.train.fingerprint import synthetic_fingerprint
+from gradserver.train.synthetic import SHAPES, synthetic_gradient
 from gradserver.worker import WorkerClient
-from gradserver.worker.cli import WorkerConfig, check_synthetic
-from gradserver.worker.synthetic import SHAPES, synthetic_gradient
 
 from .helpers.logwait import log_waiter
 from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
@@ -209,7 +210,7 @@ def _pair(server, proxy) -> tuple[WorkerClient, WorkerClient]:
 
 
 def test_row8_sliced_and_delayed_bytes_still_average_correctly(proxied) -> None:
-    from gradserver.worker.synthetic import run_exchange
+    from gradserver.train.synthetic import run_exchange
 
     server, proxy = proxied
     proxy.slice_bytes, proxy.delay_s = 997, 0.0005
@@ -356,7 +357,7 @@ def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
             *test_host.prefix(),
             sys.executable,
             "-m",
-            "gradserver.common.cli",
+            "gradserver.cli",
             "worker",
             "--job",
             "synthetic",
@@ -372,11 +373,11 @@ def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
         ],
         name="slow-link",
     )
-    # The same synthetic job as the remote worker's, or the coordinator refuses one of the two.
-    job = check_synthetic(WorkerConfig(job="synthetic", model="small", steps=1, coordinator=server.address))
-    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, fingerprint=job)
+    # The CLI worker sends its job's fingerprint; a joiner without one would not match it.
+    fingerprint = synthetic_fingerprint(SHAPES["small"], tuple(NonBlockComponent), steps=1, seed=0)
+    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, fingerprint=fingerprint)
     try:
-        from gradserver.worker.synthetic import run_exchange
+        from gradserver.train.synthetic import run_exchange
 
         ours = run_exchange(client, SHAPES["small"], 1)
         assert remote.wait(120) == 0, remote.output
@@ -419,11 +420,11 @@ def test_row5_coordinator_restarted_on_the_same_port(processes, tmp_path) -> Non
 
 
 def test_a_worker_ahead_after_a_restart_rolls_its_step_back() -> None:
-    from gradserver.worker.backends import LocalBackend, LocalHub
-    from gradserver.worker.corpus import TokenWindows, corpus_bytes
-    from gradserver.worker.model import CONFIGS, TransformerLM
-    from gradserver.worker.trainer import DistributedTrainer
-    from gradserver.worker.training import _rejoin
+    from gradserver.train.backends import LocalBackend, LocalHub
+    from gradserver.train.corpus import TokenWindows, corpus_bytes
+    from gradserver.train.model import CONFIGS, TransformerLM
+    from gradserver.train.trainer import DistributedTrainer
+    from gradserver.train.training import _rejoin
 
     class Restartable(LocalBackend):
         resume = 0

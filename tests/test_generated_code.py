@@ -25,14 +25,14 @@ def test_installed_package_has_no_bare_top_level_modules() -> None:
     import gradserver.worker
 
     assert gradserver.server.GradientServer and gradserver.worker.WorkerClient
-    for bare in ("common", "server", "worker"):
+    for bare in ("common", "server", "worker", "train", "cli"):
         spec = __import__("importlib.util").util.find_spec(bare)
         assert spec is None or "site-packages" not in (spec.origin or ""), bare
 
 
 def test_server_does_not_import_torch() -> None:
     code = (
-        "import sys, gradserver.server, gradserver.common.cli as cli; cli.build_parser(); "
+        "import sys, gradserver.server, gradserver.cli as cli; cli.build_parser(); "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""Gradient containers, the named-parameter accumulator and sync-free clipping."""
+"""Gradient buffers in the wire layout and sync-free clipping."""
 
 from __future__ import annotations
 
@@ -7,16 +7,13 @@ import torch
 
 from gradserver.common import compute_block_sizes
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.errors import (
-    AccumulatorFullError,
-    InvalidArgumentError,
-    NoGradientsError,
+from gradserver.common.errors import InvalidArgumentError
+from gradserver.train.clipping import clip_by_global_norm_, global_norm
+from gradserver.train.gradient_buffers import (
+    BlockGradientSet,
+    PerBlockGradientAccumulator,
     ShapeMismatchError,
-    UnknownParameterError,
 )
-from gradserver.worker.accumulator import AccumulationConfig, GradientAccumulator
-from gradserver.worker.clipping import clip_by_global_norm_, global_norm
-from gradserver.worker.gradients import BlockGradientSet, PerBlockGradientAccumulator
 
 SIZES = compute_block_sizes(8, 4, 16)
 
@@ -83,43 +80,6 @@ def test_per_block_accumulator() -> None:
     tied = PerBlockGradientAccumulator(1, SIZES, 10, 8, tied=True)
     with pytest.raises(InvalidArgumentError, match="no LM_HEAD gradient"):
         tied.accumulate_non_block(NonBlockComponent.LM_HEAD, torch.ones(80))
-
-
-def test_accumulator_steps_normalizes_and_clips() -> None:
-    acc = GradientAccumulator(AccumulationConfig(accumulation_steps=2, normalize=True))
-    acc.register("w", (2,))
-    assert acc.step({"w": torch.tensor([2.0, 4.0])}) is False
-    assert acc.step({"w": torch.tensor([6.0, 8.0])}) is True and acc.should_update
-    assert acc.get_gradients()["w"].tolist() == [4.0, 6.0]
-    acc.reset()
-    clip = GradientAccumulator(AccumulationConfig(accumulation_steps=1, normalize=False, max_grad_norm=5.0))
-    clip.register("g", (2,))
-    clip.step({"g": torch.tensor([30.0, 40.0])})
-    torch.testing.assert_close(clip.get_gradients()["g"], torch.tensor([3.0, 4.0]))
-    stats = acc.stats()
-    assert (stats.total_micro_batches, stats.total_updates, stats.registered_params) == (2, 1, 1)
-    assert stats.total_param_elements == 2 and stats.effective_batch_multiplier == 2
-    assert AccumulationConfig(accumulation_steps=4).effective_batch_size(32) == 128
-
-
-def test_accumulator_errors_name_the_problem() -> None:
-    acc = GradientAccumulator(AccumulationConfig(accumulation_steps=1))
-    with pytest.raises(NoGradientsError):
-        acc.get_gradients()
-    acc.register("layer.w", (2, 3))
-    with pytest.raises(ShapeMismatchError, match=r"'layer.w': expected shape \(2, 3\), got \(3, 2\)"):
-        acc.accumulate("layer.w", torch.zeros(3, 2))
-    with pytest.raises(UnknownParameterError, match="'nope' is not registered"):
-        acc.accumulate("nope", torch.zeros(1))
-    with pytest.raises(NoGradientsError, match="no gradients"):
-        acc.step({})
-    acc.accumulate("layer.w", torch.zeros(2, 3))
-    with pytest.raises(AccumulatorFullError, match="already holds 1 micro-batches"):
-        acc.accumulate("layer.w", torch.zeros(2, 3))
-    with pytest.raises(InvalidArgumentError, match="at least 1"):
-        AccumulationConfig(accumulation_steps=0)
-    with pytest.raises(ValueError, match="max_grad_norm must be positive"):
-        AccumulationConfig(max_grad_norm=0.0)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 3.0, 1e6])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gradserver.worker.checkpoint import load_checkpoint
+from gradserver.train.checkpoint import load_checkpoint
 
 from .helpers.processes import ManagedProcess, ProcessGroup, descendants, pid_alive
 from .helpers.training import assert_identical
@@ -213,7 +213,7 @@ def test_a_worker_logs_its_thread_count(processes: ProcessGroup) -> None:
 def test_workers_started_by_hand_on_one_host_share_its_cores(processes: ProcessGroup) -> None:
     """Without --threads or OMP_NUM_THREADS, each of two workers on this host takes half the
     cores (the coordinator reports 2 local workers at Join)."""
-    from gradserver.worker.cli import available_cores
+    from gradserver.train.cli import available_cores
 
     _coord, address = processes.coordinator("--world-size", "2", "--max-steps", "1")
     workers = [
@@ -244,7 +244,7 @@ def test_workers_started_by_hand_on_one_host_share_its_cores(processes: ProcessG
 
 
 def test_launch_names_the_exception_line_of_a_traceback() -> None:
-    from gradserver.worker.launch import error_line
+    from gradserver.train.launch import error_line
 
     traceback = [
         "2026-01-01 INFO [worker] starting",

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gradserver.common.errors import AbortedError, DeadlineExceededError, UnavailableError
+from gradserver.train.synthetic import SHAPES, run_exchange, synthetic_gradient
 from gradserver.worker import Timeouts, WorkerClient
-from gradserver.worker.synthetic import SHAPES, run_exchange, synthetic_gradient
 
 from .helpers.server import TEST_TIMEOUTS, connect_all
 

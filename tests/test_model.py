@@ -7,8 +7,8 @@ import torch
 
 from gradserver.common import compute_block_sizes
 from gradserver.common.components import BlockComponent, NonBlockComponent
-from gradserver.worker.corpus import VOCAB_SIZE, TokenWindows, corpus_bytes, decode, encode
-from gradserver.worker.model import CONFIGS, TransformerBlock, TransformerLM
+from gradserver.train.corpus import VOCAB_SIZE, TokenWindows, corpus_bytes, decode, encode
+from gradserver.train.model import CONFIGS, TransformerBlock, TransformerLM
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

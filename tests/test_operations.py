@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from gradserver.common.components import NonBlockComponent
+from gradserver.train.synthetic import SHAPES, run_exchange
 from gradserver.worker import WorkerClient
-from gradserver.worker.synthetic import SHAPES, run_exchange
 
 from .helpers.processes import ROOT
 from .helpers.raw import RawWorker, join
@@ -92,7 +92,7 @@ def test_health_is_serving_then_not_serving_during_graceful_shutdown(coordinator
     server = coordinator(world_size=2, drain_timeout=5.0)
     assert _health(server.address) == "SERVING"
     cli = subprocess.run(
-        [sys.executable, "-m", "gradserver.common.cli", "health", server.address],
+        [sys.executable, "-m", "gradserver.cli", "health", server.address],
         capture_output=True,
         text=True,
         timeout=60,
@@ -120,7 +120,7 @@ def test_health_is_serving_then_not_serving_during_graceful_shutdown(coordinator
 
 def test_health_command_fails_for_an_unreachable_coordinator() -> None:
     cli = subprocess.run(
-        [sys.executable, "-m", "gradserver.common.cli", "health", "127.0.0.1:1", "--timeout", "1"],
+        [sys.executable, "-m", "gradserver.cli", "health", "127.0.0.1:1", "--timeout", "1"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -131,7 +131,7 @@ def test_health_command_fails_for_an_unreachable_coordinator() -> None:
 
 def test_print_config_shows_values_and_sources() -> None:
     cli = subprocess.run(
-        [sys.executable, "-m", "gradserver.common.cli", "coordinator", "--print-config", "--world-size", "4"],
+        [sys.executable, "-m", "gradserver.cli", "coordinator", "--print-config", "--world-size", "4"],
         capture_output=True,
         text=True,
         timeout=60,

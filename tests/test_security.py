@@ -13,12 +13,12 @@ import grpc
 import pytest
 import trustme
 
-from gradserver.common.config import CoordinatorConfig
 from gradserver.common.errors import InvalidArgumentError, UnauthenticatedError, UnavailableError
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
 from gradserver.common.security import TlsFiles, bearer_metadata, is_loopback, token_matches
+from gradserver.server.config import CoordinatorConfig
+from gradserver.train.synthetic import SHAPES, run_exchange
 from gradserver.worker import Timeouts, WorkerClient
-from gradserver.worker.synthetic import SHAPES, run_exchange
 
 from .helpers.processes import ROOT
 from .helpers.server import run_each
@@ -115,7 +115,7 @@ def test_token_is_required_checked_and_never_logged(coordinator, caplog) -> None
     assert TOKEN not in repr(server.config)
     # Health checks stay open for probes.
     cli = subprocess.run(
-        [sys.executable, "-m", "gradserver.common.cli", "health", server.address],
+        [sys.executable, "-m", "gradserver.cli", "health", server.address],
         capture_output=True,
         text=True,
         timeout=60,
@@ -170,7 +170,7 @@ def test_safe_defaults_refuse_an_open_bind_without_protection() -> None:
     with pytest.raises(InvalidArgumentError, match="needs --tls-cert"):
         CoordinatorConfig(tls_client_ca="ca.pem")
     result = subprocess.run(
-        [sys.executable, "-m", "gradserver.common.cli", "coordinator", "--bind", "0.0.0.0:0"],
+        [sys.executable, "-m", "gradserver.cli", "coordinator", "--bind", "0.0.0.0:0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -181,7 +181,7 @@ def test_safe_defaults_refuse_an_open_bind_without_protection() -> None:
         [
             sys.executable,
             "-m",
-            "gradserver.common.cli",
+            "gradserver.cli",
             "coordinator",
             "--print-config",
             "--auth-token",

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradserver.worker.backends import LocalBackend, LocalHub, RemoteBackend
-from gradserver.worker.checkpoint import load_checkpoint
-from gradserver.worker.training import TrainConfig, train
+from gradserver.train.backends import LocalBackend, LocalHub, RemoteBackend
+from gradserver.train.checkpoint import load_checkpoint
+from gradserver.train.training import TrainConfig, train
 
 from .helpers.server import connect_all, run_each
 from .helpers.training import assert_identical_checkpoints, train_workers
@@ -159,8 +159,8 @@ def test_launch_trains_and_leaves_metrics_checkpoints_and_a_plot(
 
 def test_a_checkpoint_records_its_node_and_job_and_resume_checks_both(tmp_path: Path) -> None:
     from gradserver.common.errors import InvalidArgumentError
-    from gradserver.worker.fingerprint import training_fingerprint
-    from gradserver.worker.training import find_resume_checkpoint
+    from gradserver.train.fingerprint import training_fingerprint
+    from gradserver.train.training import find_resume_checkpoint
 
     base = dict(model="tiny", batch_size=2, lr=1e-2, out=str(tmp_path), node_id="a")
     _train_local(1, TrainConfig(steps=1, **base))

@@ -20,7 +20,7 @@ import pytest
 
 from .helpers.processes import ROOT
 
-PACKAGES = ("common", "server", "worker")  # installed as gradserver.<name>
+PACKAGES = ("common", "server", "worker", "train", "cli")  # installed as gradserver.<name>
 INSTALL_SCRIPT = ROOT / ".ci" / "install-runtime.sh"
 CHECK_TORCH = ROOT / ".ci" / "check-torch.sh"
 
@@ -130,7 +130,7 @@ def test_wheel_ships_every_file_of_the_packages(wheel: Path) -> None:
                 for s in _strings_in(ROOT / name)
                 if _names_a_data_file(package, s)
             }
-    assert "gradserver/worker/data/kjv.txt.gz" in opened
+    assert "gradserver/train/data/kjv.txt.gz" in opened
     assert opened <= shipped, f"data files the code opens, missing from the wheel: {opened - shipped}"
 
 

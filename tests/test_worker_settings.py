@@ -13,17 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from gradserver.cli import build_parser, main
 from gradserver.common import codec
-from gradserver.common.cli import build_parser, main
-from gradserver.common.config import CoordinatorConfig, config_from_sources
+from gradserver.common.config import config_from_sources
 from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.timeouts import Timeouts
-from gradserver.worker import cli as worker_cli
-from gradserver.worker import corpus, trainer
-from gradserver.worker.cli import WorkerConfig, check_synthetic, check_training, choose_threads
-from gradserver.worker.fingerprint import differences, synthetic_fingerprint
-from gradserver.worker.model import ModelConfig
-from gradserver.worker.synthetic import SHAPES
+from gradserver.server.config import CoordinatorConfig
+from gradserver.train import cli as worker_cli
+from gradserver.train import corpus, trainer
+from gradserver.train.cli import WorkerConfig, check_synthetic, check_training, choose_threads
+from gradserver.train.fingerprint import differences, synthetic_fingerprint
+from gradserver.train.model import ModelConfig
+from gradserver.train.synthetic import SHAPES
 
 from .helpers.processes import ROOT
 
@@ -186,7 +187,7 @@ def test_synthetic_arguments_are_checked_before_connecting(argv: list[str], mess
 def _run_cli(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "gradserver.common.cli", *args],
+        [sys.executable, "-m", "gradserver.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

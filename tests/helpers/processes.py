@@ -122,7 +122,7 @@ class ProcessGroup:
         return proc
 
     def gradserver(self, *args: str, name: str, env: dict[str, str | None] | None = None) -> ManagedProcess:
-        return self.start([sys.executable, "-m", "gradserver.common.cli", *args], name, env)
+        return self.start([sys.executable, "-m", "gradserver.cli", *args], name, env)
 
     def coordinator(self, *args: str, env: dict[str, str | None] | None = None) -> tuple[ManagedProcess, str]:
         """Starts `gradserver coordinator` on 127.0.0.1:0 and returns it with its address."""

@@ -14,8 +14,8 @@ import argparse
 import dataclasses
 import time
 
+from gradserver.train.synthetic import SHAPES, run_exchange, synthetic_gradient
 from gradserver.worker import Timeouts, WorkerClient
-from gradserver.worker.synthetic import SHAPES, run_exchange, synthetic_gradient
 
 
 def main() -> None:

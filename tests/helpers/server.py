@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from gradserver.common.config import CoordinatorConfig
 from gradserver.server import GradientServer
+from gradserver.server.config import CoordinatorConfig
 from gradserver.worker import Timeouts, WorkerClient
 
 T = TypeVar("T")

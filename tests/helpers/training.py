@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gradserver.worker.checkpoint import Checkpoint, load_checkpoint
+from gradserver.train.checkpoint import Checkpoint, load_checkpoint
 
 from .processes import ManagedProcess, ProcessGroup
 

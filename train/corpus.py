@@ -23,7 +23,7 @@ CORPUS_NAME = "kjv"
 @functools.cache
 def corpus_bytes() -> bytes:
     """The shipped corpus (public-domain King James Bible text, see data/README.md)."""
-    with resources.files("gradserver.worker").joinpath("data/kjv.txt.gz").open("rb") as handle:
+    with resources.files("gradserver.train").joinpath("data/kjv.txt.gz").open("rb") as handle:
         return gzip.decompress(handle.read())
 
 

@@ -35,8 +35,7 @@ from gradserver.common.errors import (
     UnavailableError,
 )
 from gradserver.common.sharding import step_shard
-
-from .client import WorkerClient
+from gradserver.worker import WorkerClient
 
 Key = tuple[str, int]  # ("block", idx) or ("non_block", component)
 

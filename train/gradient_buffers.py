@@ -15,7 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from gradserver.common.components import BLOCK_GRAD_COMPONENTS, NonBlockComponent, compute_block_sizes
-from gradserver.common.errors import InvalidArgumentError, ShapeMismatchError
+from gradserver.common.errors import InvalidArgumentError
+
+
+class ShapeMismatchError(InvalidArgumentError):
+    """A gradient's size or shape differs from the buffer it is added into."""
 
 
 def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ every step line ends with a checksum that must be the same on every worker.
 
 Every local argument (model, sizes, device, paths, TLS files, the checkpoint to resume) is checked
 before any network call, so a typo exits at once with code 2 and one line. At Join the worker
-sends the job fingerprint (worker/fingerprint.py): a worker whose settings differ from the job's
+sends the job fingerprint (train/fingerprint.py): a worker whose settings differ from the job's
 is refused. Checkpoints belong to `--node-id` (stable across restarts, unlike the join order);
 `--resume` with the remote backend needs one.
 
@@ -44,8 +44,9 @@ from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.logs import LOG_FORMATS, configure_logging, set_log_context
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
+from gradserver.worker import WorkerClient
 
-from .client import WorkerClient
+from .extra import require_training_extra
 from .fingerprint import synthetic_fingerprint
 from .metrics_log import open_metrics_log
 from .synthetic import SHAPES, ModelShape, StepReport, run_exchange
@@ -253,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if config.job == "synthetic":
         fingerprint = check_synthetic(config)
         return _run_synthetic(config, fingerprint)
+    require_training_extra()
     return _run_training(config, check_training(config))
 
 

@@ -37,13 +37,14 @@ from gradserver.common.config import config_from_sources
 from gradserver.common.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 
 from .cli import available_cores
+from .extra import require_training_extra
 from .plots import plot_metrics
 
 _TAIL_LINES = 200
 _RELAY_GRACE_S = 5.0
 _STOP_GRACE_S = 5.0
 _COORDINATOR_EXIT_S = 10.0
-# The line `gradserver` prints for an error of the hierarchy (common/cli.py).
+# The line `gradserver` prints for an error of the hierarchy (cli/main.py).
 _ONE_LINE_ERROR = re.compile(r"^gradserver \w+: ")
 
 
@@ -69,7 +70,7 @@ def register(commands: Any) -> None:
 
 def gradserver_command(*args: str) -> list[str]:
     """The argv that runs `gradserver ARGS` with this interpreter (no PATH lookup)."""
-    return [sys.executable, "-m", "gradserver.common.cli", *args]
+    return [sys.executable, "-m", "gradserver.cli", *args]
 
 
 _STEP_LINE = re.compile(r"worker \d+ step \d+: loss")
@@ -180,7 +181,7 @@ def _start(
     if threads is not None:
         # N processes each using every core for torch's intra-op threads oversubscribe the
         # machine and stall at random; like torchrun, share the cores out unless told otherwise.
-        # The worker applies the same rule itself when started by hand (worker/cli.py).
+        # The worker applies the same rule itself when started by hand (train/cli.py).
         env.setdefault("OMP_NUM_THREADS", str(threads))
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env
@@ -236,6 +237,8 @@ def _check_arguments(args: argparse.Namespace, extra: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     extra = [a for a in args.worker_args if a != "--"]
     _check_arguments(args, extra)
+    if args.job == "train":
+        require_training_extra()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "metrics.jsonl").unlink(missing_ok=True)

@@ -34,7 +34,7 @@ from gradserver.common.errors import InternalError, InvalidArgumentError
 
 from .backends import GradientBackend
 from .clipping import clip_by_global_norm_
-from .gradients import PerBlockGradientAccumulator
+from .gradient_buffers import PerBlockGradientAccumulator
 from .model import TransformerLM
 
 # AdamW's settings besides the learning rate; part of the job fingerprint, so named here.

@@ -19,8 +19,7 @@ import numpy as np
 from gradserver.common.components import NonBlockComponent, compute_block_sizes
 from gradserver.common.errors import InternalError
 from gradserver.common.logs import set_log_context
-
-from .client import WorkerClient
+from gradserver.worker import WorkerClient
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,160 @@
+"""The coordinator's configuration: one dataclass, filled from flags, environment and defaults.
+
+Every field is a flag `--field-name` and an environment variable `GRADSERVER_FIELD_NAME`
+(gradserver.common.config does the filling); a flag beats the environment, which beats the
+default. Values are validated when the dataclass is built, so a bad value fails at start with one
+line naming the flag, the variable and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from gradserver.common.config import MIB, parse_address, require_setting
+from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.security import is_loopback
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    """What a coordinator needs; see `gradserver coordinator --help` for each field."""
+
+    bind: str = dataclasses.field(
+        default="127.0.0.1:50051", metadata={"help": "HOST:PORT to listen on; port 0 picks a free port"}
+    )
+    world_size: int = dataclasses.field(default=1, metadata={"help": "number of workers in the job"})
+    join_timeout: float = dataclasses.field(
+        default=120.0, metadata={"help": "seconds to wait for the whole world to join"}
+    )
+    step_timeout: float = dataclasses.field(
+        default=300.0,
+        metadata={"help": "seconds a key may wait for all contributions before its step fails"},
+    )
+    heartbeat_timeout: float = dataclasses.field(
+        default=10.0, metadata={"help": "seconds of silence after which a worker counts as lost"}
+    )
+    max_message_mib: float = dataclasses.field(
+        default=16.0, metadata={"help": "largest gRPC message accepted, MiB"}
+    )
+    chunk_mib: float = dataclasses.field(default=4.0, metadata={"help": "payload bytes per chunk, MiB"})
+    max_inflight_mib: float = dataclasses.field(
+        default=64.0,
+        metadata={"help": "per-worker MiB of unreduced contributions buffered before back-pressure"},
+    )
+    max_tensor_elements: int = dataclasses.field(
+        default=1 << 32, metadata={"help": "largest tensor a key may declare, elements"}
+    )
+    max_steps: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "absolute step count of the job, like the workers' --steps: the job ends once step "
+            "max_steps-1 is complete and every worker left, also for a resumed job (0: no limit)"
+        },
+    )
+    drain_timeout: float = dataclasses.field(
+        default=10.0, metadata={"help": "seconds a shutdown waits for steps in flight"}
+    )
+    rejoin_timeout: float = dataclasses.field(
+        default=60.0,
+        metadata={
+            "help": "seconds a job whose worker was lost waits for the world to be complete again; "
+            "then the coordinator exits 1 naming the lost workers"
+        },
+    )
+    metrics_port: int = dataclasses.field(
+        default=-1,
+        metadata={
+            "help": "serve Prometheus metrics on this port of the --bind host (0: any free port, -1: off)"
+        },
+    )
+    port_file: str = dataclasses.field(
+        default="", metadata={"help": "write the bound port to this file once serving"}
+    )
+    log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
+    log_format: str = dataclasses.field(
+        default="text", metadata={"help": "text or json (one object per line)"}
+    )
+    tls_cert: str = dataclasses.field(default="", metadata={"help": "PEM certificate: serve TLS"})
+    tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str = dataclasses.field(
+        default="", metadata={"help": "PEM CA: require client certificates signed by it (mutual TLS)"}
+    )
+    auth_token: str = dataclasses.field(
+        default="", repr=False, metadata={"help": "shared token every call must carry", "secret": True}
+    )
+    on_worker_loss: str = dataclasses.field(
+        default="abort",
+        metadata={
+            "help": "abort: a lost worker fails the step for all; continue: finish it with the survivors"
+        },
+    )
+    insecure: bool = dataclasses.field(
+        default=False, metadata={"help": "allow a non-loopback --bind without TLS or a token"}
+    )
+
+    def __post_init__(self) -> None:
+        host, _ = parse_address(self.bind, what="--bind")
+        require_setting(
+            self.on_worker_loss in ("abort", "continue"),
+            "on_worker_loss",
+            self.on_worker_loss,
+            "abort or continue",
+        )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgumentError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidArgumentError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if not is_loopback(host) and not (self.tls_cert or self.auth_token or self.insecure):
+            raise InvalidArgumentError(
+                f"--bind {self.bind} accepts connections from other machines, and anyone who can connect "
+                "can join the job: add --tls-cert/--tls-key or --auth-token, or --insecure to accept that"
+            )
+        require_setting(self.world_size >= 1, "world_size", self.world_size, "at least 1")
+        for name in ("join_timeout", "step_timeout", "heartbeat_timeout", "drain_timeout", "rejoin_timeout"):
+            value = getattr(self, name)
+            require_setting(math.isfinite(value) and value > 0, name, value, "a positive number of seconds")
+        require_setting(self.chunk_mib > 0 and self.chunk_bytes >= 4, "chunk_mib", self.chunk_mib, "positive")
+        require_setting(
+            self.max_message_bytes >= self.chunk_bytes + 64 * 1024,
+            "max_message_mib",
+            self.max_message_mib,
+            f"at least chunk_mib + 0.0625 ({self.chunk_mib + 0.0625:g})",
+        )
+        require_setting(
+            self.max_inflight_mib >= self.chunk_mib,
+            "max_inflight_mib",
+            self.max_inflight_mib,
+            f"at least chunk_mib ({self.chunk_mib:g})",
+        )
+        require_setting(
+            self.max_tensor_elements >= 1, "max_tensor_elements", self.max_tensor_elements, ">= 1"
+        )
+        require_setting(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0")
+        require_setting(
+            -1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "-1 (off) or a port 0..65535"
+        )
+        require_setting(self.log_format in ("text", "json"), "log_format", self.log_format, "text or json")
+        require_setting(
+            self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"),
+            "log_level",
+            self.log_level,
+            "one of DEBUG, INFO, WARNING, ERROR",
+        )
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mib * MIB) // 4 * 4
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mib * MIB)
+
+    @property
+    def max_inflight_bytes(self) -> int:
+        return int(self.max_inflight_mib * MIB)
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often workers are asked to send a heartbeat: four per timeout."""
+        return self.heartbeat_timeout / 4

@@ -1,0 +1,52 @@
+"""Shard assignment: which samples each worker trains on at a step.
+
+The coordinator answers a worker's ShardRequest with `step_shard` (gradserver.common.sharding),
+the same deterministic split every worker could compute; the first request fixes the job's data
+set size and batch size, and a worker that describes another data set is refused.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from gradserver.common.errors import GradServerError
+from gradserver.common.messages import ErrorOut, ShardAssignmentOut, ShardRequestIn
+from gradserver.common.sharding import step_shard
+
+from .outgoing import Outgoing
+
+
+class ShardAssigner:
+    """Answers shard requests for a job of `world_size` workers."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._shape: tuple[int, int] | None = None
+
+    def answer(self, request: ShardRequestIn) -> list[Outgoing]:
+        """The sender's sample ranges of the requested step, or an INVALID_ARGUMENT error to it."""
+        w = request.worker_id
+        shape = (request.dataset_size, request.batch_size)
+        if self._shape is None:
+            self._shape = shape
+        try:
+            if shape != self._shape:
+                raise GradServerError(
+                    f"worker {w} asked for step {request.step} shards of a data set of "
+                    f"{shape[0]} samples with batch {shape[1]}, but this job uses "
+                    f"{self._shape[0]} samples with batch {self._shape[1]}"
+                )
+            ranges = step_shard(request.step, w, self.world_size, *shape)
+        except GradServerError as exc:
+            return [
+                Outgoing(
+                    (w,),
+                    ErrorOut(
+                        int(grpc.StatusCode.INVALID_ARGUMENT.value[0]),
+                        exc.message,
+                        request.step,
+                        shard_step=request.step,
+                    ),
+                )
+            ]
+        return [Outgoing((w,), ShardAssignmentOut(request.step, w, ranges))]

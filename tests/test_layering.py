@@ -1,0 +1,184 @@
+"""The layering of the packages, enforced: what each may import, and a coordinator without torch.
+
+    cli -> server, worker, train;  train -> worker, common;  server -> common;  worker -> common
+
+`common` imports nothing above it, `server` and `worker` never import each other or `train`, and
+the client library imports torch only inside functions. The static part reads every module's
+imports (AST, so nothing is executed); the dynamic part runs in a subprocess where torch,
+matplotlib and tqdm cannot be imported, as in a `pip install gradserver` without the `train` extra.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from .helpers.processes import ROOT
+
+PACKAGES = ("common", "server", "worker", "train", "cli")
+TRAINING_MODULES = ("torch", "matplotlib", "tqdm")
+# For each package, the gradserver packages it must not import.
+FORBIDDEN = {
+    "common": {"server", "worker", "train", "cli"},
+    "server": {"worker", "train", "cli"},
+    "worker": {"server", "train", "cli"},
+    "train": {"server", "cli"},
+    "cli": set(),
+}
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, ast.stmt]]:
+    """(absolute module name, statement) for every import; relative ones stay in their package."""
+    found: list[tuple[str, ast.stmt]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.extend((f"{node.module}.{alias.name}", node) for alias in node.names)
+    return found
+
+
+def _module_level(tree: ast.Module) -> set[int]:
+    """ids of the import statements that run at import time (TYPE_CHECKING blocks excluded)."""
+    top: set[int] = set()
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            top.add(id(node))
+        elif isinstance(node, ast.If):
+            if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                pending.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            pending.extend(node.body + node.orelse + node.finalbody)
+            for handler in node.handlers:
+                pending.extend(handler.body)
+    return top
+
+
+def _violations(package: str) -> list[str]:
+    problems = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if "_pb" in path.parts:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        top = _module_level(tree)
+        where = path.relative_to(ROOT)
+        for name, node in _imports(tree):
+            parts = name.split(".")
+            if parts[0] == "gradserver" and len(parts) > 1 and parts[1] in FORBIDDEN[package]:
+                problems.append(f"{where}:{node.lineno} imports {name}")
+            if parts[0] in TRAINING_MODULES:
+                if package in ("common", "server"):
+                    problems.append(f"{where}:{node.lineno} imports {name}")
+                elif package == "worker" and id(node) in top:
+                    problems.append(f"{where}:{node.lineno} imports {name} at import time")
+    return problems
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_imports_only_what_its_layer_allows(package: str) -> None:
+    assert _violations(package) == []
+
+
+def test_the_scan_sees_a_forbidden_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "common").mkdir()
+    (tmp_path / "worker").mkdir()
+    (tmp_path / "common" / "bad.py").write_text("def f():\n    from gradserver.server import cli\n")
+    (tmp_path / "worker" / "eager.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+        "import numpy\ntry:\n    import torch.nn\nexcept ImportError:\n    pass\n"
+        "def lazy():\n    import torch\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _violations("common") == ["common/bad.py:2 imports gradserver.server.cli"]
+    assert _violations("worker") == ["worker/eager.py:6 imports torch.nn at import time"]
+
+
+# Installed first in every subprocess below: the training extra's modules cannot be imported.
+BLOCKER = textwrap.dedent(
+    """
+    import sys
+
+    class _BlockTrainingExtra:
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in ("torch", "matplotlib", "tqdm"):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+            return None
+
+    sys.meta_path.insert(0, _BlockTrainingExtra())
+    """
+)
+
+COORDINATOR_AND_CLIENT = textwrap.dedent(
+    """
+    import asyncio, importlib, pkgutil, sys
+    import gradserver.common, gradserver.server, gradserver.worker
+
+    for package in (gradserver.common, gradserver.server, gradserver.worker):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            importlib.import_module(info.name)
+
+    from gradserver.server import CoordinatorConfig, GradientServer
+    from gradserver.worker import WorkerClient
+
+    def join(address):
+        with WorkerClient.connect(address, node_id="n0", backend="cpu") as client:
+            return client.total_workers
+
+    async def main():
+        server = GradientServer(CoordinatorConfig(bind="127.0.0.1:0", world_size=1))
+        await server.start()
+        try:
+            workers = await asyncio.wait_for(asyncio.to_thread(join, server.address), 60)
+        finally:
+            await server.stop()
+        print("joined", workers, "torch loaded:", "torch" in sys.modules)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _run_blocked(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+def test_blocker_blocks_torch() -> None:
+    result = _run_blocked("import torch")
+    assert result.returncode != 0 and "blocked by the test" in result.stderr
+
+
+def test_coordinator_and_client_library_run_without_the_training_extra() -> None:
+    result = _run_blocked(COORDINATOR_AND_CLIENT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "joined 1 torch loaded: False"
+
+
+def test_coordinator_help_runs_without_the_training_extra() -> None:
+    result = _run_blocked("from gradserver.cli import main; sys.exit(main(['coordinator', '--help']))")
+    assert result.returncode == 0, result.stderr
+    assert "--world-size" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["worker", "--job", "train", "--coordinator", "127.0.0.1:1"],
+        ["launch", "--workers", "2", "--steps", "1"],
+    ],
+)
+def test_a_command_needing_the_training_extra_exits_2_with_one_line(argv: list[str]) -> None:
+    result = _run_blocked(f"from gradserver.cli import main; sys.exit(main({argv!r}))")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"gradserver {argv[0]} needs the training extra")
+    assert "pip install 'gradserver[train]'" in lines[0]
