@@ -39,8 +39,8 @@ def test_survivors_finish_the_step_and_a_replacement_joins_later(coordinator) ->
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             replacement = pool.submit(WorkerClient.connect, server.address, timeout=TEST_TIMEOUTS).result(30)
         assert replacement.worker_id == 2
+        _send(replacement, 1, 9.0)
         with pytest.raises(FailedPreconditionError, match="takes part from step 2"):
-            _send(replacement, 1, 9.0)
             replacement.receive_averaged_block()
         everyone = [clients[0], clients[1], replacement]
         results = run_each(

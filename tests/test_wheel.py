@@ -12,7 +12,6 @@ import subprocess
 import sys
 import venv
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Installed:
     """A fresh virtual environment (no system site-packages, so the editable install is out of
     sight) with CPU torch and the wheel, installed by the Dockerfile's install script."""
     env_dir = tmp_path_factory.mktemp("venv")
@@ -96,7 +95,7 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "torch 2.13.0+cpu is the cpu build" in result.stdout
-    yield Installed(wheel=wheel, python=python, bin_dir=env_dir / "bin")
+    return Installed(wheel=wheel, python=python, bin_dir=env_dir / "bin")
 
 
 def _strings_in(path: Path) -> set[str]:
