@@ -352,8 +352,9 @@ def _supervise(
 
 
 def _end_coordinator(coordinator: _Child) -> str:
-    """Every worker is done: the coordinator exits by itself after --max-steps (unless the
-    workers resumed, so that it counted fewer steps); after a short wait it is asked to stop."""
+    """Every worker is done: the coordinator exits by itself once its job finished (--max-steps
+    is the absolute last step, so resumed jobs end too); if it has not after a short wait (the
+    workers left early), it is asked to stop."""
     try:
         code = coordinator.proc.wait(_COORDINATOR_EXIT_S)
     except subprocess.TimeoutExpired:
@@ -421,4 +422,5 @@ def _stop(children: list[_Child]) -> None:
             child.proc.wait(max(0.0, grace_end - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.proc.kill()
-            child.proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(_STOP_GRACE_S)  # SIGKILL cannot be refused; this only reaps
