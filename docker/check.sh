@@ -24,7 +24,7 @@
 #               the killed container's worker as gone, and the surviving worker names it
 #   7. hang:    the same with a frozen (docker pause) worker container, which only the heartbeat
 #               timeout detects: the coordinator logs it as lost, and the job ends non-zero
-# It prints both images' sizes and the time of each phase, and removes what it made (containers,
+# It prints both images' sizes (and the base's it made) and the time of each phase, and removes what it made (containers,
 # networks, volumes, images, the wheel copy, the daemon it started) on every exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +76,7 @@ report() {
             printf 'docker-check:    %-18s %4d (did not finish)\n' "${phase_names[$i]}" $((SECONDS - phase_start)) >&2
         fi
     done
+    printf 'docker-check:    %-18s %4d (cleanup included)\n' total "$SECONDS" >&2
     local size
     for size in "${image_sizes[@]}"; do say "-- image size: $size"; done
 }
@@ -262,6 +263,7 @@ ensure_base() {
     docker import "$tar" "$BASE_TAG" >/dev/null || fail "docker import $tar failed"
     base_id=$(docker image inspect -f '{{.Id}}' "$BASE_TAG")
     base=$BASE_TAG
+    image_sizes+=("base $(($(docker image inspect -f '{{.Size}}' "$base") / 1000000)) MB ($base)")
     docker run --rm "$base" python3 -c 'import sys, venv; assert sys.version_info[:2] == (3, 11), sys.version' ||
         fail "the base image has no Python 3.11 with venv"
 }
