@@ -8,7 +8,8 @@
 #   TORCH_INDEX_URL   a torch index (the Dockerfile passes the CPU or a CUDA index)
 #   neither           pip's configured indexes
 # TORCH_VARIANT (cpu, cu128, ...): fail unless the installed torch is that build, so that a pip
-# that chose another torch (gigabytes of CUDA packages) stops the build instead of passing.
+# that chose another torch (gigabytes of CUDA packages) stops the build instead of passing;
+# with EXTRAS= (no torch), TORCH_VARIANT=none fails if a dependency pulled torch in anyway.
 # One script for two callers: the Dockerfile's build stage, and tests/test_wheel.py, which runs
 # it in a fresh virtual environment so a broken install step fails in CI, not in a user's build.
 set -eu
@@ -24,8 +25,14 @@ CONSTRAINTS="$SRC/constraints.txt"
 pip_install() {
     "$PYTHON" -m pip install --no-cache-dir -c "$CONSTRAINTS" "$@"
 }
+check_torch() {
+    if [ -n "$TORCH_VARIANT" ]; then
+        PYTHON="$PYTHON" sh "$(dirname "$0")/check-torch.sh" "$TORCH_VARIANT"
+    fi
+}
 if [ -z "$EXTRAS" ]; then
     pip_install "$PROJECT"
+    check_torch
     exit 0
 fi
 if [ -n "$TORCH_WHEEL_DIR" ]; then
@@ -41,6 +48,4 @@ else
     pip_install torch
 fi
 pip_install "$PROJECT[$EXTRAS]"
-if [ -n "$TORCH_VARIANT" ]; then
-    PYTHON="$PYTHON" sh "$(dirname "$0")/check-torch.sh" "$TORCH_VARIANT"
-fi
+check_torch

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The container check (`make docker-check`, run by .ci/run after `make test`): the image builds
+# The container check (`make docker-check`, run by .ci/run after `make test`): both images build
 # and the compose job trains under a real Docker engine, and a killed worker ends the job.
 #
 #   1. engine:  installs Debian's docker.io and docker-compose when missing (root and apt needed),
@@ -8,26 +8,31 @@
 #               (python3, venv, pip, ca-certificates, this machine's CA bundle and pip index
 #               settings), because no registry image can be pulled here. The root file system
 #               is cached as a tarball in $GRADSERVER_CHECK_CACHE (empty: no cache).
-#   3. build:   the project's image, with this machine's CPU torch wheel (TORCH_WHEEL, or
+#   3. build-coordinator: the Dockerfile's `coordinator` target (no wheel in the context yet);
+#               asserts `import torch` fails in it and neither torch, matplotlib, tqdm nor a CUDA
+#               package is installed, and that its user is not root
+#   4. build-worker: the `worker` target, with this machine's CPU torch wheel (TORCH_WHEEL, or
 #               `pip download torch==X+cpu`) copied into docker/wheels; the build itself fails
-#               unless torch is the +cpu build
-#   4. job:     docker/run-job.sh (the README's command) with 2 workers for a few steps; asserts
-#               every container exited 0, the coordinator's health check passed, a /metrics scrape
-#               has gradserver_steps_completed_total, metrics.jsonl and checkpoints are in the runs
-#               volume, containers run as non-root, the image's torch is the CPU build
-#   5. kill:    the same job with many steps; one worker container is killed mid-run; asserts the
+#               unless torch is the +cpu build, and the check asserts torch is X+cpu with no CUDA
+#               package, and that its user is not root
+#   5. job:     docker/run-job.sh (the README's command) with 2 workers for a few steps; asserts
+#               every container exited 0 and ran from its service's image as non-root, the
+#               coordinator's health check passed, a /metrics scrape has
+#               gradserver_steps_completed_total, metrics.jsonl and checkpoints are in the runs volume
+#   6. kill:    the same job with many steps; one worker container is killed mid-run; asserts the
 #               job ends non-zero within the heartbeat timeout plus a margin, the coordinator logs
 #               the killed container's worker as gone, and the surviving worker names it
-#   6. hang:    the same with a frozen (docker pause) worker container, which only the heartbeat
+#   7. hang:    the same with a frozen (docker pause) worker container, which only the heartbeat
 #               timeout detects: the coordinator logs it as lost, and the job ends non-zero
-# It prints the image size and the time of each phase, and removes what it made (containers,
+# It prints both images' sizes (and the base's it made) and the time of each phase, and removes what it made (containers,
 # networks, volumes, images, the wheel copy, the daemon it started) on every exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 RUN_ID=gradcheck$$
-IMAGE=gradserver-check:$$
+COORDINATOR_IMAGE=gradserver-check-coordinator:$$
+WORKER_IMAGE=gradserver-check-worker:$$
 BASE_TAG=gradserver-check-base:$$
 HEARTBEAT_TIMEOUT=5
 END_MARGIN=${GRADSERVER_CHECK_END_MARGIN:-45} # slack for a slow machine in every time limit below
@@ -45,7 +50,7 @@ made_images=()
 projects=()
 phase_names=()
 phase_times=()
-image_size=""
+image_sizes=()
 
 say() { echo "docker-check: $*" >&2; }
 fail() {
@@ -66,12 +71,14 @@ report() {
     local i
     for i in "${!phase_names[@]}"; do
         if [ "$i" -lt "${#phase_times[@]}" ]; then
-            printf 'docker-check:    %-8s %4d\n' "${phase_names[$i]}" "${phase_times[$i]}" >&2
+            printf 'docker-check:    %-18s %4d\n' "${phase_names[$i]}" "${phase_times[$i]}" >&2
         else
-            printf 'docker-check:    %-8s %4d (did not finish)\n' "${phase_names[$i]}" $((SECONDS - phase_start)) >&2
+            printf 'docker-check:    %-18s %4d (did not finish)\n' "${phase_names[$i]}" $((SECONDS - phase_start)) >&2
         fi
     done
-    [ -z "$image_size" ] || say "-- image size: $image_size"
+    printf 'docker-check:    %-18s %4d (cleanup included)\n' total "$SECONDS" >&2
+    local size
+    for size in "${image_sizes[@]}"; do say "-- image size: $size"; done
 }
 
 # Leaves first: every image built on this run's base image (the classic builder keeps the build
@@ -256,6 +263,7 @@ ensure_base() {
     docker import "$tar" "$BASE_TAG" >/dev/null || fail "docker import $tar failed"
     base_id=$(docker image inspect -f '{{.Id}}' "$BASE_TAG")
     base=$BASE_TAG
+    image_sizes+=("base $(($(docker image inspect -f '{{.Size}}' "$base") / 1000000)) MB ($base)")
     docker run --rm "$base" python3 -c 'import sys, venv; assert sys.version_info[:2] == (3, 11), sys.version' ||
         fail "the base image has no Python 3.11 with venv"
 }
@@ -286,26 +294,74 @@ ensure_torch_wheel() {
     esac
 }
 
-build_image() {
-    ensure_torch_wheel
-    made_images+=("$IMAGE")
-    timeout 1200 docker build --force-rm --network host -t "$IMAGE" \
-        --build-arg BASE_IMAGE="$base" \
-        --build-arg TORCH_WHEEL_DIR="$WHEEL_DIR" \
-        --build-arg TORCH_VARIANT=cpu . >"$WORK/build.log" 2>&1 ||
-        fail "docker build failed: $(tail -30 "$WORK/build.log")"
-    grep -h "check-torch:" "$WORK/build.log" | sed 's/^/    /' >&2 || true
-    rm -f "$WHEEL_DIR"/torch-*.whl
+build_target() { # target image [docker build arguments]
+    local target=$1 image=$2 log=$WORK/build-$1.log
+    shift 2
+    made_images+=("$image")
+    timeout 1200 docker build --force-rm --network host --target "$target" -t "$image" \
+        --build-arg BASE_IMAGE="$base" "$@" . >"$log" 2>&1 ||
+        fail "docker build --target $target failed: $(tail -30 "$log")"
+    grep -h "check-torch:" "$log" | sed 's/^/    /' >&2 || true
     local bytes
-    bytes=$(docker image inspect -f '{{.Size}}' "$IMAGE")
-    image_size="$((bytes / 1000000)) MB ($IMAGE)"
-    say "image size: $image_size"
+    bytes=$(docker image inspect -f '{{.Size}}' "$image")
+    image_sizes+=("$target $((bytes / 1000000)) MB ($image)")
+    say "image size: ${image_sizes[-1]}"
 }
 
-# ---------------------------------------------------------------- 4./5. the compose job
+# What an image holds, as "torch-version-or-none [names of torch, matplotlib, tqdm, nvidia-*]".
+image_packages() {
+    docker run --rm --entrypoint python "$1" -c '
+import importlib.metadata as m
+names = sorted({d.metadata["Name"].lower() for d in m.distributions()})
+try:
+    torch = m.version("torch")
+except m.PackageNotFoundError:
+    torch = "none"
+print(torch, [n for n in names if n in ("torch", "matplotlib", "tqdm") or n.startswith("nvidia")])'
+}
+
+assert_non_root() { # image
+    local uid
+    uid=$(docker run --rm --entrypoint id "$1" -u) || fail "cannot run id in $1"
+    [ "$uid" != 0 ] || fail "the user of $1 is root"
+    say "$1 runs as uid $uid"
+}
+
+# Before the wheel is copied in: the coordinator's build must not need it.
+build_coordinator() {
+    rm -f "$WHEEL_DIR"/torch-*.whl
+    build_target coordinator "$COORDINATOR_IMAGE"
+    local out packages
+    if out=$(docker run --rm --entrypoint python "$COORDINATOR_IMAGE" -c 'import torch' 2>&1); then
+        fail "import torch works in the coordinator image"
+    fi
+    grep -q "No module named 'torch'" <<<"$out" || fail "import torch failed in the coordinator image, but not for want of torch: $out"
+    packages=$(image_packages "$COORDINATOR_IMAGE")
+    say "coordinator image: import torch fails (No module named 'torch'); torch and friends: $packages"
+    [ "$packages" = "none []" ] || fail "the coordinator image holds training packages: $packages"
+    docker run --rm "$COORDINATOR_IMAGE" health --help >/dev/null || fail "gradserver health does not run in the coordinator image"
+    assert_non_root "$COORDINATOR_IMAGE"
+}
+
+build_worker() {
+    ensure_torch_wheel
+    build_target worker "$WORKER_IMAGE" --build-arg TORCH_WHEEL_DIR="$WHEEL_DIR" --build-arg TORCH_VARIANT=cpu
+    rm -f "$WHEEL_DIR"/torch-*.whl
+    local packages
+    packages=$(image_packages "$WORKER_IMAGE")
+    say "worker image: torch and friends: $packages"
+    case "$packages" in
+    "$(torch_pin)+cpu ['matplotlib', 'torch', 'tqdm']") ;;
+    *) fail "the worker image's torch is not the CPU build $(torch_pin)+cpu with matplotlib and tqdm, or CUDA packages came in: $packages" ;;
+    esac
+    assert_non_root "$WORKER_IMAGE"
+}
+
+# ---------------------------------------------------------------- 5.-7. the compose job
 job_env() {
     export COMPOSE_PROJECT_NAME=$1
-    export GRADSERVER_IMAGE=$IMAGE
+    export GRADSERVER_COORDINATOR_IMAGE=$COORDINATOR_IMAGE
+    export GRADSERVER_WORKER_IMAGE=$WORKER_IMAGE
     export GRADSERVER_AUTH_TOKEN
     GRADSERVER_AUTH_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
     export GRADSERVER_WORLD_SIZE=2
@@ -399,14 +455,17 @@ success_run() {
 
     local states
     states=$(docker ps -aq --filter "label=com.docker.compose.project=$project" |
-        xargs docker inspect -f '{{index .Config.Labels "com.docker.compose.service"}} {{.State.Status}} {{.State.ExitCode}} {{.Config.User}}')
-    say "containers (service status exit-code user):"
+        xargs docker inspect -f '{{index .Config.Labels "com.docker.compose.service"}} {{.State.Status}} {{.State.ExitCode}} {{.Config.User}} {{.Config.Image}}')
+    say "containers (service status exit-code user image):"
     sed 's/^/    /' <<<"$states" >&2
     [ "$(grep -c '^coordinator ' <<<"$states")" -eq 1 ] && [ "$(grep -c '^worker ' <<<"$states")" -eq 2 ] ||
         fail "expected 1 coordinator and 2 workers"
     ! grep -qv ' exited 0 ' <<<"$states" || fail "not every container exited 0"
     ! awk '$4 == "" || $4 == "root" || $4 == "0" {bad=1} END{exit !bad}' <<<"$states" ||
         fail "a container runs as root"
+    ! awk -v c="$COORDINATOR_IMAGE" -v w="$WORKER_IMAGE" \
+        '($1 == "coordinator" && $5 != c) || ($1 == "worker" && $5 != w) {bad=1} END{exit !bad}' <<<"$states" ||
+        fail "the coordinator must run from $COORDINATOR_IMAGE and the workers from $WORKER_IMAGE"
 
     local health_codes
     health_codes=$(docker inspect -f '{{if .State.Health}}{{range .State.Health.Log}}{{.ExitCode}} {{end}}{{end}}' "$coordinator")
@@ -419,20 +478,12 @@ success_run() {
     local volume listing
     volume=$(docker volume ls -q --filter "label=com.docker.compose.project=$project" | head -1)
     [ -n "$volume" ] || fail "no runs volume for $project"
-    listing=$(docker run --rm -v "$volume:/runs:ro" --entrypoint sh "$IMAGE" -c \
+    listing=$(docker run --rm -v "$volume:/runs:ro" --entrypoint sh "$WORKER_IMAGE" -c \
         'cd /runs && ls -l && echo "metrics-lines $(wc -l < metrics.jsonl)"') || fail "cannot read the runs volume"
     sed 's/^/    /' <<<"$listing" >&2
     grep -q "metrics-lines $((steps * 2))\$" <<<"$listing" || fail "metrics.jsonl should hold $((steps * 2)) lines"
     grep -q 'checkpoint-rank0.pt' <<<"$listing" && grep -q 'checkpoint-rank1.pt' <<<"$listing" ||
         fail "checkpoints missing from the runs volume"
-
-    local uid torch
-    uid=$(docker run --rm --entrypoint id "$IMAGE" -u)
-    [ "$uid" != 0 ] || fail "the image's user is root"
-    torch=$(docker run --rm --entrypoint python "$IMAGE" -c \
-        'import importlib.metadata as m; print(m.version("torch"), sorted(d.metadata["Name"] for d in m.distributions() if d.metadata["Name"].lower().startswith("nvidia")))')
-    say "image user uid $uid; torch $torch"
-    case "$torch" in *"+cpu []") ;; *) fail "the image's torch is not the CPU build, or CUDA packages came in: $torch" ;; esac
 
     COMPOSE_PROJECT_NAME=$project timeout 120 "${compose[@]}" down -v >/dev/null 2>&1 || true
 }
@@ -490,8 +541,11 @@ end
 begin base
 ensure_base
 end
-begin build
-build_image
+begin build-coordinator
+build_coordinator
+end
+begin build-worker
+build_worker
 end
 begin job
 success_run

@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
+import venv
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -48,13 +51,23 @@ def test_compose_services_use_real_commands_and_variables() -> None:
         config_from_sources(cls, None, env)  # every value parses and validates
 
 
-def test_compose_file_works_with_compose_v1_and_one_image() -> None:
+def test_compose_file_works_with_compose_v1_and_an_image_per_service() -> None:
     compose = _compose()
     # Compose v1 (1.29, Debian's docker-compose) refuses a top-level `name:`; the project name
     # comes from COMPOSE_PROJECT_NAME (docker/run-job.sh sets it).
     assert set(compose) == {"services", "volumes"}
-    images = {service["image"] for service in compose["services"].values()}
-    assert images == {"${GRADSERVER_IMAGE:-gradserver:latest}"}, "coordinator and workers share one image"
+    targets = _targets((ROOT / "Dockerfile").read_text())
+    images = set()
+    for name, service in compose["services"].items():
+        # Each service builds the Dockerfile's target of its own name: the coordinator's without torch.
+        assert service["build"] == {"context": ".", "target": name}, name
+        assert name in targets, f"no Dockerfile target {name}"
+        images.add(service["image"])
+        assert _interpolate(service["image"]).startswith(f"gradserver-{name}:"), service["image"]
+    assert images == {
+        "${GRADSERVER_COORDINATOR_IMAGE:-gradserver-coordinator:latest}",
+        "${GRADSERVER_WORKER_IMAGE:-gradserver-worker:latest}",
+    }
     for port in compose["services"]["coordinator"]["ports"]:
         host, _, container = port.rpartition(":")
         assert container in ("50051", "9090") and _interpolate(host) in ("50051", "9090")
@@ -75,7 +88,11 @@ def test_compose_dependencies_volume_and_healthcheck() -> None:
 
 
 def test_gpu_override_reserves_gpus_and_a_cuda_build() -> None:
-    worker = _compose("docker-compose.gpu.yml")["services"]["worker"]
+    override = _compose("docker-compose.gpu.yml")["services"]
+    assert set(override) == {"worker"}, "the coordinator needs no GPU and keeps its image"
+    worker = override["worker"]
+    assert worker["build"]["target"] == "worker"
+    assert _interpolate(worker["image"]) != _interpolate(_compose()["services"]["worker"]["image"])
     devices = worker["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
     args = worker["build"]["args"]
@@ -96,29 +113,83 @@ def _stages(dockerfile: str) -> list[list[str]]:
     return stages
 
 
-def test_dockerfile_follows_the_rules() -> None:
-    stages = _stages((ROOT / "Dockerfile").read_text())
-    assert len(stages) >= 2, "multi-stage build"
-    final = stages[-1]
-    users = [i.split()[1] for i in final if i.upper().startswith("USER ")]
-    assert users and users[-1] not in ("root", "0")
-    assert any(re.match(r'HEALTHCHECK .*CMD \["gradserver", "health"', i) for i in final)
-    assert 'ENTRYPOINT ["gradserver"]' in final
-    final_text = "\n".join(final)
-    for tool in ("gcc", "g++", "build-essential", "make ", "git"):
-        assert tool not in final_text, f"{tool} in the final stage"
-    assert not any(i.upper().startswith("COPY ") and "--from=" not in i for i in final), (
-        "sources in the final stage"
-    )
-    build_text = "\n".join(stages[0])
-    assert "install-runtime.sh" in build_text and "TORCH_INDEX_URL" in build_text
-    for arg in ("TORCH_VARIANT", "TORCH_WHEEL_DIR"):
-        assert f'{arg}="${{{arg}}}"' in build_text, f"{arg} reaches the install script"
-    assert "ARG TORCH_VARIANT=cpu" in (ROOT / "Dockerfile").read_text(), "the default build checks for +cpu"
-    assert "check-torch.sh" in build_text and "COPY docker/wheels" in build_text
+def _targets(dockerfile: str) -> dict[str, list[str]]:
+    """Each named stage's instructions, with those of the stages it is built FROM before them
+    (what the image of that target holds or inherits)."""
+    targets: dict[str, list[str]] = {}
+    for stage in _stages(dockerfile):
+        words = stage[0].split()
+        assert len(words) == 4 and words[2].upper() == "AS", f"unnamed stage: {stage[0]}"
+        targets[words[3]] = targets.get(words[1], []) + stage
+    return targets
+
+
+def _copies_from(instructions: list[str]) -> list[str]:
+    return [m.group(1) for i in instructions if (m := re.match(r"COPY --from=(\S+) ", i))]
+
+
+def test_dockerfile_builds_two_images_by_our_rules() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = _stages(text)
+    targets = _targets(text)
+    # The classic builder builds every stage before its target: the coordinator's come first so
+    # that its build never installs torch, and a build without --target gives the worker image.
+    names = [stage[0].split()[3] for stage in stages]
+    assert names[-1] == "worker" and names.index("coordinator") < names.index("build-worker")
+    for name in ("coordinator", "worker"):
+        final = targets[name]
+        users = [i.split()[1] for i in final if i.upper().startswith("USER ")]
+        assert users and users[-1] not in ("root", "0"), f"{name} runs as root"
+        assert 'ENTRYPOINT ["gradserver"]' in final and f'CMD ["{name}"]' in final, name
+        own = stages[names.index(name)]
+        for tool in ("gcc", "g++", "build-essential", "make ", "git"):
+            assert tool not in "\n".join(final), f"{tool} in the {name} image"
+        assert not any(i.upper().startswith("COPY ") and "--from=" not in i for i in own), (
+            f"sources in the {name} image"
+        )
+        assert _copies_from(own) == [f"build-{name}"], f"{name} copies the environment of build-{name}"
+    healthchecks = {
+        name: any(re.match(r'HEALTHCHECK .*CMD \["gradserver", "health"', i) for i in targets[name])
+        for name in ("coordinator", "worker")
+    }
+    assert healthchecks == {"coordinator": True, "worker": False}, "only the coordinator serves health"
+
+    coordinator_build = "\n".join(targets["build-coordinator"])
+    assert "EXTRAS= TORCH_VARIANT=none sh .ci/install-runtime.sh" in coordinator_build, "no torch"
+    assert "docker/wheels" not in coordinator_build and "TORCH_WHEEL_DIR" not in coordinator_build
+    worker_build = "\n".join(targets["build-worker"])
+    assert "install-runtime.sh" in worker_build and "TORCH_INDEX_URL" in worker_build
+    assert "EXTRAS" not in worker_build, "the worker installs the default extra, train"
+    for arg in ("TORCH_INDEX_URL", "TORCH_VARIANT", "TORCH_WHEEL_DIR"):
+        assert f"ARG {arg}" in worker_build, f"{arg} reaches the worker's build stage"
+        assert f'{arg}="${{{arg}}}"' in worker_build, f"{arg} reaches the install script"
+    assert "ARG TORCH_VARIANT=cpu" in text, "the default build checks for +cpu"
+    assert "check-torch.sh" in worker_build and "COPY docker/wheels" in worker_build
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "build"} <= set(ignored)
     assert not any(p in ("docker", "docker/wheels", "*.whl", "**/*.whl") for p in ignored)
+
+
+def _check_torch(python: Path | str, variant: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    return subprocess.run(
+        ["sh", str(ROOT / ".ci" / "check-torch.sh"), variant],
+        env={**env, "PYTHON": str(python)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_torch_check_for_the_coordinator_build_refuses_any_torch(tmp_path: Path) -> None:
+    """`check-torch.sh none`, which the coordinator's build runs: it passes in an environment
+    without torch and fails, naming the version, in one with torch (this one)."""
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "venv")
+    bare = _check_torch(tmp_path / "venv" / "bin" / "python", "none")
+    assert bare.returncode == 0 and "no torch is installed, as asked" in bare.stdout, bare.stderr
+    with_torch = _check_torch(sys.executable, "none")
+    assert with_torch.returncode == 1
+    assert "torch 2.13.0+cpu is installed, but no torch was asked for" in with_torch.stderr
 
 
 def test_container_scripts_parse_and_ci_runs_the_check_after_the_tests() -> None:
