@@ -104,8 +104,14 @@ def test_launch_ends_when_a_worker_is_killed(processes: ProcessGroup, tmp_path: 
 
 
 def _train_worker(
-    processes: ProcessGroup, address: str, name: str, *flags: str, steps: int = 2
+    processes: ProcessGroup,
+    address: str,
+    name: str,
+    *flags: str,
+    steps: int = 2,
+    threads: str | None = "1",
 ) -> ManagedProcess:
+    """A tiny training worker; `threads` is its OMP_NUM_THREADS (None: unset, the worker chooses)."""
     return processes.gradserver(
         "worker",
         "--coordinator",
@@ -118,7 +124,7 @@ def _train_worker(
         str(steps),
         *flags,
         name=name,
-        env={"OMP_NUM_THREADS": "1"},
+        env={"OMP_NUM_THREADS": threads},
     )
 
 
@@ -216,22 +222,7 @@ def test_workers_started_by_hand_on_one_host_share_its_cores(processes: ProcessG
     from gradserver.train.cli import available_cores
 
     _coord, address = processes.coordinator("--world-size", "2", "--max-steps", "1")
-    workers = [
-        processes.gradserver(
-            "worker",
-            "--coordinator",
-            address,
-            "--model",
-            "tiny",
-            "--batch-size",
-            "2",
-            "--steps",
-            "1",
-            name=f"w{i}",
-            env={"OMP_NUM_THREADS": None},
-        )
-        for i in range(2)
-    ]
+    workers = [_train_worker(processes, address, f"w{i}", steps=1, threads=None) for i in range(2)]
     cores = available_cores()
     for w in workers:
         assert w.wait(240) == 0, w.output
