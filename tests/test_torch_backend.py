@@ -1,0 +1,181 @@
+"""The torch.distributed backend "gradserver" and the protocol it rides on.
+
+Protocol: generic collective keys (group + operation sequence number, any length, AVG or SUM,
+bit-identical whatever the arrival order) and Join asking for a rank, at the table, codec and
+real-server level.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from gradserver.common import codec
+from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
+from gradserver.common.messages import (
+    AveragedChunkOut,
+    ChunkHeader,
+    ChunkIn,
+    DType,
+    ErrorOut,
+    JoinRequestIn,
+    ReduceOp,
+    TensorKey,
+)
+from gradserver.server.reduction import ReductionTable
+from gradserver.worker.torch._collective import CollectiveClient
+
+from .helpers.logwait import log_waiter
+from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
+
+CHUNK = 4
+
+
+def _chunks(worker: int, key: TensorKey, data: np.ndarray) -> list[ChunkIn]:
+    header = ChunkHeader(DType.FLOAT32, data.size, ())
+    return [
+        ChunkIn(worker, key, header, off, data[off : off + CHUNK].astype("<f4").tobytes())
+        for off in range(0, max(1, data.size), CHUNK)
+    ]
+
+
+def _reduce_in_order(data: list[np.ndarray], order: tuple[int, ...], op: ReduceOp) -> bytes:
+    table = ReductionTable(len(data), CHUNK, 10.0, lambda: 0.0)
+    key = TensorKey.collective(7, 3, op)
+    out = []
+    for w in order:
+        for chunk in _chunks(w, key, data[w]):
+            out += table.contribute(chunk)
+    results = {o.event.offset: o.event.data for o in out if isinstance(o.event, AveragedChunkOut)}
+    assert not [o for o in out if isinstance(o.event, ErrorOut)]
+    return b"".join(bytes(results[off]) for off in sorted(results))
+
+
+@pytest.mark.parametrize("op", [ReduceOp.AVG, ReduceOp.SUM])
+def test_collective_key_is_exact_and_independent_of_arrival_order(op: ReduceOp) -> None:
+    rng = np.random.default_rng(5)
+    data = [(rng.standard_normal(11) * 1e4).astype(np.float32) for _ in range(3)]
+    results = {_reduce_in_order(data, order, op) for order in itertools.permutations(range(3))}
+    assert len(results) == 1
+    total = data[0].astype(np.float64) + data[1] + data[2]
+    expected = (total / 3 if op is ReduceOp.AVG else total).astype(np.float32)
+    assert results.pop() == expected.tobytes()
+
+
+def test_collective_sum_of_disjoint_segments_is_a_concatenation() -> None:
+    """What broadcast and allgather rely on: x + 0 is x, bit for bit."""
+    data = [np.array([1.5, 0, 0, 0], np.float32), np.array([0, 2.25, 65535, 7], np.float32)]
+    got = _reduce_in_order(data, (1, 0), ReduceOp.SUM)
+    assert got == np.array([1.5, 2.25, 65535, 7], np.float32).tobytes()
+
+
+def test_collective_keys_that_disagree_on_the_op_fail_the_operation_naming_it() -> None:
+    table = ReductionTable(2, CHUNK, 10.0, lambda: 0.0)
+    data = np.ones(3, np.float32)
+    table.contribute(_chunks(0, TensorKey.collective(0, 0, ReduceOp.SUM), data)[0])
+    out = table.contribute(_chunks(1, TensorKey.collective(0, 0, ReduceOp.AVG), data)[0])
+    errors = [o.event for o in out if isinstance(o.event, ErrorOut)]
+    assert errors and errors[0].step_failed
+    assert "AVG" in errors[0].message and "SUM" in errors[0].message and "worker 1" in errors[0].message
+
+
+def test_collective_sum_overflow_fails_the_operation_naming_the_element() -> None:
+    table = ReductionTable(2, CHUNK, 10.0, lambda: 0.0)
+    key = TensorKey.collective(0, 0, ReduceOp.SUM)
+    data = np.array([1.0, 3e38], np.float32)
+    table.contribute(_chunks(0, key, data)[0])
+    out = table.contribute(_chunks(1, key, data)[0])
+    errors = [o.event for o in out if isinstance(o.event, ErrorOut)]
+    assert errors and "overflows float32 at element 1" in errors[0].message
+
+
+def test_codec_round_trips_collective_keys_and_join_ranks() -> None:
+    limits = codec.WireLimits(chunk_elements=CHUNK, max_tensor_elements=100)
+    key = TensorKey.collective(12, 4, ReduceOp.SUM)
+    raw = codec.encode_worker_event(_chunks(1, key, np.arange(3, dtype=np.float32))[0])
+    decoded = codec.decode_worker_message(raw, limits)
+    assert isinstance(decoded, ChunkIn)
+    assert decoded.key == key and decoded.key.op is ReduceOp.SUM and decoded.key.index == 4
+    assert str(decoded.key) == "operation 12 collective SUM of group 4"
+    for rank in (None, 0, 3):
+        request = JoinRequestIn("n", 0, "torch", codec.PROTOCOL_VERSION, rank=rank)
+        assert codec.decode_join_request(codec.encode_join_request(request)).rank == rank
+
+
+def test_codec_refuses_an_unknown_reduce_op() -> None:
+    from gradserver.common._pb import gradient_server_pb2 as pb
+
+    msg = pb.WorkerMessage(
+        chunk=pb.GradientChunk(
+            worker_id=0,
+            key=pb.TensorKey(step=1, collective=pb.CollectiveKey(group=0, op=9)),
+            dtype=1,
+            total_elements=1,
+            data=b"\0\0\0\0",
+        )
+    )
+    limits = codec.WireLimits(chunk_elements=CHUNK, max_tensor_elements=100)
+    with pytest.raises(InvalidArgumentError, match="unknown reduce op 9"):
+        codec.decode_worker_message(msg.SerializeToString(), limits)
+
+
+def _join_ranks(address: str, ranks: list[int]) -> list[CollectiveClient]:
+    with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
+        futures = [
+            pool.submit(CollectiveClient.connect_as_rank, address, r, timeout=TEST_TIMEOUTS) for r in ranks
+        ]
+        return [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in futures]
+
+
+def test_join_as_rank_and_collectives_through_a_real_server(
+    coordinator: Callable[..., ServerThread],
+) -> None:
+    server = coordinator(world_size=2)
+    clients = _join_ranks(server.address, [1, 0])
+    try:
+        assert [c.worker_id for c in clients] == [1, 0]
+        rng = np.random.default_rng(2)
+        data = {c.worker_id: rng.standard_normal(1000).astype(np.float32) for c in clients}
+
+        def run(client: CollectiveClient) -> list[bytes]:
+            results = []
+            for seq, op in enumerate([ReduceOp.SUM, ReduceOp.AVG]):
+                client.send_collective(seq, 0, data[client.worker_id], op)
+                results.append(client.receive_collective(timeout=20).tobytes())
+            client.send_collective(2, 0, np.zeros(0, np.float32), ReduceOp.SUM)
+            assert client.receive_collective(timeout=20).size == 0
+            return results
+
+        first, second = run_each(clients, run)
+        assert first == second
+        total = data[0].astype(np.float64) + data[1]
+        assert first[0] == total.astype(np.float32).tobytes()
+        assert first[1] == (total / 2).astype(np.float32).tobytes()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_join_refuses_an_out_of_range_or_duplicate_rank(coordinator: Callable[..., ServerThread]) -> None:
+    server = coordinator(world_size=2, join_timeout=20.0)
+    with pytest.raises(InvalidArgumentError, match="rank 2, out of range for a world of 2"):
+        CollectiveClient.connect_as_rank(server.address, 2, timeout=TEST_TIMEOUTS)
+    with log_waiter() as log, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(
+            CollectiveClient.connect_as_rank, server.address, 1, node_id="a", timeout=TEST_TIMEOUTS
+        )
+        # The first joiner holds rank 1 while it waits for the rest of the world.
+        log.wait_for(r"worker 1 joined: node 'a'", timeout=20)
+        with pytest.raises(FailedPreconditionError, match="rank 1, which is already taken by node 'a'"):
+            CollectiveClient.connect_as_rank(server.address, 1, node_id="b", timeout=TEST_TIMEOUTS)
+        other = CollectiveClient.connect_as_rank(server.address, 0, timeout=TEST_TIMEOUTS)
+        joined = first.result(timeout=30)
+        try:
+            assert (joined.worker_id, other.worker_id) == (1, 0)
+        finally:
+            joined.close()
+            other.close()
