@@ -8,11 +8,23 @@ real-server level.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
 from gradserver.common import codec
 from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
@@ -179,3 +191,177 @@ def test_join_refuses_an_out_of_range_or_duplicate_rank(coordinator: Callable[..
         finally:
             joined.close()
             other.close()
+
+
+# --- the torch.distributed backend, two real processes ---------------------------------------------
+
+STEPS = 20
+RANK_TIMEOUT_S = 240.0
+
+
+class _SmallCnn(torch.nn.Module):
+    """A model the project does not define: convolutions with BatchNorm buffers, and a head that
+    is never used (so find_unused_parameters matters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+        )
+        self.head = torch.nn.Linear(8, 4)
+        self.unused = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _flat(tensors: Any) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+def _train_rank(rank: int, backend: str, store_path: str, out_dir: str, die_at: int) -> None:
+    """One DDP rank: STEPS steps; odd steps accumulate two micro-batches under no_sync()."""
+    import gradserver.worker.torch  # noqa: F401 - registers "gradserver"
+
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=2)
+    out = Path(out_dir)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(_SmallCnn(), find_unused_parameters=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        generator = torch.Generator().manual_seed(100 + rank)
+        params, buffers = [], []
+        for step in range(STEPS):
+            if step == die_at and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            optimizer.zero_grad()
+            micro_batches = 2 if step % 2 else 1
+            for micro in range(micro_batches):
+                x = torch.randn(6, 3, 8, 8, generator=generator)
+                y = torch.randint(0, 4, (6,), generator=generator)
+                context = model.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext()
+                with context:
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            params.append(_flat(model.module.parameters()))
+            # Each rank's own BatchNorm statistics (DDP broadcasts rank 0's at the next forward).
+            buffers.append(_flat(model.module.buffers()))
+        dist.barrier()
+        gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
+        dist.all_gather(gathered, torch.tensor([rank, 7 * rank + 1]))
+        flag = torch.tensor([True, rank == 0]) if rank == 0 else torch.zeros(2, dtype=torch.bool)
+        dist.broadcast(flag, src=0)
+        result = {"params": torch.stack(params), "buffers": torch.stack(buffers)}
+        torch.save({**result, "gathered": gathered, "flag": flag}, out / f"rank{rank}.pt")
+    except Exception as exc:
+        (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(tmp: Path, backend: str, die_at: int = -1) -> list[mp.process.BaseProcess]:
+    ctx = mp.get_context("spawn")
+    tmp.mkdir()
+    procs = [
+        ctx.Process(target=_train_rank, args=(r, backend, str(tmp / "store"), str(tmp), die_at))
+        for r in range(2)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(RANK_TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert not any(p.is_alive() for p in procs)
+    return procs
+
+
+def _results(tmp: Path) -> list[dict[str, Any]]:
+    errors = {p.name: p.read_text() for p in tmp.glob("*.error")}
+    assert not errors, errors
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(600)
+def test_ddp_trains_identically_on_every_rank_and_like_gloo(tmp_path: Path) -> None:
+    _run_ranks(tmp_path / "gradserver", "gradserver")
+    _run_ranks(tmp_path / "gloo", "gloo")
+    ours, gloo = _results(tmp_path / "gradserver"), _results(tmp_path / "gloo")
+    # Parameters after every step: bit-identical across ranks, and gloo's within tolerance.
+    assert ours[0]["params"].shape[0] == STEPS
+    assert torch.equal(ours[0]["params"], ours[1]["params"])
+    assert not torch.equal(ours[0]["params"][0], ours[0]["params"][-1])
+    for rank in range(2):
+        torch.testing.assert_close(ours[rank]["params"], gloo[rank]["params"])
+        torch.testing.assert_close(ours[rank]["buffers"], gloo[rank]["buffers"])
+    for result in ours:
+        assert [t.tolist() for t in result["gathered"]] == [[0, 1], [1, 8]]
+        assert result["flag"].tolist() == [True, True]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_killed_rank_fails_the_other_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADSERVER_HEARTBEAT_TIMEOUT", "2")
+    started = time.monotonic()
+    procs = _run_ranks(tmp_path / "run", "gradserver", die_at=5)
+    elapsed = time.monotonic() - started
+    assert procs[1].exitcode == -signal.SIGKILL
+    error = (tmp_path / "run" / "rank0.error").read_text()
+    assert "worker 1 disconnected" in error and "rank 0: gradserver " in error, error
+    # Bounded by the heartbeat timeout plus process start-up, far below any torch timeout.
+    assert elapsed < 120, elapsed
+
+
+SINGLE_RANK_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gradserver", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+assert "gradserver.worker.torch" in sys.modules  # loaded by torch's entry point
+assert dist.get_backend() == "gradserver"
+big = torch.tensor([2**62 + 1, -5, 3], dtype=torch.int64)
+dist.all_reduce(big)
+assert big.tolist() == [2**62 + 1, -5, 3], big
+x = torch.tensor([0.1, -2.5])
+dist.all_reduce(x, op=dist.ReduceOp.AVG)
+assert x.tolist() == torch.tensor([0.1, -2.5]).tolist()
+for bad, kwargs in [(torch.ones(2), {"op": dist.ReduceOp.MAX}), (torch.ones(2, dtype=torch.float64), {})]:
+    try:
+        dist.all_reduce(bad, **kwargs)
+    except (NotImplementedError, TypeError) as exc:
+        print(f"{type(exc).__name__}: {exc}")
+dist.barrier()
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.processes
+def test_init_process_group_gradserver_works_without_importing_gradserver(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", SINGLE_RANK_SCRIPT, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "ok", result.stdout
+    assert lines[0] == "NotImplementedError: gradserver allreduce supports SUM and AVG, not MAX"
+    assert lines[1].startswith(
+        "TypeError: gradserver allreduce: dtype torch.float64 with SUM is not supported"
+    )
