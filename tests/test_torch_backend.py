@@ -42,6 +42,7 @@ from gradserver.server.reduction import ReductionTable
 from gradserver.worker.torch._collective import CollectiveClient
 
 from .helpers.logwait import log_waiter
+from .helpers.processes import ROOT
 from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
 
 CHUNK = 4
@@ -365,3 +366,27 @@ def test_init_process_group_gradserver_works_without_importing_gradserver(tmp_pa
     assert lines[1].startswith(
         "TypeError: gradserver allreduce: dtype torch.float64 with SUM is not supported"
     )
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_the_example_runs_under_torchrun_with_the_gradserver_backend(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(ROOT / "examples" / "ddp_cnn.py")]
+    proc = subprocess.Popen(
+        [*command, "--backend", "gradserver", "--steps", "6", "--log-every", "5"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so the workers torchrun starts can be stopped with it
+    )
+    try:
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, output
+    assert "step 5 loss" in output, output
+    assert "backend gradserver world 2:" in output and "samples/s" in output, output
