@@ -345,6 +345,10 @@ for bad, kwargs in [(torch.ones(2), {"op": dist.ReduceOp.MAX}), (torch.ones(2, d
         dist.all_reduce(bad, **kwargs)
     except (NotImplementedError, TypeError) as exc:
         print(f"{type(exc).__name__}: {exc}")
+sub = dist.new_group([0])  # a subgroup: its own embedded coordinator
+y = torch.tensor([1.5])
+dist.all_reduce(y, group=sub)
+assert y.tolist() == [1.5], y
 dist.barrier()
 dist.destroy_process_group()
 print("ok")
