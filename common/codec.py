@@ -36,6 +36,7 @@ from .messages import (
     JoinRequestIn,
     KeyKind,
     LeaveIn,
+    ReduceOp,
     SampleRange,
     SampleStats,
     ServerEvent,
@@ -75,6 +76,11 @@ def _key_to_pb(key: TensorKey) -> pb.TensorKey:
         return pb.TensorKey(step=key.step, block=pb.BlockKey(block_idx=key.index, num_blocks=key.num_blocks))
     if key.kind is KeyKind.NON_BLOCK:
         return pb.TensorKey(step=key.step, non_block=key.index)  # type: ignore[arg-type]
+    if key.kind is KeyKind.COLLECTIVE:
+        return pb.TensorKey(
+            step=key.step,
+            collective=pb.CollectiveKey(group=key.index, op=int(key.op)),  # type: ignore[arg-type]
+        )
     return pb.TensorKey(step=key.step, whole_model=pb.WholeModelKey())
 
 
@@ -105,6 +111,17 @@ def _key_from_pb(msg: pb.TensorKey, *, who: str, limits: WireLimits | None) -> T
         return TensorKey.non_block(msg.step, component)
     if kind == "whole_model":
         return TensorKey.whole_model(msg.step)
+    if kind == "collective":
+        try:
+            op = ReduceOp(msg.collective.op)
+        except ValueError:
+            names = ", ".join(f"{o.name}={o.value}" for o in ReduceOp)
+            raise InvalidArgumentError(
+                f"{who}, operation {msg.step} of group {msg.collective.group}: unknown reduce op "
+                f"{msg.collective.op} (known: {names})",
+                step=msg.step,
+            ) from None
+        return TensorKey.collective(msg.step, msg.collective.group, op)
     raise InvalidArgumentError(f"{who}, step {msg.step}: key names no tensor kind", step=msg.step)
 
 
@@ -145,6 +162,8 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
     if request.committed_step is not None:
         msg.committed_step = request.committed_step
     msg.job_fingerprint.update(request.fingerprint)
+    if request.rank is not None:
+        msg.rank = request.rank
     return msg.SerializeToString()
 
 
@@ -163,8 +182,9 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
             f"JoinRequest from node {msg.node_id!r}: job_fingerprint is limited to "
             f"{MAX_FINGERPRINT_FIELDS} fields of at most {MAX_NAME_LENGTH} characters each"
         )
+    rank = msg.rank if msg.HasField("rank") else None
     return JoinRequestIn(
-        msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version, committed, fingerprint
+        msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version, committed, fingerprint, rank
     )
 
 

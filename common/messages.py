@@ -18,6 +18,14 @@ class KeyKind(enum.Enum):
     BLOCK = "block"
     NON_BLOCK = "non_block"
     WHOLE_MODEL = "whole_model"
+    COLLECTIVE = "collective"
+
+
+class ReduceOp(enum.IntEnum):
+    """How a collective key combines contributions; values are those of the proto's ReduceOp."""
+
+    AVG = 0
+    SUM = 1
 
 
 class DType(enum.IntEnum):
@@ -41,6 +49,8 @@ class TensorKey:
     kind: KeyKind
     index: int = 0
     num_blocks: int = dataclasses.field(default=0, compare=False)
+    # Collective keys only; like num_blocks, checked across workers but not part of the identity.
+    op: ReduceOp = dataclasses.field(default=ReduceOp.AVG, compare=False)
 
     @classmethod
     def block(cls, step: int, block_idx: int, num_blocks: int) -> TensorKey:
@@ -53,6 +63,11 @@ class TensorKey:
     @classmethod
     def whole_model(cls, step: int) -> TensorKey:
         return cls(step, KeyKind.WHOLE_MODEL, 0)
+
+    @classmethod
+    def collective(cls, sequence: int, group: int, op: ReduceOp = ReduceOp.AVG) -> TensorKey:
+        """Operation `sequence` of process group `group`: the sequence number is the step."""
+        return cls(sequence, KeyKind.COLLECTIVE, group, op=op)
 
     @property
     def slot(self) -> tuple[KeyKind, int]:
@@ -67,9 +82,13 @@ class TensorKey:
                 return f"non-block {NonBlockComponent(self.index).name}"
             except ValueError:
                 return f"non-block component {self.index}"
+        if self.kind is KeyKind.COLLECTIVE:
+            return f"collective {self.op.name} of group {self.index}"
         return "whole-model gradient"
 
     def __str__(self) -> str:
+        if self.kind is KeyKind.COLLECTIVE:
+            return f"operation {self.step} {self.describe()}"
         return f"step {self.step} {self.describe()}"
 
 
@@ -201,6 +220,8 @@ class JoinRequestIn:
     protocol_version: int
     committed_step: int | None = None
     fingerprint: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # The worker id asked for (a torch rank); None: the lowest free one.
+    rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,12 @@ class Averager:
     def __init__(self) -> None:
         self._scratch = np.empty(_BLOCK, dtype=np.float64)
 
-    def average(self, contributions: Sequence[bytes | memoryview]) -> bytes | memoryview:
-        """Mean of little-endian float32 buffers, given in worker-id order."""
+    def average(
+        self, contributions: Sequence[bytes | memoryview], *, divide: bool = True
+    ) -> bytes | memoryview:
+        """Mean of little-endian float32 buffers, given in worker-id order; with `divide` False
+        their sum (collective SUM keys), rounded once the same way. A sum of finite values that
+        overflows float32 raises `SumOverflow`."""
         arrays = [np.frombuffer(c, dtype=_F32) for c in contributions]
         if len(arrays) == 1:
             if not np.isfinite(arrays[0]).all():
@@ -56,9 +60,12 @@ class Averager:
                 np.copyto(acc, arrays[0][start:stop])
                 for array in arrays[1:]:
                     np.add(acc, array[start:stop], out=acc)
-                np.divide(acc, count, out=out[start:stop], casting="same_kind")
+                if divide:
+                    np.divide(acc, count, out=out[start:stop], casting="same_kind")
+                else:
+                    np.copyto(out[start:stop], acc, casting="same_kind")
         if not np.isfinite(out).all():
-            raise _locate_non_finite(arrays)
+            raise _locate_non_finite(arrays, overflow_possible=not divide)
         return out.data
 
 
@@ -67,10 +74,24 @@ def average_chunk(contributions: Sequence[bytes | memoryview]) -> bytes | memory
     return Averager().average(contributions)
 
 
-def _locate_non_finite(arrays: list[np.ndarray]) -> NonFiniteContribution:
+class SumOverflow(Exception):
+    """A sum of finite float32 contributions is beyond float32's range at `element`."""
+
+    def __init__(self, element: int) -> None:
+        super().__init__(f"the sum overflows float32 at element {element}")
+        self.element = element
+
+
+def _locate_non_finite(
+    arrays: list[np.ndarray], *, overflow_possible: bool = False
+) -> NonFiniteContribution | SumOverflow:
     for position, array in enumerate(arrays):
         bad = np.flatnonzero(~np.isfinite(array))
         if bad.size:
             return NonFiniteContribution(position, int(bad[0]))
+    if overflow_possible:
+        with np.errstate(over="ignore"):
+            total = np.sum([a.astype(np.float64) for a in arrays], axis=0).astype(_F32)
+        return SumOverflow(int(np.flatnonzero(~np.isfinite(total))[0]))
     # Unreachable for finite float32 inputs; kept so a failed invariant still names something.
     return NonFiniteContribution(0, 0)

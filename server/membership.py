@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from gradserver.common.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
+    InvalidArgumentError,
     ResourceExhaustedError,
 )
 from gradserver.common.messages import JoinRequestIn
@@ -77,12 +78,12 @@ class Membership:
         address without its port."""
         self._check_fingerprint(request)
         free = [i for i, m in enumerate(self._members) if m is None]
-        if not free:
+        if not free and request.rank is None:
             raise ResourceExhaustedError(
                 f"node {request.node_id!r} cannot join: the world is full "
                 f"({self.world_size} of {self.world_size} workers joined)"
             )
-        worker_id = free[0]
+        worker_id = self._place_for(request, free)
         member = Member(
             worker_id=worker_id,
             node_id=request.node_id,
@@ -124,6 +125,26 @@ class Membership:
             raise
         member.last_seen = time.monotonic()
         return member
+
+    def _place_for(self, request: JoinRequestIn, free: list[int]) -> int:
+        """The rank the joiner asked for, when it is in range and free; else the lowest free."""
+        rank = request.rank
+        if rank is None:
+            return free[0]
+        if rank >= self.world_size:
+            raise InvalidArgumentError(
+                f"node {request.node_id!r} asks for rank {rank}, out of range for a world of "
+                f"{self.world_size} (ranks 0..{self.world_size - 1})",
+                worker_id=rank,
+            )
+        if rank not in free:
+            taken = self._members[rank]
+            by = f" by node {taken.node_id!r}" if taken is not None else ""
+            raise FailedPreconditionError(
+                f"node {request.node_id!r} asks for rank {rank}, which is already taken{by}",
+                worker_id=rank,
+            )
+        return rank
 
     def _check_fingerprint(self, request: JoinRequestIn) -> None:
         """Refuses a joiner whose settings differ from the job's, naming every field and both

@@ -42,12 +42,13 @@ from gradserver.common.messages import (
     ChunkIn,
     ErrorOut,
     KeyKind,
+    ReduceOp,
     SampleStats,
     ShardRequestIn,
     TensorKey,
 )
 
-from .averaging import Averager, NonFiniteContribution
+from .averaging import Averager, NonFiniteContribution, SumOverflow
 from .outgoing import Outgoing, error_to
 from .participation import Participation
 from .shards import ShardAssigner
@@ -534,6 +535,8 @@ class ReductionTable:
                 f"worker {w} sent {chunk.key} with num_blocks {chunk.key.num_blocks}, but "
                 f"{other} says {slot.key.num_blocks}"
             )
+        if chunk.key.op != slot.key.op:
+            return f"worker {w} sent {chunk.key}, but {other} is {slot.key.op.name}"
         if got.component_sizes != ref.component_sizes:
             return (
                 f"worker {w} sent {chunk.key} with component_sizes {list(got.component_sizes)}, "
@@ -551,7 +554,16 @@ class ReductionTable:
         contributors = sorted(slot.expected)
         data = [parts[w] for w in contributors]
         try:
-            averaged = self._averager.average([d for d in data if d is not None])
+            averaged = self._averager.average(
+                [d for d in data if d is not None], divide=slot.key.op is not ReduceOp.SUM
+            )
+        except SumOverflow as exc:
+            element = index * self.chunk_elements + exc.element
+            return self._fail_step(
+                slot.key.step,
+                f"the sum of {slot.key} overflows float32 at element {element}; the step is halted",
+                key=slot.key,
+            )
         except NonFiniteContribution as exc:
             culprit = contributors[exc.position]
             element = index * self.chunk_elements + exc.element

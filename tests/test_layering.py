@@ -3,7 +3,8 @@
     cli -> server, worker, train;  train -> worker, common;  server -> common;  worker -> common
 
 `common` imports nothing above it, `server` and `worker` never import each other or `train`, and
-the client library imports torch only inside functions. The static part reads every module's
+the client library imports torch only inside functions, except its torch.distributed backend
+`worker/torch/`, which nothing else in the client library imports. The static part reads every module's
 imports (AST, so nothing is executed); the dynamic part runs in a subprocess where torch,
 matplotlib and tqdm cannot be imported, as in a `pip install gradserver` without the `train` extra.
 """
@@ -22,6 +23,8 @@ from .helpers.processes import ROOT
 
 PACKAGES = ("common", "server", "worker", "train", "cli")
 TRAINING_MODULES = ("torch", "matplotlib", "tqdm")
+# The torch.distributed backend: the one part of the client library that needs torch to import.
+TORCH_BACKEND = "worker/torch"
 # For each package, the gradserver packages it must not import.
 FORBIDDEN = {
     "common": {"server", "worker", "train", "cli"},
@@ -76,8 +79,16 @@ def _violations(package: str) -> list[str]:
             if parts[0] in TRAINING_MODULES:
                 if package in ("common", "server"):
                     problems.append(f"{where}:{node.lineno} imports {name}")
-                elif package == "worker" and id(node) in top:
+                elif (
+                    package == "worker" and id(node) in top and not where.as_posix().startswith(TORCH_BACKEND)
+                ):
                     problems.append(f"{where}:{node.lineno} imports {name} at import time")
+            if (
+                package == "worker"
+                and parts[:3] == ["gradserver", "worker", "torch"]
+                and not where.as_posix().startswith(TORCH_BACKEND)
+            ):
+                problems.append(f"{where}:{node.lineno} imports the torch backend {name}")
     return problems
 
 
@@ -122,7 +133,8 @@ COORDINATOR_AND_CLIENT = textwrap.dedent(
 
     for package in (gradserver.common, gradserver.server, gradserver.worker):
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            importlib.import_module(info.name)
+            if not info.name.startswith("gradserver.worker.torch"):  # needs torch, by design
+                importlib.import_module(info.name)
 
     from gradserver.server import CoordinatorConfig, GradientServer
     from gradserver.worker import WorkerClient

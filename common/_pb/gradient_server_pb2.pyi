@@ -31,6 +31,11 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
+
+class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REDUCE_OP_AVG: _ClassVar[ReduceOp]
+    REDUCE_OP_SUM: _ClassVar[ReduceOp]
 BLOCK_COMPONENT_W_Q: BlockComponent
 BLOCK_COMPONENT_W_K: BlockComponent
 BLOCK_COMPONENT_W_V: BlockComponent
@@ -47,9 +52,11 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
+REDUCE_OP_AVG: ReduceOp
+REDUCE_OP_SUM: ReduceOp
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "gpu_count", "backend", "protocol_version", "committed_step", "job_fingerprint")
+    __slots__ = ("node_id", "gpu_count", "backend", "protocol_version", "committed_step", "job_fingerprint", "rank")
     class JobFingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,13 +70,15 @@ class JoinRequest(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu_count: int
     backend: str
     protocol_version: int
     committed_step: int
     job_fingerprint: _containers.ScalarMap[str, str]
-    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., backend: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    rank: int
+    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., backend: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers")
@@ -104,16 +113,18 @@ class JoinResponse(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ...) -> None: ...
 
 class TensorKey(_message.Message):
-    __slots__ = ("step", "block", "non_block", "whole_model")
+    __slots__ = ("step", "block", "non_block", "whole_model", "collective")
     STEP_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     NON_BLOCK_FIELD_NUMBER: _ClassVar[int]
     WHOLE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     step: int
     block: BlockKey
     non_block: NonBlockComponent
     whole_model: WholeModelKey
-    def __init__(self, step: _Optional[int] = ..., block: _Optional[_Union[BlockKey, _Mapping]] = ..., non_block: _Optional[_Union[NonBlockComponent, str]] = ..., whole_model: _Optional[_Union[WholeModelKey, _Mapping]] = ...) -> None: ...
+    collective: CollectiveKey
+    def __init__(self, step: _Optional[int] = ..., block: _Optional[_Union[BlockKey, _Mapping]] = ..., non_block: _Optional[_Union[NonBlockComponent, str]] = ..., whole_model: _Optional[_Union[WholeModelKey, _Mapping]] = ..., collective: _Optional[_Union[CollectiveKey, _Mapping]] = ...) -> None: ...
 
 class BlockKey(_message.Message):
     __slots__ = ("block_idx", "num_blocks")
@@ -126,6 +137,14 @@ class BlockKey(_message.Message):
 class WholeModelKey(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CollectiveKey(_message.Message):
+    __slots__ = ("group", "op")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    op: ReduceOp
+    def __init__(self, group: _Optional[int] = ..., op: _Optional[_Union[ReduceOp, str]] = ...) -> None: ...
 
 class SharedMemoryRef(_message.Message):
     __slots__ = ("name", "offset", "length")

@@ -1,0 +1,110 @@
+"""Where a process group's coordinator is: GRADSERVER_COORDINATOR, or one that rank 0 starts.
+
+The embedded coordinator is the `gradserver coordinator` command in a child process of rank 0
+(so its event loop never competes with training for rank 0's GIL, and the client library stays
+independent of the server package), bound to 127.0.0.1 port 0. Rank 0 publishes its address in
+the torch Store that `init_process_group` set up; the other ranks read it from there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Protocol
+
+from gradserver.common.errors import UnavailableError
+
+ENV_COORDINATOR = "GRADSERVER_COORDINATOR"
+STORE_KEY = "gradserver/coordinator"
+_POLL_S = 0.05
+
+
+class Store(Protocol):
+    """What the backend uses of a torch.distributed Store."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+
+class EmbeddedCoordinator:
+    """A `gradserver coordinator` child process for one process group, stopped by `stop()` or at
+    exit."""
+
+    def __init__(self, world_size: int, timeout_s: float, start_timeout_s: float = 60.0) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="gradserver-pg-")
+        port_file = Path(self._dir.name) / "port"
+        command = [
+            sys.executable,
+            "-m",
+            "gradserver.cli",
+            "coordinator",
+            "--bind",
+            "127.0.0.1:0",
+            "--world-size",
+            str(world_size),
+            "--join-timeout",
+            f"{timeout_s:g}",
+            "--step-timeout",
+            f"{timeout_s:g}",
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            os.environ.get("GRADSERVER_LOG_LEVEL", "WARNING"),
+        ]
+        self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        atexit.register(self.stop)
+        try:
+            self.address = f"127.0.0.1:{self._wait_for_port(port_file, start_timeout_s)}"
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_for_port(self, port_file: Path, timeout_s: float) -> int:
+        # The child writes the file once it listens; there is no other signal to wait on.
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise UnavailableError(
+                    f"the embedded gradserver coordinator exited with status {self._process.returncode} "
+                    "before it listened (its log is above)"
+                )
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                text = port_file.read_text().strip()
+                if text:
+                    return int(text.rsplit(":", 1)[-1])
+            time.sleep(_POLL_S)
+        raise UnavailableError(f"the embedded gradserver coordinator did not listen within {timeout_s:g} s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ends the child (SIGTERM, then SIGKILL after `timeout_s`). Safe to call more than once."""
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout_s)
+        self._dir.cleanup()
+
+
+def coordinator_for(
+    store: Store, rank: int, world_size: int, timeout_s: float
+) -> tuple[str, EmbeddedCoordinator | None]:
+    """The address to join, and the coordinator this rank started (rank 0 without
+    GRADSERVER_COORDINATOR) or None."""
+    external = os.environ.get(ENV_COORDINATOR, "").strip()
+    if external:
+        return external, None
+    if rank == 0:
+        embedded = EmbeddedCoordinator(world_size, timeout_s)
+        store.set(STORE_KEY, embedded.address)
+        return embedded.address, embedded
+    # Store.get waits (up to the store's timeout) until rank 0 has published the address.
+    return store.get(STORE_KEY).decode(), None
