@@ -14,7 +14,7 @@ import logging
 import socket
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import grpc
 import numpy as np
@@ -127,7 +127,8 @@ class WorkerClient:
         server_name: str = "",
         committed_step: int | None = None,
         fingerprint: Mapping[str, str] | None = None,
-    ) -> WorkerClient:
+        rank: int | None = None,
+    ) -> Self:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
         TLS (its `ca` verifies the coordinator; `cert` and `key` are this worker's for mutual
@@ -136,7 +137,8 @@ class WorkerClient:
         applied) is given when rejoining a restarted coordinator; `resume_step` then says where
         every worker resumes. `fingerprint` maps each setting that must agree across the job's
         workers to its value: the coordinator refuses a joiner whose map differs from the
-        first joiner's, naming the fields."""
+        first joiner's, naming the fields. `rank` asks for that worker id (a torch rank) instead
+        of the lowest free one: a rank out of range or already taken is refused, naming it."""
         timeouts = Timeouts.of(timeout)
         parse_address(address, what="coordinator address")
         node_id = node_id or socket.gethostname()
@@ -156,7 +158,13 @@ class WorkerClient:
             _wait_until_reachable(channel, address, timeouts.connect, hint)
             join = channel.unary_unary(JOIN_METHOD)
             request = JoinRequestIn(
-                node_id, gpu_count, backend, codec.PROTOCOL_VERSION, committed_step, dict(fingerprint or {})
+                node_id,
+                gpu_count,
+                backend,
+                codec.PROTOCOL_VERSION,
+                committed_step,
+                dict(fingerprint or {}),
+                rank=rank,
             )
             try:
                 raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)
