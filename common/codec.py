@@ -23,6 +23,7 @@ from .components import BLOCK_GRAD_COMPONENTS, NonBlockComponent
 from .errors import GradServerError, InternalError, InvalidArgumentError, ResourceExhaustedError
 from .messages import (
     ALLOWED_DTYPES,
+    ITEM_SIZE,
     AveragedChunkOut,
     BarrierIn,
     BarrierReleaseOut,
@@ -352,15 +353,18 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
             key=str(key),
             worker_id=chunk.worker_id,
         )
-    if len(data) % 4:
+    item_size = ITEM_SIZE[dtype]
+    if len(data) % item_size:
         raise InvalidArgumentError(
-            f"{context}: {len(data)} payload bytes is not a whole number of float32 elements",
+            f"{context}: {len(data)} payload bytes is not a whole number of {dtype.name.lower()} elements",
             step=key.step,
             key=str(key),
             worker_id=chunk.worker_id,
         )
     try:
-        check_chunk_length(total, limits.chunk_elements, chunk.offset, len(data) // 4, context=context)
+        check_chunk_length(
+            total, limits.chunk_elements, chunk.offset, len(data) // item_size, context=context
+        )
     except (InvalidArgumentError, ResourceExhaustedError) as exc:
         exc.step, exc.key, exc.worker_id = key.step, str(key), chunk.worker_id
         raise

@@ -37,7 +37,7 @@ class DType(enum.IntEnum):
     FLOAT16 = 3
 
 
-ALLOWED_DTYPES = frozenset({DType.FLOAT32})
+ALLOWED_DTYPES = frozenset({DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16})
 ITEM_SIZE = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2}
 
 
@@ -110,7 +110,8 @@ class ChunkHeader:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkIn:
-    """A piece of one worker's contribution. `data` holds little-endian float32 elements."""
+    """A piece of one worker's contribution. `data` holds little-endian elements of
+    `header.dtype` (float32, or the raw 16 bits of bfloat16 / float16)."""
 
     worker_id: int
     key: TensorKey

@@ -18,6 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gradserver.common.messages import DType
+from gradserver.common.wire_dtype import first_non_finite, reduce_16
+
 _F32 = np.dtype("<f4")
 
 
@@ -40,11 +43,17 @@ class Averager:
         self._scratch = np.empty(_BLOCK, dtype=np.float64)
 
     def average(
-        self, contributions: Sequence[bytes | memoryview], *, divide: bool = True
+        self,
+        contributions: Sequence[bytes | memoryview],
+        *,
+        divide: bool = True,
+        dtype: DType = DType.FLOAT32,
     ) -> bytes | memoryview:
         """Mean of little-endian float32 buffers, given in worker-id order; with `divide` False
         their sum (collective SUM keys), rounded once the same way. A sum of finite values that
-        overflows float32 raises `SumOverflow`."""
+        overflows float32 raises `SumOverflow`. 16-bit `dtype` payloads: see `_average_16`."""
+        if dtype is not DType.FLOAT32:
+            return self._average_16(contributions, dtype, divide)
         arrays = [np.frombuffer(c, dtype=_F32) for c in contributions]
         if len(arrays) == 1:
             if not np.isfinite(arrays[0]).all():
@@ -68,6 +77,20 @@ class Averager:
             raise _locate_non_finite(arrays, overflow_possible=not divide)
         return out.data
 
+    def _average_16(
+        self, contributions: Sequence[bytes | memoryview], dtype: DType, divide: bool
+    ) -> bytes | memoryview:
+        """The same float64 mean of 16-bit payloads, rounded once to `dtype` (not float32), so
+        the bytes returned are what every worker gets. A finite sum beyond the dtype's range (a
+        SUM key, or a mean rounding past the largest value) raises `SumOverflow`."""
+        out, finite = reduce_16(contributions, dtype, divide=divide, scratch=self._scratch)
+        if not finite.all():
+            bad = first_non_finite(contributions, dtype)
+            if bad is not None:
+                raise NonFiniteContribution(*bad)
+            raise SumOverflow(int(np.flatnonzero(~finite)[0]), dtype=dtype)
+        return out.data
+
 
 def average_chunk(contributions: Sequence[bytes | memoryview]) -> bytes | memoryview:
     """One-off average (tests, tools); the coordinator keeps an `Averager` instead."""
@@ -75,11 +98,12 @@ def average_chunk(contributions: Sequence[bytes | memoryview]) -> bytes | memory
 
 
 class SumOverflow(Exception):
-    """A sum of finite float32 contributions is beyond float32's range at `element`."""
+    """A sum (or mean) of finite contributions is beyond the range of `dtype` at `element`."""
 
-    def __init__(self, element: int) -> None:
-        super().__init__(f"the sum overflows float32 at element {element}")
+    def __init__(self, element: int, *, dtype: DType = DType.FLOAT32) -> None:
+        super().__init__(f"the sum overflows {dtype.name.lower()} at element {element}")
         self.element = element
+        self.dtype = dtype
 
 
 def _locate_non_finite(

@@ -555,13 +555,17 @@ class ReductionTable:
         data = [parts[w] for w in contributors]
         try:
             averaged = self._averager.average(
-                [d for d in data if d is not None], divide=slot.key.op is not ReduceOp.SUM
+                [d for d in data if d is not None],
+                divide=slot.key.op is not ReduceOp.SUM,
+                dtype=slot.header.dtype,
             )
         except SumOverflow as exc:
             element = index * self.chunk_elements + exc.element
+            what = "sum" if slot.key.op is ReduceOp.SUM else "average"
             return self._fail_step(
                 slot.key.step,
-                f"the sum of {slot.key} overflows float32 at element {element}; the step is halted",
+                f"the {what} of {slot.key} overflows {exc.dtype.name.lower()} at element {element}; "
+                "the step is halted",
                 key=slot.key,
             )
         except NonFiniteContribution as exc:

@@ -157,7 +157,9 @@ def _chunk(**fields) -> bytes:
             InvalidArgumentError,
             "num_blocks 70000 exceeds the limit",
         ),
-        (_chunk(dtype=pb.DTYPE_FLOAT16), InvalidArgumentError, "FLOAT16 is reserved"),
+        # 16 bytes are 8 float16 elements: lengths are checked per item size.
+        (_chunk(dtype=pb.DTYPE_FLOAT16), InvalidArgumentError, "holds 8 elements, expected 4"),
+        (_chunk(dtype=pb.DTYPE_BFLOAT16, data=b"\0" * 7), InvalidArgumentError, "whole number of bfloat16"),
         (_chunk(dtype=9), InvalidArgumentError, "unknown dtype 9"),
         (_chunk(total_elements=2**40), ResourceExhaustedError, "declared 1099511627776 elements"),
         (_chunk(data=b"\0" * 12), InvalidArgumentError, "holds 3 elements, expected 4"),

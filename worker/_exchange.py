@@ -40,8 +40,10 @@ from gradserver.common.errors import (
     status_code_from_value,
 )
 from gradserver.common.messages import (
+    ITEM_SIZE,
     AveragedChunkOut,
     BarrierReleaseOut,
+    DType,
     ErrorOut,
     HeartbeatAckOut,
     HeartbeatIn,
@@ -56,6 +58,7 @@ from gradserver.common.messages import (
 )
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
 from gradserver.common.timeouts import Timeouts
+from gradserver.common.wire_dtype import widen
 
 log = logging.getLogger("gradserver.worker")
 
@@ -141,6 +144,8 @@ class PendingResult:
     array: np.ndarray
     num_chunks: int
     offsets: set[int] = dataclasses.field(default_factory=set)
+    # What the chunks travel as; the array is float32 whatever it is.
+    dtype: DType = DType.FLOAT32
     num_contributors: int = 0
     stats: SampleStats | None = None
     error: ErrorRecord | None = None
@@ -218,12 +223,19 @@ class ExchangeStream:
 
     # --- registering what we wait for ---------------------------------------------------------
 
-    def expect(self, key: TensorKey, component_sizes: tuple[int, ...], total: int) -> PendingResult:
+    def expect(
+        self,
+        key: TensorKey,
+        component_sizes: tuple[int, ...],
+        total: int,
+        dtype: DType = DType.FLOAT32,
+    ) -> PendingResult:
         pending = PendingResult(
             key=key,
             component_sizes=component_sizes,
             array=np.empty(total, dtype=np.float32),
             num_chunks=chunk_count(total, self.accepted.chunk_bytes // 4),
+            dtype=dtype,
         )
         with self._cond:
             if key in self._results:
@@ -378,23 +390,27 @@ class ExchangeStream:
             pending = self._results.get(event.key)
         if pending is None or pending.error is not None:
             return  # a key this worker gave up on (timeout, failed step): nothing to fill
-        length = len(event.data) // 4
+        length = len(event.data) // ITEM_SIZE.get(event.header.dtype, 4)
         end = event.offset + length
         error: ErrorRecord | None = None
         if (
             event.header.total_elements != pending.array.size
             or event.header.component_sizes != pending.component_sizes
+            or event.header.dtype != pending.dtype
             or end > pending.array.size
         ):
             error = ErrorRecord(
                 InternalError,
                 f"coordinator sent an average for {event.key} that does not match what this "
-                f"worker sent ({event.header.total_elements} elements at offset {event.offset})",
+                f"worker sent ({event.header.total_elements} {event.header.dtype.name} elements at "
+                f"offset {event.offset})",
                 step=event.key.step,
                 key=str(event.key),
             )
-        else:
+        elif pending.dtype is DType.FLOAT32:
             pending.array[event.offset : end] = np.frombuffer(event.data, dtype="<f4")
+        else:
+            pending.array[event.offset : end] = widen(event.data, pending.dtype)
         with self._cond:
             if error is not None:
                 pending.error = error

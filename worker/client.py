@@ -49,8 +49,10 @@ from gradserver.common.messages import (
 from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
 from gradserver.common.security import TlsFiles, bearer_metadata
 from gradserver.common.timeouts import Timeouts
+from gradserver.common.wire_dtype import parse_wire_dtype
 
 from ._exchange import ExchangeStream, PendingResult
+from ._wire_encoder import WireEncoder
 from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
 from .tensors import as_float32_array
 
@@ -102,8 +104,10 @@ class WorkerClient:
         timeouts: Timeouts,
         address: str,
         metadata: tuple[tuple[str, str], ...] = (),
+        encoder: WireEncoder | None = None,
     ) -> None:
         self._channel = channel
+        self._encoder = encoder or WireEncoder(DType.FLOAT32)
         self._accepted = accepted
         self.timeouts = timeouts
         self.address = address
@@ -128,6 +132,8 @@ class WorkerClient:
         committed_step: int | None = None,
         fingerprint: Mapping[str, str] | None = None,
         rank: int | None = None,
+        wire_dtype: str | DType = "float32",
+        error_feedback: bool = False,
     ) -> Self:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
@@ -138,8 +144,16 @@ class WorkerClient:
         every worker resumes. `fingerprint` maps each setting that must agree across the job's
         workers to its value: the coordinator refuses a joiner whose map differs from the
         first joiner's, naming the fields. `rank` asks for that worker id (a torch rank) instead
-        of the lowest free one: a rank out of range or already taken is refused, naming it."""
+        of the lowest free one: a rank out of range or already taken is refused, naming it.
+        `wire_dtype` (float32, bfloat16, float16) is what gradients travel as: arrays are still
+        given and returned as float32, rounded once before sending; `error_feedback` (16-bit
+        only) adds each key slot's rounding error to its next gradient. Every worker of a job
+        must use the same wire dtype (the coordinator fails a step whose workers differ)."""
         timeouts = Timeouts.of(timeout)
+        try:
+            encoder = WireEncoder(parse_wire_dtype(wire_dtype), error_feedback=error_feedback)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         parse_address(address, what="coordinator address")
         node_id = node_id or socket.gethostname()
         options: list[tuple[str, int | str]] = list(worker_channel_options())
@@ -175,7 +189,7 @@ class WorkerClient:
                 raise error_from_status(code, details) from exc
             accepted = codec.decode_join_accepted(raw)
             log.info("joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers)
-            return cls(channel, accepted, timeouts, address, metadata)
+            return cls(channel, accepted, timeouts, address, metadata, encoder)
         except BaseException:
             channel.close()
             raise
@@ -212,6 +226,10 @@ class WorkerClient:
     def max_steps(self) -> int:
         """The coordinator's --max-steps (0: no limit)."""
         return self._accepted.max_steps
+
+    @property
+    def wire_dtype(self) -> DType:
+        return self._encoder.dtype
 
     @property
     def heartbeat_timeout(self) -> float:
@@ -387,11 +405,14 @@ class WorkerClient:
                 key=str(key),
             )
         self._stream.raise_if_broken()
-        header = ChunkHeader(DType.FLOAT32, int(array.size), sizes)
-        self._stream.expect(key, sizes, int(array.size))
+        payload = self._encoder.encode(key, array)
+        header = ChunkHeader(self._encoder.dtype, int(array.size), sizes)
+        self._stream.expect(key, sizes, int(array.size), self._encoder.dtype)
         try:
+            # Chunks cut at the same element offsets whatever the dtype: the coordinator's chunk
+            # size is in float32 elements, so a 16-bit chunk carries half the bytes.
             for offset, length in chunk_spans(int(array.size), self.chunk_bytes // 4):
-                data = array[offset : offset + length].data
+                data = payload[offset : offset + length].data
                 self._stream.send(ChunkIn(self.worker_id, key, header, offset, data, stats))
         except BaseException:
             self._stream.forget(key)

@@ -1,0 +1,60 @@
+"""The worker's side of a 16-bit wire: rounding what it sends, and optional error feedback.
+
+With `--wire-dtype bfloat16|float16` every float32 gradient is rounded once (to nearest even)
+before it is cut into chunks. With error feedback, the rounding error of each key slot (block i,
+a non-block component, the whole model, a collective group) is kept in float32 and added to the
+next gradient sent for that slot, so what is lost to rounding at one step is sent at a later one
+and the sum of the averages over steps tracks the sum of the exact means. The residual is
+updated when the gradient is sent, whether or not its step then completes: a failed step's
+gradient is void on every worker anyway, and its residual is a small correction either way.
+
+A value beyond float16's range is refused before anything is sent (not scaled): scaling would
+need the same factor on every worker, which the coordinator does not negotiate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.messages import DType, KeyKind, TensorKey
+from gradserver.common.wire_dtype import WireOverflow, narrow, widen
+
+
+class WireEncoder:
+    """Rounds float32 gradients to the wire dtype; keeps per-slot residuals when asked."""
+
+    def __init__(self, dtype: DType, *, error_feedback: bool = False) -> None:
+        if error_feedback and dtype is DType.FLOAT32:
+            raise InvalidArgumentError("error feedback needs a 16-bit wire dtype (bfloat16 or float16)")
+        self.dtype = dtype
+        self.error_feedback = error_feedback
+        self._residuals: dict[tuple[KeyKind, int], np.ndarray] = {}
+
+    def encode(self, key: TensorKey, array: np.ndarray) -> np.ndarray:
+        """The payload elements to send for `array` (float32, 1-D). Raises InvalidArgumentError
+        naming the key and element when a value does not fit the wire dtype."""
+        if self.dtype is DType.FLOAT32:
+            return array
+        wanted = array
+        residual = self._residuals.get(key.slot) if self.error_feedback else None
+        if residual is not None and residual.size == array.size:
+            wanted = array + residual
+        try:
+            payload = narrow(wanted, self.dtype)
+        except WireOverflow as exc:
+            raise InvalidArgumentError(
+                f"{key}: {exc}; scale the loss or gradients down, or use --wire-dtype bfloat16 or float32",
+                step=key.step,
+                key=str(key),
+            ) from None
+        if self.error_feedback:
+            with np.errstate(invalid="ignore"):
+                error = wanted - widen(payload.data, self.dtype)
+            # A NaN or Inf sent (the coordinator refuses it) must not poison every later step.
+            self._residuals[key.slot] = np.nan_to_num(error, nan=0.0, posinf=0.0, neginf=0.0)
+        return payload
+
+    def residual(self, key: TensorKey) -> np.ndarray | None:
+        """The rounding error kept for `key`'s slot (error feedback only)."""
+        return self._residuals.get(key.slot)
