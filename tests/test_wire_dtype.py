@@ -11,9 +11,18 @@ import numpy as np
 import pytest
 import torch
 
+from gradserver.common import codec
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import GradServerError, InvalidArgumentError
-from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ErrorOut, ReduceOp, TensorKey
+from gradserver.common.messages import (
+    AveragedChunkOut,
+    ChunkHeader,
+    ChunkIn,
+    DType,
+    ErrorOut,
+    ReduceOp,
+    TensorKey,
+)
 from gradserver.common.wire_dtype import (
     bf16_from_f32,
     f32_from_bf16,
@@ -141,6 +150,22 @@ def test_a_chunk_average_is_within_half_an_ulp_of_the_exact_mean_of_what_was_sen
     got = widen(Averager().average([s.tobytes() for s in sent], dtype=dtype), dtype).astype(np.float64)
     exact = np.mean([widen(s.tobytes(), dtype).astype(np.float64) for s in sent], axis=0)
     assert np.all(np.abs(got - exact) <= 0.5 * ulp16(exact, dtype))
+
+
+@pytest.mark.parametrize("dtype", [DType.BFLOAT16, DType.FLOAT16])
+def test_16_bit_chunks_and_averages_cross_the_codec_byte_for_byte(dtype: DType) -> None:
+    payload = narrow(np.linspace(-3, 3, 1000, dtype=np.float32), dtype).tobytes()
+    key = TensorKey.non_block(5, LM_HEAD)
+    header = ChunkHeader(dtype, 1000, ())
+    limits = codec.WireLimits(chunk_elements=1000, max_tensor_elements=10**6)
+    chunk = codec.decode_worker_message(
+        codec.encode_worker_event(ChunkIn(2, key, header, 0, payload)), limits
+    )
+    assert isinstance(chunk, ChunkIn)
+    assert chunk.header.dtype is dtype and bytes(chunk.data) == payload
+    out = codec.decode_server_message(codec.encode_server_event(AveragedChunkOut(key, header, 0, payload, 3)))
+    assert isinstance(out, AveragedChunkOut)
+    assert out.header.dtype is dtype and bytes(out.data) == payload
 
 
 def test_parse_wire_dtype_names_the_choices() -> None:
