@@ -261,7 +261,9 @@ class Bench:
                 port_file = Path(tmp) / f"port{index}"
                 argv = [sys.executable, "-m", "gradserver.cli", "coordinator", "--bind", addresses[index]]
                 argv += ["--world-size", str(len(self.workers)), "--insecure", "--log-level", "WARNING"]
-                argv += ["--port-file", str(port_file), "--chunk-mib", "4", "--max-message-mib", "5"]
+                chunk = self.args.chunk_mib
+                argv += ["--port-file", str(port_file), "--chunk-mib", f"{chunk:g}"]
+                argv += ["--max-message-mib", f"{chunk + 1:g}"]
                 if len(hosts) > 1:
                     argv += ["--shard-index", str(index), "--shard-map", ",".join(addresses)]
                 servers.append(self.cluster.spawn(host, argv, stdout=subprocess.DEVNULL, cwd=_REPO))
@@ -357,6 +359,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link-mbit", type=float, default=200.0, help="rate of every host's link, each way")
     p.add_argument("--mib", type=float, default=32.0, help="gradient MiB per worker (float32)")
     p.add_argument("--blocks", type=int, default=8, help="keys the gradient set is split into")
+    p.add_argument("--chunk-mib", type=float, default=4.0, help="gradserver chunk size")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--wire-dtypes", default="float32,bfloat16", help="gradserver wire dtypes to measure")
