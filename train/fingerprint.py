@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .synthetic import ModelShape
     from .training import TrainConfig
 
-# The coordinator averages float32 chunks only; a setting once it is not.
+# The default wire dtype; the worker CLI puts its --wire-dtype (and --error-feedback) in the map.
 WIRE_DTYPE = "float32"
 
 # Fields a resumed worker may change from its checkpoint's job: it continues to a new step count.
