@@ -1,0 +1,308 @@
+"""Sharded coordinators (issue 15 part A): K shards each average their chunks of every key.
+
+Every shard runs behind a FaultProxy started first, so the shard map (the proxies' addresses) is
+known before any shard binds port 0, and a shard's link can be cut and restored. Workers are
+given shard 0's address only and learn the map at Join.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gradserver.common.chunking import chunk_count
+from gradserver.common.errors import FailedPreconditionError, GradServerError
+from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ReduceOp, TensorKey
+from gradserver.common.shard_map import ShardMap
+from gradserver.server.config import CoordinatorConfig
+from gradserver.server.reduction import ReductionTable
+from gradserver.worker import WorkerClient
+from gradserver.worker.torch._collective import CollectiveClient
+
+from .helpers.proxy import FaultProxy
+from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each, run_each_outcome
+
+CHUNK_ELEMENTS = 32
+CHUNK_MIB = CHUNK_ELEMENTS * 4 / (1 << 20)
+SIZES = (40, 8, 8, 40, 100, 100, 100, 3, 3)  # a block's 9 components: 402 elements, 13 chunks
+
+
+class Shards:
+    """K shards of one job, each behind its own proxy; `address` is shard 0's, for workers."""
+
+    def __init__(self, proxies: list[FaultProxy], servers: list[ServerThread]) -> None:
+        self.proxies = proxies
+        self.servers = servers
+
+    @property
+    def address(self) -> str:
+        return self.proxies[0].address
+
+    @property
+    def shard_map(self) -> ShardMap:
+        return ShardMap(tuple(p.address for p in self.proxies))
+
+
+def _config(**overrides: Any) -> CoordinatorConfig:
+    overrides.setdefault("bind", "127.0.0.1:0")
+    overrides.setdefault("heartbeat_timeout", 5.0)
+    overrides.setdefault("step_timeout", 20.0)
+    overrides.setdefault("join_timeout", 20.0)
+    overrides.setdefault("chunk_mib", CHUNK_MIB)
+    overrides.setdefault("max_message_mib", 1.0)
+    overrides.setdefault("max_inflight_mib", 1.0)
+    return CoordinatorConfig(**overrides)
+
+
+@pytest.fixture
+def sharded() -> Iterator[Callable[..., Shards]]:
+    """Factory: sharded(k, world_size=..., **config) -> K started shards behind proxies."""
+    proxies: list[FaultProxy] = []
+    servers: list[ServerThread] = []
+
+    def make(k: int, **overrides: Any) -> Shards:
+        mine = [FaultProxy("127.0.0.1", 0).start() for _ in range(k)]
+        proxies.extend(mine)
+        shard_map = ",".join(p.address for p in mine)
+        started = []
+        for index, proxy in enumerate(mine):
+            server = ServerThread(_config(shard_map=shard_map, shard_index=index, **overrides))
+            servers.append(server)
+            server.start()
+            proxy.target = ("127.0.0.1", server.server.port if server.server else 0)
+            started.append(server)
+        return Shards(mine, started)
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.stop()
+        for proxy in proxies:
+            proxy.stop()
+
+
+@pytest.fixture
+def clients() -> Iterator[list[WorkerClient]]:
+    """Clients the test connected; closed in `finally`."""
+    joined: list[WorkerClient] = []
+    try:
+        yield joined
+    finally:
+        for client in joined:
+            client.close()
+
+
+def _connect(
+    address: str, n: int, joined: list[WorkerClient], collective: bool = False
+) -> list[WorkerClient]:
+    if collective:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            futures = [
+                pool.submit(CollectiveClient.connect_as_rank, address, rank, timeout=TEST_TIMEOUTS)
+                for rank in range(n)
+            ]
+            made: list[WorkerClient] = [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in futures]
+    else:
+        made = connect_all(address, n, TEST_TIMEOUTS)
+    joined.extend(made)
+    return made
+
+
+def _gradients(worker: int, step: int, size: int, salt: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 * worker + 17 * step + salt)
+    return rng.standard_normal(size).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 3))
+
+
+def _one_step(client: WorkerClient, step: int) -> list[bytes]:
+    """Every kind of key the trainer uses, pipelined; the averages' bytes in a fixed order."""
+    w = client.worker_id
+    for block in range(2):
+        client.send_block_gradient(step, block, 2, _gradients(w, step, sum(SIZES), block), SIZES)
+    client.send_non_block_gradient(step, "LM_HEAD", _gradients(w, step, 300, 10))
+    client.send_non_block_gradient(step, "FINAL_NORM", _gradients(w, step, 5, 11))  # one chunk
+    client.send_gradients(step, _gradients(w, step, 250, 12), loss=1.5 + w, correct=w, total=10)
+    out = [client.receive_averaged_block().gradients.tobytes() for _ in range(2)]
+    out += [client.receive_averaged_non_block().gradients.tobytes() for _ in range(2)]
+    whole = client.receive_averaged()
+    out += [whole.gradients.tobytes(), np.float64(whole.global_loss).tobytes()]
+    client.barrier(step, "after")
+    shard = client.get_shard(step, dataset_size=97, batch_size=4)
+    out.append(repr((shard.worker_id, shard.ranges)).encode())
+    return out
+
+
+def _lockstep(client: WorkerClient, step: int) -> list[bytes]:
+    """Send block i, receive block i (the non-pipelined use)."""
+    out = []
+    for block in range(2):
+        data = _gradients(client.worker_id, step, sum(SIZES), 20 + block)
+        client.send_block_gradient(step, block, 2, data, SIZES)
+        out.append(client.receive_averaged_block().gradients.tobytes())
+    return out
+
+
+def _collectives(client: WorkerClient) -> list[bytes]:
+    assert isinstance(client, CollectiveClient)
+    out = []
+    for sequence, op in enumerate((ReduceOp.AVG, ReduceOp.SUM, ReduceOp.AVG)):
+        client.send_collective(sequence, 0, _gradients(client.worker_id, sequence, 70, 30), op)
+        out.append(client.receive_collective().tobytes())
+    return out
+
+
+def _run_job(address: str, n: int, joined: list[WorkerClient]) -> list[list[bytes]]:
+    made = _connect(address, n, joined)
+    results = run_each(made, lambda c: _one_step(c, 0) + _one_step(c, 1) + _lockstep(c, 2))
+    for client in made:
+        client.close()
+    return results
+
+
+def _run_collectives(address: str, n: int, joined: list[WorkerClient]) -> list[list[bytes]]:
+    made = _connect(address, n, joined, collective=True)
+    results = run_each(made, _collectives)
+    for client in made:
+        client.close()
+    return results
+
+
+# --- the assignment rule ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_every_chunk_has_exactly_one_owner_and_shards_get_a_fair_share(k: int) -> None:
+    shard_map = ShardMap(tuple(f"127.0.0.1:{5000 + i}" for i in range(k)))
+    key = TensorKey.whole_model(7)
+    for num_chunks in (1, 2, 7, 100):
+        owners = [shard_map.owner(key, c) for c in range(num_chunks)]
+        counts = [shard_map.owned_chunks(key, num_chunks, s) for s in range(k)]
+        assert counts == [owners.count(s) for s in range(k)]
+        assert max(counts) - min(counts) <= 1
+    # One-chunk keys spread over the shards instead of all landing on shard 0.
+    small = {shard_map.owner(TensorKey.block(0, b, 64), 0) for b in range(64)}
+    assert small == set(range(k))
+    # The rule ignores the step: a key's chunks stay on the same shards step after step.
+    assert [shard_map.owner(TensorKey.block(3, 5, 8), c) for c in range(9)] == [
+        shard_map.owner(TensorKey.block(90, 5, 8), c) for c in range(9)
+    ]
+
+
+def test_a_shard_refuses_a_chunk_that_the_map_assigns_to_another_shard() -> None:
+    shard_map = ShardMap(("127.0.0.1:1", "127.0.0.1:2"))
+    table = ReductionTable(1, 4, 30.0, shard=(shard_map, 0))
+    key = TensorKey.collective(0, 0)
+    foreign = next(c for c in range(4) if shard_map.owner(key, c) == 1)
+    header = ChunkHeader(DType.FLOAT32, 16, ())
+    data = np.zeros(4, dtype=np.float32).tobytes()
+    out = table.contribute(ChunkIn(0, key, header, foreign * 4, data))
+    assert len(out) == 1
+    message = out[0].event.message  # type: ignore[union-attr]
+    assert f"chunk {foreign} of {key} to shard 0 (127.0.0.1:1)" in message
+    assert "assigns it to shard 1 (127.0.0.1:2)" in message
+    assert not table.has_pending()  # refused before it opened anything
+    own = [c for c in range(4) if shard_map.owner(key, c) == 0]
+    for c in own:
+        out = table.contribute(ChunkIn(0, key, header, c * 4, data))
+    assert [o.event.offset for o in out] == [own[-1] * 4]  # type: ignore[union-attr]
+    assert not table.has_pending()  # the key completed with this shard's chunks alone
+    assert chunk_count(16, 4) == 4
+
+
+# --- sharded exchange equals the unsharded one ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unsharded_results() -> tuple[list[list[bytes]], list[list[bytes]]]:
+    server = ServerThread(_config(world_size=3))
+    joined: list[WorkerClient] = []
+    try:
+        server.start()
+        return _run_job(server.address, 3, joined), _run_collectives(server.address, 3, joined)
+    finally:
+        for client in joined:
+            client.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sharded_averages_equal_the_unsharded_ones_bit_for_bit(
+    k: int,
+    sharded: Callable[..., Shards],
+    clients: list[WorkerClient],
+    unsharded_results: tuple[list[list[bytes]], list[list[bytes]]],
+) -> None:
+    shards = sharded(k, world_size=3)
+    expected_job, expected_collectives = unsharded_results
+    job = _run_job(shards.address, 3, clients)
+    assert job == expected_job
+    averages = [[b for b in r if not b.startswith(b"(")] for r in job]  # less the data shards
+    assert all(r == averages[0] for r in averages)  # every worker got the same bytes
+    shards = sharded(k, world_size=3)
+    assert _run_collectives(shards.address, 3, clients) == expected_collectives
+
+
+def test_each_shard_averages_only_its_share_of_the_bytes(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    shards = sharded(2, world_size=2)
+    made = _connect(shards.address, 2, clients)
+    size = 64 * CHUNK_ELEMENTS
+
+    def step(client: WorkerClient) -> None:
+        client.send_gradients(0, np.ones(size, np.float32), loss=1.0, correct=1, total=1)
+        client.receive_averaged()
+
+    run_each(made, step)
+    received = [s.call(lambda g: g.metrics.received_bytes._value.get()) for s in shards.servers]
+    assert all(r > 0.4 * 2 * size * 4 for r in received), received  # about half each
+    assert all(r < 0.7 * 2 * size * 4 for r in received), received
+
+
+def test_shards_other_than_0_refuse_a_worker_that_did_not_join_shard_0(
+    sharded: Callable[..., Shards],
+) -> None:
+    shards = sharded(2, world_size=1)
+    with pytest.raises(FailedPreconditionError) as info:
+        WorkerClient.connect(shards.proxies[1].address, timeout=TEST_TIMEOUTS)
+    assert f"workers join shard 0 at {shards.address}" in info.value.message
+    assert f"shard 1 ({shards.proxies[1].address})" in info.value.message
+
+
+def test_shards_started_with_different_chunk_sizes_are_refused_naming_the_shard(
+    clients: list[WorkerClient],
+) -> None:
+    proxies = [FaultProxy("127.0.0.1", 0).start() for _ in range(2)]
+    servers: list[ServerThread] = []
+    try:
+        shard_map = ",".join(p.address for p in proxies)
+        for index, proxy in enumerate(proxies):
+            chunk = CHUNK_MIB * (1 + index)
+            server = ServerThread(
+                _config(world_size=1, shard_map=shard_map, shard_index=index, chunk_mib=chunk)
+            )
+            servers.append(server)
+            server.start()
+            assert server.server is not None
+            proxy.target = ("127.0.0.1", server.server.port)
+        with pytest.raises(FailedPreconditionError) as info:
+            clients.append(WorkerClient.connect(proxies[0].address, timeout=TEST_TIMEOUTS))
+        assert f"shard 1 ({proxies[1].address})" in info.value.message
+        assert "--chunk-mib" in info.value.message
+    finally:
+        for server in servers:
+            server.stop()
+        for proxy in proxies:
+            proxy.stop()
+
+
+def _outcomes(made: Sequence[WorkerClient], fn: Callable[[WorkerClient], Any]) -> list[Any]:
+    return run_each_outcome(made, fn, timeout=60.0)
+
+
+_ = (threading, GradServerError, _outcomes)
