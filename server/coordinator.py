@@ -485,7 +485,7 @@ class GradientServer:
             self.metrics.workers_lost.inc()
         self._departures.append(f"worker {worker_id} {reason}")
         if lost and self._shard is not None:
-            self._shard.worker_lost(worker_id, reason, self._table.pending_steps())
+            self._shard.worker_lost(worker_id, reason, self._table.unsettled_steps())
         self._deliver(self._table.worker_lost(worker_id, reason))
         self._after_departure(lost)
 

@@ -153,7 +153,7 @@ class ShardRole:
             ShardNotice(
                 self.own_index,
                 self.shard_map.count,
-                max(pending, default=0),
+                min(pending, default=0),
                 int(grpc.StatusCode.ABORTED.value[0]),
                 f"worker {worker_id} {reason}",
                 worker_id,
@@ -174,7 +174,10 @@ class ShardRole:
         log.warning("%s reports: %s", origin, notice.message)
         code = status_code_from_value(notice.code)
         if notice.worker_lost:
-            steps = table.pending_steps() | {notice.step}
+            # Only steps in flight here (including ones whose chunks here are all averaged, but
+            # not yet counted complete): a step counted complete stays complete, and the lost
+            # worker's later contributions are refused by the shard that lost it.
+            steps = table.unsettled_steps()
             self._told.update(steps)
             message = f"on {origin}: {notice.message}"
             out: list[Outgoing] = []

@@ -171,6 +171,11 @@ class ReductionTable:
         steps.update(b.step for b in self._barriers.values())
         return steps
 
+    def unsettled_steps(self) -> set[int]:
+        """Steps still pending, or done here but not yet counted complete (a worker expected at
+        them has not moved on): sharded coordinators fail these when another shard lost a worker."""
+        return self.pending_steps() | self._open_steps
+
     @property
     def last_completed_step(self) -> int | None:
         return self._last_completed_step

@@ -8,7 +8,7 @@ given shard 0's address only and learn the map at Join.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from gradserver.common.chunking import chunk_count
-from gradserver.common.errors import FailedPreconditionError, GradServerError
+from gradserver.common.errors import DeadlineExceededError, FailedPreconditionError, GradServerError
 from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ReduceOp, TensorKey
 from gradserver.common.shard_map import ShardMap
+from gradserver.server import GradientServer
 from gradserver.server.config import CoordinatorConfig
 from gradserver.server.reduction import ReductionTable
 from gradserver.worker import WorkerClient
@@ -38,6 +39,12 @@ class Shards:
     def __init__(self, proxies: list[FaultProxy], servers: list[ServerThread]) -> None:
         self.proxies = proxies
         self.servers = servers
+        self.killed: set[int] = set()
+
+    def kill(self, index: int) -> None:
+        """Shard `index` vanishes for everyone: its connections are reset, nothing listens."""
+        self.killed.add(index)
+        self.proxies[index].stop()
 
     @property
     def address(self) -> str:
@@ -62,29 +69,31 @@ def _config(**overrides: Any) -> CoordinatorConfig:
 @pytest.fixture
 def sharded() -> Iterator[Callable[..., Shards]]:
     """Factory: sharded(k, world_size=..., **config) -> K started shards behind proxies."""
-    proxies: list[FaultProxy] = []
+    made: list[Shards] = []
     servers: list[ServerThread] = []
 
     def make(k: int, **overrides: Any) -> Shards:
         mine = [FaultProxy("127.0.0.1", 0).start() for _ in range(k)]
-        proxies.extend(mine)
+        shards = Shards(mine, [])
+        made.append(shards)
         shard_map = ",".join(p.address for p in mine)
-        started = []
         for index, proxy in enumerate(mine):
             server = ServerThread(_config(shard_map=shard_map, shard_index=index, **overrides))
             servers.append(server)
             server.start()
             proxy.target = ("127.0.0.1", server.server.port if server.server else 0)
-            started.append(server)
-        return Shards(mine, started)
+            shards.servers.append(server)
+        return shards
 
     try:
         yield make
     finally:
         for server in servers:
             server.stop()
-        for proxy in proxies:
-            proxy.stop()
+        for shards in made:
+            for index, proxy in enumerate(shards.proxies):
+                if index not in shards.killed:
+                    proxy.stop()
 
 
 @pytest.fixture
@@ -301,8 +310,142 @@ def test_shards_started_with_different_chunk_sizes_are_refused_naming_the_shard(
             proxy.stop()
 
 
-def _outcomes(made: Sequence[WorkerClient], fn: Callable[[WorkerClient], Any]) -> list[Any]:
-    return run_each_outcome(made, fn, timeout=60.0)
+# --- failure rules ---------------------------------------------------------------------------------
 
 
-_ = (threading, GradServerError, _outcomes)
+def _whole_model(client: WorkerClient, step: int, size: int = 8 * CHUNK_ELEMENTS) -> None:
+    data = _gradients(client.worker_id, step, size, 40)
+    client.send_gradients(step, data, loss=1.0, correct=1, total=2)
+
+
+def _averaged_step(client: WorkerClient, step: int) -> bytes:
+    _whole_model(client, step)
+    return client.receive_averaged().gradients.tobytes()
+
+
+def _wait_pending(server: ServerThread, step: int, timeout: float = 10.0) -> None:
+    """Blocks until the shard holds a key of `step` (as tests/test_bad_input.py does)."""
+    deadline = time.monotonic() + timeout
+    while step not in server.call(lambda s: s.pending_steps()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"step {step} never became pending")
+        time.sleep(0.01)
+
+
+def _first_sent_then(made: Sequence[WorkerClient], step: int) -> None:
+    """Worker 0 contributes to `step` (so every shard has it in flight); the others do not."""
+    _whole_model(made[0], step)
+
+
+def _receive_outcomes(made: Sequence[WorkerClient], timeout: float) -> list[Any]:
+    return run_each_outcome(made, lambda c: c.receive_averaged(timeout=timeout), timeout=timeout + 30)
+
+
+def test_a_shard_killed_mid_step_fails_every_workers_receive_naming_the_shard(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    shards = sharded(2, world_size=2, heartbeat_timeout=3.0)
+    made = _connect(shards.address, 2, clients)
+    run_each(made, lambda c: (_whole_model(c, 0), c.receive_averaged()))
+    _first_sent_then(made, 1)
+    _whole_model(made[1], 1)
+    dead = shards.shard_map.describe(1)
+    # A killed process tells no one: shard 1 may not warn shard 0 (its notices go nowhere).
+    shards.servers[1].call(lambda g: setattr(g._shard.peers, "notify", lambda notice: None))
+    shards.kill(1)
+    started = time.monotonic()
+    outcomes = _receive_outcomes(made, timeout=60.0)
+    elapsed = time.monotonic() - started
+    for outcome in outcomes:
+        # No average: the step is not applied in part on any worker.
+        assert isinstance(outcome, GradServerError), outcome
+        assert dead in outcome.message, outcome.message
+    assert elapsed < 20.0  # the failure came from the dead shard, not from a 60 s receive timeout
+
+
+def test_a_shard_whose_link_is_cut_fails_the_step_everywhere_and_the_job_resumes_once_restored(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    shards = sharded(2, world_size=2, heartbeat_timeout=2.0, rejoin_timeout=60.0)
+    made = _connect(shards.address, 2, clients)
+    expected = run_each(made, lambda c: _averaged_step(c, 0))
+    _first_sent_then(made, 1)
+    shards.proxies[1].blackhole = True  # connections stay open; nothing moves either way
+    _whole_model(made[1], 1)
+    outcomes = _receive_outcomes(made, timeout=60.0)
+    for outcome in outcomes:
+        # Shard 1 lost both workers (heartbeat timeout) and told shard 0: not a local timeout.
+        assert isinstance(outcome, GradServerError), outcome
+        assert not isinstance(outcome, DeadlineExceededError), outcome
+        assert f"on {shards.shard_map.describe(1)}" in outcome.message, outcome.message
+    shards.proxies[1].blackhole = False
+    for client in made:
+        client.close()
+    # Restored: a new set of workers joins both shards again and steps on with the same averages.
+    again = _connect(shards.address, 2, clients)
+    assert run_each(again, lambda c: _averaged_step(c, 0)) == expected
+
+
+def _reference_average(n: int, step: int, size: int = 8 * CHUNK_ELEMENTS) -> bytes:
+    """What any coordinator returns: the float64 sum in worker order over n, rounded once."""
+    total = sum(_gradients(w, step, size, 40).astype(np.float64) for w in range(n))
+    return (total / n).astype(np.float32).tobytes()
+
+
+def test_a_slow_shard_delays_the_step_but_it_completes_with_the_same_averages(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    shards = sharded(2, world_size=2)
+    made = _connect(shards.address, 2, clients)
+    shards.proxies[1].delay_s = 0.02  # every piece of shard 1's traffic waits, both ways
+    shards.proxies[1].slice_bytes = 256
+    slow = run_each(made, lambda c: _averaged_step(c, 0))
+    assert slow == [_reference_average(2, 0)] * 2
+    shards.proxies[1].delay_s = 0.0
+    fast = run_each(made, lambda c: _averaged_step(c, 1))
+    assert fast == [_reference_average(2, 1)] * 2
+
+
+def test_a_step_that_times_out_on_one_shard_fails_on_every_shard_naming_it(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    shards = sharded(2, world_size=2, step_timeout=1.5, heartbeat_timeout=30.0)
+    made = _connect(shards.address, 2, clients)
+    run_each(made, lambda c: (_whole_model(c, 0), c.receive_averaged()))
+    _first_sent_then(made, 1)
+    # Worker 0's chunks reached shard 1; then shard 1 hears nothing more (worker 1's chunks stall
+    # in the cut link), so shard 1's part of step 1 times out. Its streams to the workers are cut
+    # too: the workers learn of it only through shard 0, which shard 1 told.
+    _wait_pending(shards.servers[1], 1)
+    shards.proxies[1].blackhole = True
+    _whole_model(made[1], 1)
+    outcomes = _receive_outcomes(made, timeout=60.0)
+    for outcome in outcomes:
+        assert isinstance(outcome, GradServerError), outcome
+        assert f"step 1 failed on {shards.shard_map.describe(1)}" in outcome.message, outcome.message
+        assert "step timeout" in outcome.message
+    shards.proxies[1].blackhole = False
+
+
+def test_a_worker_lost_on_one_shard_fails_the_step_on_every_shard(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    shards = sharded(2, world_size=2)
+    made = _connect(shards.address, 2, clients)
+    _first_sent_then(made, 0)
+
+    def evict_worker_1(g: GradientServer) -> None:
+        member = g._membership.get(1) if g._membership is not None else None
+        assert member is not None
+        g._evict(member, "lost: cut off by the test")
+
+    _wait_pending(shards.servers[0], 0)
+    _wait_pending(shards.servers[1], 0)
+    shards.servers[1].call(evict_worker_1)
+    with pytest.raises(GradServerError) as info:
+        made[0].receive_averaged(timeout=60.0)
+    assert "step 0 aborted" in info.value.message and "worker 1" in info.value.message
+    # Worker 1's stream to shard 1 was ended: its client is broken on every shard, naming shard 1.
+    with pytest.raises(GradServerError) as info:
+        made[1].barrier(0, "never released", timeout=60.0)
+    assert shards.shard_map.describe(1) in info.value.message, info.value.message
