@@ -8,6 +8,7 @@ given shard 0's address only and learn the map at Join.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from gradserver.server.reduction import ReductionTable
 from gradserver.worker import WorkerClient
 from gradserver.worker.torch._collective import CollectiveClient
 
+from .helpers.processes import ManagedProcess, ProcessGroup
 from .helpers.proxy import FaultProxy
 from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each, run_each_outcome
 
@@ -449,3 +451,82 @@ def test_a_worker_lost_on_one_shard_fails_the_step_on_every_shard(
     with pytest.raises(GradServerError) as info:
         made[1].barrier(0, "never released", timeout=60.0)
     assert shards.shard_map.describe(1) in info.value.message, info.value.message
+
+
+# --- the real CLIs ---------------------------------------------------------------------------------
+
+_SHAPE = [
+    "--num-blocks",
+    "2",
+    "--hidden",
+    "64",
+    "--kv-hidden",
+    "32",
+    "--intermediate",
+    "96",
+    "--vocab",
+    "256",
+]
+
+
+def _cli_shards(processes: ProcessGroup, k: int, *args: str) -> tuple[list[FaultProxy], list[ManagedProcess]]:
+    """K `gradserver coordinator --shard-index I --shard-map ...` processes behind proxies."""
+    proxies = [FaultProxy("127.0.0.1", 0).start() for _ in range(k)]
+    shard_map = ",".join(p.address for p in proxies)
+    procs = []
+    for index, proxy in enumerate(proxies):
+        proc, address = processes.coordinator(
+            "--shard-map", shard_map, "--shard-index", str(index), "--chunk-mib", "0.01", *args
+        )
+        host, port = address.rsplit(":", 1)
+        proxy.target = (host, int(port))
+        procs.append(proc)
+    return proxies, procs
+
+
+@pytest.mark.processes
+def test_two_shard_processes_and_two_synthetic_workers_through_the_cli(processes: ProcessGroup) -> None:
+    proxies, shards = _cli_shards(processes, 2, "--world-size", "2", "--max-steps", "2")
+    try:
+        workers = [
+            processes.gradserver(
+                "worker", "--job", "synthetic", "--coordinator", proxies[0].address, "--steps", "2", "--json",
+                *_SHAPE, name=f"worker-{i}",
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        summaries = [json.loads(w.wait_for(r'^\{"worker_id"', timeout=120).string) for w in workers]
+        for w in workers:
+            assert w.wait(60) == 0, w.output
+        for shard in shards:
+            assert shard.wait(30) == 0, shard.output
+            assert "reached --max-steps 2" in shard.output
+        assert sorted(s["worker_id"] for s in summaries) == [0, 1]
+        for step in range(2):
+            assert len({s["steps"][step]["checksum"] for s in summaries}) == 1, "averages differ"
+            assert all(s["steps"][step]["max_rel_error"] <= 1e-6 for s in summaries)
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+
+
+@pytest.mark.processes
+def test_a_killed_shard_process_ends_every_worker_naming_the_shard(processes: ProcessGroup) -> None:
+    proxies, shards = _cli_shards(processes, 2, "--world-size", "2", "--heartbeat-timeout", "3")
+    try:
+        workers = [
+            processes.gradserver(
+                "worker", "--job", "synthetic", "--coordinator", proxies[0].address, "--steps", "100000",
+                *_SHAPE, name=f"worker-{i}",
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        for w in workers:
+            w.wait_for(r"step 2:", timeout=120)
+        shards[1].kill()
+        for w in workers:
+            assert w.wait(60) != 0, w.output
+            assert f"shard 1 ({proxies[1].address})" in w.output, w.output
+    finally:
+        for proxy in proxies:
+            proxy.stop()
