@@ -530,3 +530,25 @@ def test_a_killed_shard_process_ends_every_worker_naming_the_shard(processes: Pr
     finally:
         for proxy in proxies:
             proxy.stop()
+
+
+def test_the_sharded_compose_file_gives_every_shard_the_same_map_and_its_own_index() -> None:
+    import dataclasses
+
+    import yaml
+
+    from gradserver.common.config import env_name
+
+    from .helpers.processes import ROOT
+
+    services = yaml.safe_load((ROOT / "docker-compose.sharded.yml").read_text())["services"]
+    shards = {name: s for name, s in services.items() if s["command"] == ["coordinator"]}
+    known = {env_name(f.name) for f in dataclasses.fields(CoordinatorConfig)}
+    maps = {s["environment"]["GRADSERVER_SHARD_MAP"] for s in shards.values()}
+    assert len(maps) == 1
+    (shard_map,) = maps
+    for name, service in shards.items():
+        assert set(service["environment"]) <= known, set(service["environment"]) - known
+        index = int(service["environment"]["GRADSERVER_SHARD_INDEX"])
+        assert shard_map.split(",")[index] == f"{name}:50051"
+    assert services["worker"]["environment"]["GRADSERVER_COORDINATOR"] == shard_map.split(",")[0]
