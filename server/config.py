@@ -167,6 +167,10 @@ class CoordinatorConfig:
             self.shard_index,
             f"an index into --shard-map (0..{count - 1})",
         )
+        if shards is not None and shards.count > 1 and self.on_worker_loss != "abort":
+            # Each shard would carry on without the lost worker at its own moment, and one key's
+            # chunks could then be averaged over different contributors on different shards.
+            raise InvalidArgumentError("--shard-map with several shards needs --on-worker-loss abort")
         if shards is not None and self.tls_cert and not (self.shard_tls_ca or self.tls_client_ca):
             raise InvalidArgumentError(
                 "--shard-map with --tls-cert: the shards reach each other over TLS and need "

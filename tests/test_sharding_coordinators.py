@@ -9,23 +9,31 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from gradserver.common.chunking import chunk_count
-from gradserver.common.errors import DeadlineExceededError, FailedPreconditionError, GradServerError
+from gradserver.common.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    GradServerError,
+    InvalidArgumentError,
+)
 from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ReduceOp, TensorKey
-from gradserver.common.shard_map import ShardMap
+from gradserver.common.shard_map import NOTIFY_METHOD, ShardMap, ShardNotice, encode_notice
 from gradserver.server import GradientServer
 from gradserver.server.config import CoordinatorConfig
 from gradserver.server.reduction import ReductionTable
 from gradserver.worker import WorkerClient
 from gradserver.worker.torch._collective import CollectiveClient
 
+from .helpers.logwait import log_waiter
 from .helpers.processes import ManagedProcess, ProcessGroup
 from .helpers.proxy import FaultProxy
 from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each, run_each_outcome
@@ -552,3 +560,30 @@ def test_the_sharded_compose_file_gives_every_shard_the_same_map_and_its_own_ind
         index = int(service["environment"]["GRADSERVER_SHARD_INDEX"])
         assert shard_map.split(",")[index] == f"{name}:50051"
     assert services["worker"]["environment"]["GRADSERVER_COORDINATOR"] == shard_map.split(",")[0]
+
+
+def test_shards_reach_each_other_with_the_auth_token_and_refuse_notices_without_it(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    token = "shared-secret-for-shards"
+    shards = sharded(2, world_size=1, auth_token=token)
+    client = WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS, auth_token=token)
+    clients.append(client)
+    assert _averaged_step(client, 0) == _reference_average(1, 0)
+    with log_waiter() as logs:
+        shards.servers[1].call(
+            lambda g: g._deliver(g._table.fail_step(7, "a failure for the test", grpc.StatusCode.ABORTED))
+        )
+        logs.wait_for(re.escape(f"{shards.shard_map.describe(1)} reports: a failure for the test"))
+    with grpc.insecure_channel(shards.address) as channel:
+        notify = channel.unary_unary(NOTIFY_METHOD)
+        with pytest.raises(grpc.RpcError) as info:
+            notify(encode_notice(ShardNotice(1, 2, 3, 10, "forged")), timeout=10)
+    assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_several_shards_refuse_the_continue_mode_at_start() -> None:
+    with pytest.raises(InvalidArgumentError, match="needs --on-worker-loss abort"):
+        _config(shard_map="127.0.0.1:1,127.0.0.1:2", on_worker_loss="continue")
+    with pytest.raises(InvalidArgumentError, match="--shard-index .* got 2"):
+        _config(shard_map="127.0.0.1:1,127.0.0.1:2", shard_index=2)
