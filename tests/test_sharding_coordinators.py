@@ -12,6 +12,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,6 +27,7 @@ from gradserver.common.errors import (
     InvalidArgumentError,
 )
 from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ReduceOp, TensorKey
+from gradserver.common.security import TlsFiles
 from gradserver.common.shard_map import NOTIFY_METHOD, ShardMap, ShardNotice, encode_notice
 from gradserver.server import GradientServer
 from gradserver.server.config import CoordinatorConfig
@@ -585,5 +587,37 @@ def test_shards_reach_each_other_with_the_auth_token_and_refuse_notices_without_
 def test_several_shards_refuse_the_continue_mode_at_start() -> None:
     with pytest.raises(InvalidArgumentError, match="needs --on-worker-loss abort"):
         _config(shard_map="127.0.0.1:1,127.0.0.1:2", on_worker_loss="continue")
-    with pytest.raises(InvalidArgumentError, match="--shard-index .* got 2"):
+    with pytest.raises(InvalidArgumentError, match=r"--shard-index .* got 2"):
         _config(shard_map="127.0.0.1:1,127.0.0.1:2", shard_index=2)
+
+
+def test_shards_speak_tls_to_workers_and_to_each_other(
+    sharded: Callable[..., Shards], clients: list[WorkerClient], tmp_path: Path
+) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1", common_name="shard")
+    files = {
+        "ca.pem": ca.cert_pem.bytes(),
+        "shard.crt": b"".join(p.bytes() for p in cert.cert_chain_pems),
+        "shard.key": cert.private_key_pem.bytes(),
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    shards = sharded(
+        2,
+        world_size=1,
+        tls_cert=str(tmp_path / "shard.crt"),
+        tls_key=str(tmp_path / "shard.key"),
+        shard_tls_ca=str(tmp_path / "ca.pem"),
+    )
+    tls = TlsFiles.load(ca=str(tmp_path / "ca.pem"))
+    client = WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS, tls=tls)
+    clients.append(client)
+    assert _averaged_step(client, 0) == _reference_average(1, 0)
+    with log_waiter() as logs:
+        shards.servers[0].call(
+            lambda g: g._deliver(g._table.fail_step(9, "a failure over TLS", grpc.StatusCode.ABORTED))
+        )
+        logs.wait_for(re.escape(f"{shards.shard_map.describe(0)} reports: a failure over TLS"))
