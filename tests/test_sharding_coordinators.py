@@ -84,13 +84,15 @@ def sharded() -> Iterator[Callable[..., Shards]]:
     made: list[Shards] = []
     servers: list[ServerThread] = []
 
-    def make(k: int, **overrides: Any) -> Shards:
+    def make(k: int, each: Sequence[dict[str, Any]] = (), **overrides: Any) -> Shards:
+        """`each[i]`: settings of shard i only (on top of `overrides`)."""
         mine = [FaultProxy("127.0.0.1", 0).start() for _ in range(k)]
         shards = Shards(mine, [])
         made.append(shards)
         shard_map = ",".join(p.address for p in mine)
         for index, proxy in enumerate(mine):
-            server = ServerThread(_config(shard_map=shard_map, shard_index=index, **overrides))
+            own = {**overrides, **(each[index] if index < len(each) else {})}
+            server = ServerThread(_config(shard_map=shard_map, shard_index=index, **own))
             servers.append(server)
             server.start()
             proxy.target = ("127.0.0.1", server.server.port if server.server else 0)
@@ -296,30 +298,29 @@ def test_shards_other_than_0_refuse_a_worker_that_did_not_join_shard_0(
 
 
 def test_shards_started_with_different_chunk_sizes_are_refused_naming_the_shard(
-    clients: list[WorkerClient],
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
 ) -> None:
-    proxies = [FaultProxy("127.0.0.1", 0).start() for _ in range(2)]
-    servers: list[ServerThread] = []
-    try:
-        shard_map = ",".join(p.address for p in proxies)
-        for index, proxy in enumerate(proxies):
-            chunk = CHUNK_MIB * (1 + index)
-            server = ServerThread(
-                _config(world_size=1, shard_map=shard_map, shard_index=index, chunk_mib=chunk)
-            )
-            servers.append(server)
-            server.start()
-            assert server.server is not None
-            proxy.target = ("127.0.0.1", server.server.port)
-        with pytest.raises(FailedPreconditionError) as info:
-            clients.append(WorkerClient.connect(proxies[0].address, timeout=TEST_TIMEOUTS))
-        assert f"shard 1 ({proxies[1].address})" in info.value.message
-        assert "--chunk-mib" in info.value.message
-    finally:
-        for server in servers:
-            server.stop()
-        for proxy in proxies:
-            proxy.stop()
+    shards = sharded(2, each=[{}, {"chunk_mib": 2 * CHUNK_MIB}], world_size=1)
+    with pytest.raises(FailedPreconditionError) as info:
+        clients.append(WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS))
+    assert f"{shards.shard_map.describe(1)} made this worker 0 with 256-byte chunks" in info.value.message
+    assert "--chunk-mib" in info.value.message
+
+
+def test_a_join_refused_by_another_shard_names_that_shard(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    shards = sharded(2, each=[{}, {"world_size": 1}], world_size=2)
+    outcomes = run_each_outcome(
+        [0, 1], lambda i: WorkerClient.connect(shards.address, node_id=f"n{i}", timeout=TEST_TIMEOUTS)
+    )
+    clients.extend(o for o in outcomes if isinstance(o, WorkerClient))
+    refused = [o for o in outcomes if isinstance(o, GradServerError)]
+    assert refused, outcomes  # worker 1 asks shard 1 (a world of 1) for rank 1
+    assert any(
+        f"{shards.shard_map.describe(1)}: node " in e.message and "rank 1, out of range" in e.message
+        for e in refused
+    ), refused
 
 
 # --- failure rules ---------------------------------------------------------------------------------

@@ -56,7 +56,11 @@ def join_other_shards(first: JoinAccepted, join: JoinShard) -> list[ShardLink]:
     links: list[ShardLink] = []
     try:
         for index in range(1, shard_map.count):
-            channel, accepted = join(index, shard_map.addresses[index])
+            try:
+                channel, accepted = join(index, shard_map.addresses[index])
+            except GradServerError as exc:
+                where = shard_map.describe(index)
+                raise type(exc)(f"{where}: {exc.message}", worker_id=exc.worker_id) from exc
             links.append(ShardLink(index, channel, accepted))
             _check_alike(shard_map, index, first, accepted)
     except BaseException:
