@@ -17,7 +17,7 @@ whose workers all left cleanly without `--max-steps` makes way for a fresh job.
 
 Beside it: `auth` (the token interceptor), `binding` (plain/TLS port, exclusive bind, port file),
 `streams` (one worker's outbound queue and write progress), `membership` (join and member
-tokens), `reduction` (the table) and `metrics`.
+tokens), `reduction` (the table), `metrics` and `peers` (sharded coordinators: --shard-map).
 """
 
 from __future__ import annotations
@@ -328,6 +328,8 @@ class GradientServer:
         reductions, barriers, shards, fingerprint)."""
         self._table = self._new_table()
         self._counted = (0, 0)
+        if self._shard is not None:
+            self._shard.reset()
         log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
 
     # --- Join -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ the workers, whose streams to it break and fail the step on the shards they stil
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from .outgoing import Outgoing
 from .reduction import ReductionTable
 
 log = logging.getLogger("gradserver.server.peers")
+
+_TOLD_KEPT = 64
 
 
 class ShardPeers:
@@ -104,7 +107,8 @@ class ShardRole:
         self.shard_map = shard_map
         self.own_index = own_index
         self.peers = ShardPeers(shard_map, own_index, config)
-        self._told: set[int] = set()  # steps whose failure the other shards know of
+        # Steps whose failure the other shards know of (the newest _TOLD_KEPT).
+        self._told: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
     def me(self) -> str:
@@ -134,7 +138,7 @@ class ShardRole:
         for item in outgoing:
             event = item.event
             if isinstance(event, ErrorOut) and event.step_failed and event.step not in self._told:
-                self._told.add(event.step)
+                self._mark_told(event.step)
                 self.peers.notify(
                     ShardNotice(
                         self.own_index,
@@ -148,7 +152,8 @@ class ShardRole:
 
     def worker_lost(self, worker_id: int, reason: str, pending: set[int]) -> None:
         """Tells the other shards that a worker was lost here: its steps in flight fail there too."""
-        self._told.update(pending)
+        for step in pending:
+            self._mark_told(step)
         self.peers.notify(
             ShardNotice(
                 self.own_index,
@@ -178,7 +183,8 @@ class ShardRole:
             # not yet counted complete): a step counted complete stays complete, and the lost
             # worker's later contributions are refused by the shard that lost it.
             steps = table.unsettled_steps()
-            self._told.update(steps)
+            for step in steps:
+                self._mark_told(step)
             message = f"on {origin}: {notice.message}"
             out: list[Outgoing] = []
             for step in sorted(steps):
@@ -186,9 +192,18 @@ class ShardRole:
                     step, f"step {step} aborted: {message}", code, notice.culprit_worker_id
                 )
             return out
-        self._told.add(notice.step)
+        self._mark_told(notice.step)
         message = f"step {notice.step} failed on {origin}: {notice.message}"
         return table.fail_step(notice.step, message, code, notice.culprit_worker_id)
+
+    def _mark_told(self, step: int) -> None:
+        self._told[step] = None
+        while len(self._told) > _TOLD_KEPT:
+            self._told.popitem(last=False)
+
+    def reset(self) -> None:
+        """A new job starts (every worker left): its steps count from 0 again."""
+        self._told.clear()
 
     async def close(self) -> None:
         await self.peers.close()

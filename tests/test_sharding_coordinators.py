@@ -622,3 +622,26 @@ def test_shards_speak_tls_to_workers_and_to_each_other(
             lambda g: g._deliver(g._table.fail_step(9, "a failure over TLS", grpc.StatusCode.ABORTED))
         )
         logs.wait_for(re.escape(f"{shards.shard_map.describe(0)} reports: a failure over TLS"))
+
+
+def test_a_new_job_on_the_same_shards_tells_its_step_failures_again(
+    sharded: Callable[..., Shards], clients: list[WorkerClient]
+) -> None:
+    shards = sharded(2, world_size=1)
+
+    def fail_step_3(why: str) -> Callable[[GradientServer], None]:
+        return lambda g: g._deliver(g._table.fail_step(3, why, grpc.StatusCode.ABORTED))
+
+    with log_waiter() as logs:
+        for job in ("first", "second"):
+            client = WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS)
+            clients.append(client)
+            assert _averaged_step(client, 0) == _reference_average(1, 0)
+            shards.servers[1].call(fail_step_3(f"the {job} job's step 3 failed"))
+            logs.wait_for(re.escape(f"reports: the {job} job's step 3 failed"))
+            client.close()
+            # Every worker left: each shard resets its job, and the next job counts from step 0.
+            deadline = time.monotonic() + 20
+            while any(s.call(lambda g: g.state.value) != "waiting" for s in shards.servers):
+                assert time.monotonic() < deadline, "the shards did not reset their job"
+                time.sleep(0.01)
