@@ -183,6 +183,9 @@ class GradientServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._start_monitor()
+        if self._shard is not None:
+            shard = self._shard
+            shard.peers.watch(lambda index, why: self._deliver(shard.unreachable(index, why, self._table)))
         if self.config.metrics_port >= 0:
             host, _ = parse_address(self.config.bind)
             self.metrics.serve(host.strip("[]"), self.config.metrics_port)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError, status_code_from_value
 from gradserver.common.messages import ErrorOut, JoinRequestIn
@@ -31,6 +33,7 @@ from .reduction import ReductionTable
 log = logging.getLogger("gradserver.server.peers")
 
 _TOLD_KEPT = 64
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 class ShardPeers:
@@ -42,7 +45,50 @@ class ShardPeers:
         self._config = config
         self._channels: dict[int, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._watchers: list[asyncio.Task[None]] = []
         self._metadata = bearer_metadata(config.auth_token)
+
+    def watch(self, on_unreachable: Callable[[int, str], None]) -> None:
+        """Checks every other shard's health four times per heartbeat timeout; calls
+        `on_unreachable(index, why)` once a shard has not answered for a heartbeat timeout (again
+        only after it answered once more). A shard that is stopped keeps its connections open and
+        tells no one, so without this its part of a step would wait for the step timeout."""
+        for index in range(self.shard_map.count):
+            if index != self.own_index:
+                task = asyncio.create_task(
+                    self._watch(index, on_unreachable), name=f"gradserver-watch-shard-{index}"
+                )
+                self._watchers.append(task)
+
+    async def _watch(self, index: int, on_unreachable: Callable[[int, str], None]) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self._config.heartbeat_interval
+        limit = self._config.heartbeat_timeout
+        check = self._channel(index).unary_unary(
+            _HEALTH_CHECK,
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        last_answer = loop.time()
+        reported = False
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await check(
+                    health_pb2.HealthCheckRequest(), timeout=max(interval, limit / 2), metadata=self._metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                silent = loop.time() - last_answer
+                if not reported and silent > limit:
+                    reported = True
+                    why = f"no answer for {silent:.1f} s (heartbeat timeout {limit:g} s): {exc.code().name}"
+                    log.warning("%s is unreachable: %s", self.shard_map.describe(index), why)
+                    on_unreachable(index, why)
+                continue
+            if reported:
+                log.info("%s answers again", self.shard_map.describe(index))
+            last_answer = loop.time()
+            reported = False
 
     def notify(self, notice: ShardNotice) -> None:
         """Sends `notice` to every other shard in the background (never blocks the caller)."""
@@ -91,6 +137,10 @@ class ShardPeers:
 
     async def close(self) -> None:
         """Waits (bounded by each call's deadline) for notices under way, then closes channels."""
+        for watcher in self._watchers:
+            watcher.cancel()
+        if self._watchers:
+            await asyncio.wait(self._watchers)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self._config.heartbeat_timeout)
         for channel in self._channels.values():
@@ -165,6 +215,17 @@ class ShardRole:
                 worker_lost=True,
             )
         )
+
+    def unreachable(self, index: int, why: str, table: ReductionTable) -> list[Outgoing]:
+        """Another shard stopped answering: every step still unsettled here fails for every
+        worker, naming it (the workers cannot get that shard's part of those steps)."""
+        where = self.shard_map.describe(index)
+        out: list[Outgoing] = []
+        for step in sorted(table.unsettled_steps()):
+            self._mark_told(step)
+            message = f"step {step} aborted: {where} is unreachable: {why}"
+            out += table.fail_step(step, message, grpc.StatusCode.UNAVAILABLE)
+        return out
 
     def heard(self, raw: bytes, table: ReductionTable) -> list[Outgoing]:
         """Applies a notice from another shard to `table`: the step (or, for a lost worker, every

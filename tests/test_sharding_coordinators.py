@@ -387,10 +387,11 @@ def test_a_shard_whose_link_is_cut_fails_the_step_everywhere_and_the_job_resumes
     _whole_model(made[1], 1)
     outcomes = _receive_outcomes(made, timeout=60.0)
     for outcome in outcomes:
-        # Shard 1 lost both workers (heartbeat timeout) and told shard 0: not a local timeout.
+        # Shard 1 lost both workers (heartbeat timeout) and told shard 0, or shard 0 found shard 1
+        # unreachable: either way not a local timeout.
         assert isinstance(outcome, GradServerError), outcome
         assert not isinstance(outcome, DeadlineExceededError), outcome
-        assert f"on {shards.shard_map.describe(1)}" in outcome.message, outcome.message
+        assert shards.shard_map.describe(1) in outcome.message, outcome.message
     shards.proxies[1].blackhole = False
     for client in made:
         client.close()
@@ -645,3 +646,30 @@ def test_a_new_job_on_the_same_shards_tells_its_step_failures_again(
             while any(s.call(lambda g: g.state.value) != "waiting" for s in shards.servers):
                 assert time.monotonic() < deadline, "the shards did not reset their job"
                 time.sleep(0.01)
+
+
+@pytest.mark.processes
+def test_a_stopped_shard_process_fails_the_step_for_every_worker_naming_the_shard(
+    processes: ProcessGroup,
+) -> None:
+    """SIGSTOP: the shard's connections stay open and it tells no one; shard 0 finds it silent."""
+    proxies, shards = _cli_shards(processes, 2, "--world-size", "2", "--heartbeat-timeout", "3")
+    try:
+        workers = [
+            processes.gradserver(
+                "worker", "--job", "synthetic", "--coordinator", proxies[0].address, "--steps", "100000",
+                *_SHAPE, name=f"worker-{i}",
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        for w in workers:
+            w.wait_for(r"step 2:", timeout=120)
+        shards[1].stop()
+        for w in workers:
+            assert w.wait(60) != 0, w.output
+            assert f"shard 1 ({proxies[1].address}) is unreachable" in w.output, w.output
+        assert "is unreachable: no answer for" in shards[0].output
+    finally:
+        shards[1].resume()
+        for proxy in proxies:
+            proxy.stop()
