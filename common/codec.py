@@ -165,6 +165,8 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
     msg.job_fingerprint.update(request.fingerprint)
     if request.rank is not None:
         msg.rank = request.rank
+    if request.shard_index is not None:
+        msg.shard_index = request.shard_index
     return msg.SerializeToString()
 
 
@@ -184,8 +186,16 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
             f"{MAX_FINGERPRINT_FIELDS} fields of at most {MAX_NAME_LENGTH} characters each"
         )
     rank = msg.rank if msg.HasField("rank") else None
+    shard_index = msg.shard_index if msg.HasField("shard_index") else None
     return JoinRequestIn(
-        msg.node_id, msg.gpu_count, msg.backend, msg.protocol_version, committed, fingerprint, rank
+        msg.node_id,
+        msg.gpu_count,
+        msg.backend,
+        msg.protocol_version,
+        committed,
+        fingerprint,
+        rank,
+        shard_index,
     )
 
 
@@ -205,6 +215,8 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         max_steps=accepted.max_steps,
         resume_step=accepted.resume_step,
         local_workers=accepted.local_workers,
+        shard_map=accepted.shard_map,
+        shard_index=accepted.shard_index,
     ).SerializeToString()
 
 
@@ -231,6 +243,8 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         max_steps=msg.max_steps,
         resume_step=msg.resume_step if msg.HasField("resume_step") else None,
         local_workers=max(1, msg.local_workers),
+        shard_map=tuple(msg.shard_map),
+        shard_index=msg.shard_index,
     )
 
 

@@ -14,6 +14,7 @@ import math
 from gradserver.common.config import MIB, parse_address, require_setting
 from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.security import is_loopback
+from gradserver.common.shard_map import ShardMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,20 @@ class CoordinatorConfig:
     insecure: bool = dataclasses.field(
         default=False, metadata={"help": "allow a non-loopback --bind without TLS or a token"}
     )
+    shard_map: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "sharded coordinators: ADDR0,ADDR1,... every shard's address as workers and the other "
+            "shards reach it, the same on every shard (empty: one coordinator)"
+        },
+    )
+    shard_index: int = dataclasses.field(
+        default=0, metadata={"help": "sharded coordinators: this shard's index in --shard-map"}
+    )
+    shard_tls_ca: str = dataclasses.field(
+        default="",
+        metadata={"help": "PEM CA that verifies the other shards' certificates (default: --tls-client-ca)"},
+    )
 
     def __post_init__(self) -> None:
         host, _ = parse_address(self.bind, what="--bind")
@@ -131,6 +146,7 @@ class CoordinatorConfig:
             self.max_tensor_elements >= 1, "max_tensor_elements", self.max_tensor_elements, ">= 1"
         )
         require_setting(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0")
+        self._check_shards()
         require_setting(
             -1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "-1 (off) or a port 0..65535"
         )
@@ -141,6 +157,30 @@ class CoordinatorConfig:
             self.log_level,
             "one of DEBUG, INFO, WARNING, ERROR",
         )
+
+    def _check_shards(self) -> None:
+        shards = self.shards
+        count = shards.count if shards is not None else 1
+        require_setting(
+            0 <= self.shard_index < count,
+            "shard_index",
+            self.shard_index,
+            f"an index into --shard-map (0..{count - 1})",
+        )
+        if shards is not None and shards.count > 1 and self.on_worker_loss != "abort":
+            # Each shard would carry on without the lost worker at its own moment, and one key's
+            # chunks could then be averaged over different contributors on different shards.
+            raise InvalidArgumentError("--shard-map with several shards needs --on-worker-loss abort")
+        if shards is not None and self.tls_cert and not (self.shard_tls_ca or self.tls_client_ca):
+            raise InvalidArgumentError(
+                "--shard-map with --tls-cert: the shards reach each other over TLS and need "
+                "--shard-tls-ca (or --tls-client-ca) to verify each other's certificates"
+            )
+
+    @property
+    def shards(self) -> ShardMap | None:
+        """The parsed --shard-map; None for one coordinator."""
+        return ShardMap.parse(self.shard_map) if self.shard_map.strip() else None
 
     @property
     def chunk_bytes(self) -> int:

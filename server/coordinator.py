@@ -17,7 +17,7 @@ whose workers all left cleanly without `--max-steps` makes way for a fresh job.
 
 Beside it: `auth` (the token interceptor), `binding` (plain/TLS port, exclusive bind, port file),
 `streams` (one worker's outbound queue and write progress), `membership` (join and member
-tokens), `reduction` (the table) and `metrics`.
+tokens), `reduction` (the table), `metrics` and `peers` (sharded coordinators: --shard-map).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from .config import CoordinatorConfig
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
 from .outgoing import Outgoing
+from .peers import ShardRole
 from .reduction import ReductionTable
 from .streams import WorkerStream
 
@@ -112,6 +113,9 @@ class GradientServer:
         self._health = health.aio.HealthServicer()
         self._membership: Membership | None = None
         self.metrics = CoordinatorMetrics(config.world_size)
+        shards = config.shards
+        # Sharded coordinators (--shard-map): this process averages only its shard's chunks.
+        self._shard = ShardRole(shards, config.shard_index, config) if shards is not None else None
         self._table = self._new_table()
         self._counted = (0, 0)  # steps and keys of this job already added to the metrics
         self._streams: dict[int, WorkerStream] = {}
@@ -138,6 +142,7 @@ class GradientServer:
             on_key_reduced=self.metrics.reduce_latency.observe,
             on_barrier_released=self.metrics.barrier_wait.observe,
             on_worker_loss=self.config.on_worker_loss,
+            shard=(self._shard.shard_map, self._shard.own_index) if self._shard is not None else None,
         )
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -167,6 +172,7 @@ class GradientServer:
             {
                 "Join": grpc.unary_unary_rpc_method_handler(self._join),
                 "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
+                "NotifyShard": grpc.unary_unary_rpc_method_handler(self._notify_shard),
             },
         )
         server.add_generic_rpc_handlers((handler,))
@@ -177,6 +183,9 @@ class GradientServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._start_monitor()
+        if self._shard is not None:
+            shard = self._shard
+            shard.peers.watch(lambda index, why: self._deliver(shard.unreachable(index, why, self._table)))
         if self.config.metrics_port >= 0:
             host, _ = parse_address(self.config.bind)
             self.metrics.serve(host.strip("[]"), self.config.metrics_port)
@@ -239,6 +248,8 @@ class GradientServer:
             await asyncio.wait([s.closed for s in streams], timeout=max(0.0, deadline - loop.time()))
         if self._monitor is not None:
             self._monitor.cancel()
+        if self._shard is not None:
+            await self._shard.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
         self.metrics.close()
@@ -320,6 +331,8 @@ class GradientServer:
         reductions, barriers, shards, fingerprint)."""
         self._table = self._new_table()
         self._counted = (0, 0)
+        if self._shard is not None:
+            self._shard.reset()
         log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
 
     # --- Join -----------------------------------------------------------------------------------
@@ -335,6 +348,13 @@ class GradientServer:
                 )
             if self._stopping is not None or self.state in (JobState.FINISHED, JobState.FAILED):
                 raise UnavailableError(f"the coordinator is shutting down (job {self.state.value})")
+            if self._shard is not None:
+                self._shard.check_join(request)
+            elif request.shard_index is not None:
+                raise FailedPreconditionError(
+                    f"node {request.node_id!r} asked for shard {request.shard_index}, but this "
+                    "coordinator runs without --shard-map"
+                )
             member = await self._membership.join(request, self._identity(context), peer_host(context.peer()))
         except GradServerError as exc:
             self.metrics.errors.labels(exc.code.name).inc()
@@ -361,8 +381,22 @@ class GradientServer:
                 max_steps=cfg.max_steps,
                 resume_step=self._membership.resume_step(),
                 local_workers=self._membership.local_workers(member),
+                shard_map=self._shard.shard_map.addresses if self._shard is not None else (),
+                shard_index=self._shard.own_index if self._shard is not None else 0,
             )
         )
+
+    async def _notify_shard(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """Another shard failed a step (or lost a worker): fail it here too."""
+        try:
+            if self._shard is None:
+                raise FailedPreconditionError("NotifyShard: this coordinator runs without --shard-map")
+            self._deliver(self._shard.heard(raw, self._table))
+        except GradServerError as exc:
+            self.metrics.errors.labels(exc.code.name).inc()
+            await context.abort(exc.code, exc.message)
+            raise
+        return b""
 
     # --- Exchange -------------------------------------------------------------------------------
 
@@ -455,6 +489,8 @@ class GradientServer:
         if lost:
             self.metrics.workers_lost.inc()
         self._departures.append(f"worker {worker_id} {reason}")
+        if lost and self._shard is not None:
+            self._shard.worker_lost(worker_id, reason, self._table.unsettled_steps())
         self._deliver(self._table.worker_lost(worker_id, reason))
         self._after_departure(lost)
 
@@ -629,6 +665,8 @@ class GradientServer:
                 stream.room.set()
 
     def _deliver(self, outgoing: list[Outgoing]) -> None:
+        if self._shard is not None:
+            self._shard.failed_steps(outgoing)
         for item in outgoing:
             if isinstance(item.event, ErrorOut):
                 code = status_code_from_value(item.event.code)

@@ -47,6 +47,7 @@ from gradserver.common.messages import (
     ShardRequestIn,
     TensorKey,
 )
+from gradserver.common.shard_map import ShardMap
 
 from .averaging import Averager, NonFiniteContribution, SumOverflow
 from .outgoing import Outgoing, error_to
@@ -124,9 +125,11 @@ class ReductionTable:
         on_key_reduced: Callable[[float], None] | None = None,
         on_barrier_released: Callable[[float], None] | None = None,
         on_worker_loss: str = "abort",
+        shard: tuple[ShardMap, int] | None = None,
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
-        contribution or arrival to completion (for metrics)."""
+        contribution or arrival to completion (for metrics). `shard` (map, own index): this
+        table expects and averages only the chunks the map assigns to that shard."""
         if on_worker_loss not in ("abort", "continue"):
             raise ValueError(f"on_worker_loss must be abort or continue, got {on_worker_loss!r}")
         self.world_size = world_size
@@ -152,6 +155,7 @@ class ReductionTable:
         self.keys_reduced = 0
         self.contributions_counted = 0
         self._last_completed_step: int | None = None
+        self._shard = shard
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -166,6 +170,11 @@ class ReductionTable:
         steps = {slot.key.step for slot in self._pending.values()}
         steps.update(b.step for b in self._barriers.values())
         return steps
+
+    def unsettled_steps(self) -> set[int]:
+        """Steps still pending, or done here but not yet counted complete (a worker expected at
+        them has not moved on): sharded coordinators fail these when another shard lost a worker."""
+        return self.pending_steps() | self._open_steps
 
     @property
     def last_completed_step(self) -> int | None:
@@ -245,6 +254,8 @@ class ReductionTable:
         rejected = self._admit(w, key.step, key, what=str(key))
         if rejected is not None:
             return rejected
+        if (foreign := self._foreign_chunk(key, chunk.offset // self.chunk_elements)) is not None:
+            return self._reject(w, key.step, _INVALID, key, f"worker {w} sent {foreign}")
         slot = self._pending.get(key.slot)
         if slot is not None and slot.key.step != key.step:
             return self._reject(
@@ -400,6 +411,15 @@ class ReductionTable:
             out += self._fail_step(step, f"step {step} aborted: {reason}", code=code)
         return out
 
+    def fail_step(
+        self, step: int, message: str, code: grpc.StatusCode, culprit: int | None = None
+    ) -> list[Outgoing]:
+        """Fails `step` for every worker (sharded coordinators: another shard failed it)."""
+        culprit_code = code if culprit is None else _ABORTED
+        out = self._fail_step(step, message, culprit=culprit, code=code, culprit_code=culprit_code)
+        self._settle_steps()
+        return out
+
     # --- internals ----------------------------------------------------------------------------
 
     def _admit(self, w: int, step: int, subject: TensorKey | str, *, what: str) -> list[Outgoing] | None:
@@ -481,7 +501,7 @@ class ReductionTable:
         slot = _Slot(
             key=key,
             header=header,
-            num_chunks=chunk_count(header.total_elements, self.chunk_elements),
+            num_chunks=self._owned_chunks(key, chunk_count(header.total_elements, self.chunk_elements)),
             deadline=self._clock() + self.step_timeout,
             world_size=self.world_size,
             opened=self._clock(),
@@ -491,6 +511,25 @@ class ReductionTable:
         self._pending[key.slot] = slot
         self._open_steps.add(key.step)
         return slot
+
+    def _owned_chunks(self, key: TensorKey, num_chunks: int) -> int:
+        if self._shard is None:
+            return num_chunks
+        shard_map, own = self._shard
+        return shard_map.owned_chunks(key, num_chunks, own)
+
+    def _foreign_chunk(self, key: TensorKey, index: int) -> str | None:
+        """What is wrong when chunk `index` of `key` belongs to another shard; None when ours."""
+        if self._shard is None:
+            return None
+        shard_map, own = self._shard
+        owner = shard_map.owner(key, index)
+        if owner == own:
+            return None
+        return (
+            f"chunk {index} of {key} to {shard_map.describe(own)}, but the shard map assigns it "
+            f"to {shard_map.describe(owner)}"
+        )
 
     def _left_behind(
         self, step: int, expected: frozenset[int], what: str, key: TensorKey | None = None

@@ -168,10 +168,17 @@ class ExchangeStream:
         accepted: JoinAccepted,
         timeouts: Timeouts,
         extra_metadata: tuple[tuple[str, str], ...] = (),
+        *,
+        cond: threading.Condition | None = None,
+        on_break: Callable[[ErrorRecord], None] | None = None,
     ) -> None:
+        """Sharded coordinators (worker/_sharded.py) give every shard's stream one shared `cond`,
+        so a waiter wakes on any shard's news, and `on_break`, called once when this stream
+        breaks (not when it is closed), so the other shards' streams break too."""
         self.accepted = accepted
         self.timeouts = timeouts
-        self._cond = threading.Condition()
+        self._cond = cond if cond is not None else threading.Condition()
+        self._on_break = on_break
         self._outbound = _Outbound(_OUTBOUND_MESSAGES)
         self._results: dict[TensorKey, PendingResult] = {}
         self._barriers: dict[tuple[int, str], _PendingBarrier] = {}
@@ -229,12 +236,19 @@ class ExchangeStream:
         component_sizes: tuple[int, ...],
         total: int,
         dtype: DType = DType.FLOAT32,
+        *,
+        array: np.ndarray | None = None,
+        num_chunks: int | None = None,
     ) -> PendingResult:
+        """Registers `key`'s average, arriving in `dtype`; sharded coordinators pass the `array`
+        every shard fills and the `num_chunks` this shard owns."""
         pending = PendingResult(
             key=key,
             component_sizes=component_sizes,
-            array=np.empty(total, dtype=np.float32),
-            num_chunks=chunk_count(total, self.accepted.chunk_bytes // 4),
+            array=np.empty(total, dtype=np.float32) if array is None else array,
+            num_chunks=chunk_count(total, self.accepted.chunk_bytes // 4)
+            if num_chunks is None
+            else num_chunks,
             dtype=dtype,
         )
         with self._cond:
@@ -262,6 +276,22 @@ class ExchangeStream:
     def step_failed(self, step: int) -> bool:
         with self._cond:
             return step in self._failed_steps
+
+    def trouble(self, step: int) -> ErrorRecord | None:
+        """Why nothing of `step` can complete on this stream (broken, or the step failed)."""
+        with self._cond:
+            return self._broken or self._failed_steps.get(step)
+
+    def result_ready(self, key: TensorKey) -> bool:
+        """Whether `wait_result(key)` would return or raise without waiting."""
+        with self._cond:
+            pending = self._results.get(key)
+            return (
+                pending is None
+                or pending.done
+                or pending.error is not None
+                or self.trouble(key.step) is not None
+            )
 
     def expect_barrier(self, step: int, name: str) -> _PendingBarrier:
         with self._cond:
@@ -358,12 +388,22 @@ class ExchangeStream:
 
     def _break(self, error: GradServerError) -> None:
         with self._cond:
-            if self._broken is None:
+            first = self._broken is None
+            if first:
                 self._broken = ErrorRecord.of(error)
+            broken = self._broken
             self._cond.notify_all()
         self._stop_heartbeat.set()
         # The call is over: end the request iterator so that gRPC's sending thread returns.
         self._outbound.abort()
+        if first and not self._closing and self._on_break is not None and broken is not None:
+            self._on_break(broken)
+
+    def abort_with(self, error: GradServerError) -> None:
+        """Breaks the stream from outside (another shard's stream broke) and cancels the call, so
+        the coordinator counts this worker as lost and fails its steps in flight."""
+        self._break(error)
+        self._call.cancel()
 
     def _on_event(self, event: ServerEvent) -> None:
         if isinstance(event, AveragedChunkOut):

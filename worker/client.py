@@ -10,6 +10,7 @@ all) both work. Every call has a deadline (`Timeouts`), and every failure is an 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import socket
 import time
@@ -52,6 +53,7 @@ from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import parse_wire_dtype
 
 from ._exchange import ExchangeStream, PendingResult
+from ._sharded import ShardedExchange, ShardLink, join_other_shards
 from ._wire_encoder import WireEncoder
 from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
 from .tensors import as_float32_array
@@ -94,6 +96,44 @@ def _wait_until_reachable(channel: grpc.Channel, address: str, limit: float, hin
         ready.cancel()
 
 
+def _join_at(
+    address: str,
+    request: JoinRequestIn,
+    timeouts: Timeouts,
+    tls: TlsFiles | None,
+    server_name: str,
+    metadata: tuple[tuple[str, str], ...],
+) -> tuple[grpc.Channel, JoinAccepted]:
+    """Reaches the coordinator (or shard) at `address` and joins; the channel stays open."""
+    options: list[tuple[str, int | str]] = list(worker_channel_options())
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    if tls is not None:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+        )
+        channel = grpc.secure_channel(address, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    try:
+        hint = " (a TLS handshake may have failed: check --tls-ca and certificates)" if tls else ""
+        _wait_until_reachable(channel, address, timeouts.connect, hint)
+        join = channel.unary_unary(JOIN_METHOD)
+        try:
+            raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED and "join timed out" not in details:
+                details = f"join did not complete within {timeouts.join:g} s ({details})"
+            raise error_from_status(code, details) from exc
+        accepted = codec.decode_join_accepted(raw)
+        log.info("joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers)
+        return channel, accepted
+    except BaseException:
+        channel.close()
+        raise
+
+
 class WorkerClient:
     """A joined worker with one open Exchange stream. Create it with `WorkerClient.connect`."""
 
@@ -105,13 +145,20 @@ class WorkerClient:
         address: str,
         metadata: tuple[tuple[str, str], ...] = (),
         encoder: WireEncoder | None = None,
+        shards: list[ShardLink] | None = None,
     ) -> None:
         self._channel = channel
         self._encoder = encoder or WireEncoder(DType.FLOAT32)
         self._accepted = accepted
         self.timeouts = timeouts
         self.address = address
-        self._stream = ExchangeStream(channel, accepted, timeouts, metadata)
+        # Sharded coordinators: `shards` are the joined shards 1..K-1 (see worker/_sharded.py).
+        self._shard_links = shards or []
+        self._stream: ExchangeStream | ShardedExchange
+        if self._shard_links:
+            self._stream = ShardedExchange((channel, accepted), self._shard_links, timeouts, metadata)
+        else:
+            self._stream = ExchangeStream(channel, accepted, timeouts, metadata)
         self._sent: dict[KeyKind, collections.deque[TensorKey]] = {
             kind: collections.deque() for kind in KeyKind
         }
@@ -156,40 +203,32 @@ class WorkerClient:
             raise InvalidArgumentError(str(exc)) from None
         parse_address(address, what="coordinator address")
         node_id = node_id or socket.gethostname()
-        options: list[tuple[str, int | str]] = list(worker_channel_options())
-        if server_name:
-            options.append(("grpc.ssl_target_name_override", server_name))
-        if tls is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
-            )
-            channel = grpc.secure_channel(address, credentials, options=options)
-        else:
-            channel = grpc.insecure_channel(address, options=options)
         metadata = bearer_metadata(auth_token)
+        request = JoinRequestIn(
+            node_id,
+            gpu_count,
+            backend,
+            codec.PROTOCOL_VERSION,
+            committed_step,
+            dict(fingerprint or {}),
+            rank=rank,
+        )
+
+        def join_at(at: str, request: JoinRequestIn) -> tuple[grpc.Channel, JoinAccepted]:
+            return _join_at(at, request, timeouts, tls, server_name, metadata)
+
+        channel, accepted = join_at(address, request)
         try:
-            hint = " (a TLS handshake may have failed: check --tls-ca and certificates)" if tls else ""
-            _wait_until_reachable(channel, address, timeouts.connect, hint)
-            join = channel.unary_unary(JOIN_METHOD)
-            request = JoinRequestIn(
-                node_id,
-                gpu_count,
-                backend,
-                codec.PROTOCOL_VERSION,
-                committed_step,
-                dict(fingerprint or {}),
-                rank=rank,
-            )
-            try:
-                raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)
-            except grpc.RpcError as exc:
-                code, details = exc.code(), exc.details() or ""
-                if code is grpc.StatusCode.DEADLINE_EXCEEDED and "join timed out" not in details:
-                    details = f"join did not complete within {timeouts.join:g} s ({details})"
-                raise error_from_status(code, details) from exc
-            accepted = codec.decode_join_accepted(raw)
-            log.info("joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers)
-            return cls(channel, accepted, timeouts, address, metadata, encoder)
+            shards = None
+            if len(accepted.shard_map) > 1:
+                # Sharded coordinators: join every other shard as the worker id shard 0 gave.
+                shards = join_other_shards(
+                    accepted,
+                    lambda index, at: join_at(
+                        at, dataclasses.replace(request, rank=accepted.worker_id, shard_index=index)
+                    ),
+                )
+            return cls(channel, accepted, timeouts, address, metadata, encoder, shards)
         except BaseException:
             channel.close()
             raise
@@ -375,6 +414,8 @@ class WorkerClient:
             self._stream.close()
         finally:
             self._channel.close()
+            for link in self._shard_links:
+                link.channel.close()
 
     def __enter__(self) -> WorkerClient:
         return self

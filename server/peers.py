@@ -1,0 +1,270 @@
+"""Sharded coordinators: how one shard tells the others that a step failed or a worker was lost.
+
+A step completes on all shards or on none. Each shard averages only its chunks, so when a step
+fails on one shard (a timeout, a bad contribution, a lost worker) the others would otherwise
+complete their part or wait out the step timeout. `ShardPeers` sends a `ShardNotice` to every
+other shard (the NotifyShard RPC, with the shard's own auth token and TLS, a deadline of one
+heartbeat timeout); the receiving coordinator fails the same step for every worker, naming the
+sending shard. Delivery is best effort: a shard that cannot be reached is also unreachable for
+the workers, whose streams to it break and fail the step on the shards they still reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError, status_code_from_value
+from gradserver.common.messages import ErrorOut, JoinRequestIn
+from gradserver.common.rpc import worker_channel_options
+from gradserver.common.security import bearer_metadata
+from gradserver.common.shard_map import NOTIFY_METHOD, ShardMap, ShardNotice, decode_notice, encode_notice
+
+from .config import CoordinatorConfig
+from .outgoing import Outgoing
+from .reduction import ReductionTable
+
+log = logging.getLogger("gradserver.server.peers")
+
+_TOLD_KEPT = 64
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+class ShardPeers:
+    """Channels from this shard to every other shard of the map, opened on first use."""
+
+    def __init__(self, shard_map: ShardMap, own_index: int, config: CoordinatorConfig) -> None:
+        self.shard_map = shard_map
+        self.own_index = own_index
+        self._config = config
+        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._watchers: list[asyncio.Task[None]] = []
+        self._metadata = bearer_metadata(config.auth_token)
+
+    def watch(self, on_unreachable: Callable[[int, str], None]) -> None:
+        """Checks every other shard's health four times per heartbeat timeout; calls
+        `on_unreachable(index, why)` once a shard has not answered for a heartbeat timeout (again
+        only after it answered once more). A shard that is stopped keeps its connections open and
+        tells no one, so without this its part of a step would wait for the step timeout."""
+        for index in range(self.shard_map.count):
+            if index != self.own_index:
+                task = asyncio.create_task(
+                    self._watch(index, on_unreachable), name=f"gradserver-watch-shard-{index}"
+                )
+                self._watchers.append(task)
+
+    async def _watch(self, index: int, on_unreachable: Callable[[int, str], None]) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self._config.heartbeat_interval
+        limit = self._config.heartbeat_timeout
+        check = self._channel(index).unary_unary(
+            _HEALTH_CHECK,
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        last_answer = loop.time()
+        reported = False
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await check(
+                    health_pb2.HealthCheckRequest(), timeout=max(interval, limit / 2), metadata=self._metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                silent = loop.time() - last_answer
+                if not reported and silent > limit:
+                    reported = True
+                    why = f"no answer for {silent:.1f} s (heartbeat timeout {limit:g} s): {exc.code().name}"
+                    log.warning("%s is unreachable: %s", self.shard_map.describe(index), why)
+                    on_unreachable(index, why)
+                continue
+            if reported:
+                log.info("%s answers again", self.shard_map.describe(index))
+            last_answer = loop.time()
+            reported = False
+
+    def notify(self, notice: ShardNotice) -> None:
+        """Sends `notice` to every other shard in the background (never blocks the caller)."""
+        for index in range(self.shard_map.count):
+            if index == self.own_index:
+                continue
+            task = asyncio.create_task(self._send(index, notice), name=f"gradserver-notify-shard-{index}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, index: int, notice: ShardNotice) -> None:
+        call = self._channel(index).unary_unary(NOTIFY_METHOD)
+        try:
+            await call(encode_notice(notice), timeout=self._config.heartbeat_timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(
+                "could not tell %s that step %d failed: %s: %s",
+                self.shard_map.describe(index),
+                notice.step,
+                exc.code().name,
+                exc.details(),
+            )
+
+    def _channel(self, index: int) -> grpc.aio.Channel:
+        channel = self._channels.get(index)
+        if channel is None:
+            address = self.shard_map.addresses[index]
+            options = worker_channel_options()
+            if self._config.tls_cert:
+                channel = grpc.aio.secure_channel(address, self._credentials(), options=options)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            self._channels[index] = channel
+        return channel
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        """TLS to the other shards: their certificates checked against --shard-tls-ca (or
+        --tls-client-ca); this shard's own certificate is the client certificate under mutual TLS."""
+        cfg = self._config
+        ca = Path(cfg.shard_tls_ca or cfg.tls_client_ca).read_bytes()
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca,
+            private_key=Path(cfg.tls_key).read_bytes(),
+            certificate_chain=Path(cfg.tls_cert).read_bytes(),
+        )
+
+    async def close(self) -> None:
+        """Waits (bounded by each call's deadline) for notices under way, then closes channels."""
+        for watcher in self._watchers:
+            watcher.cancel()
+        if self._watchers:
+            await asyncio.wait(self._watchers)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self._config.heartbeat_timeout)
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+class ShardRole:
+    """What makes a coordinator one shard of several: the Join checks, the map in JoinAccepted,
+    and the step failures it tells the other shards about or hears from them (each step once, so
+    two shards never echo one failure back and forth)."""
+
+    def __init__(self, shard_map: ShardMap, own_index: int, config: CoordinatorConfig) -> None:
+        self.shard_map = shard_map
+        self.own_index = own_index
+        self.peers = ShardPeers(shard_map, own_index, config)
+        # Steps whose failure the other shards know of (the newest _TOLD_KEPT).
+        self._told: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    @property
+    def me(self) -> str:
+        return self.shard_map.describe(self.own_index)
+
+    def check_join(self, request: JoinRequestIn) -> None:
+        """Shard 0 takes new workers; shards 1..K-1 take only workers that joined shard 0 (they
+        ask for their index and their worker id)."""
+        asked = request.shard_index
+        if asked is None and self.own_index != 0:
+            raise FailedPreconditionError(
+                f"node {request.node_id!r} joined {self.me}, but workers join shard 0 at "
+                f"{self.shard_map.addresses[0]} and learn the other shards from it"
+            )
+        if asked is not None and asked != self.own_index:
+            raise FailedPreconditionError(
+                f"node {request.node_id!r} asked for shard {asked}, but this is {self.me}: the "
+                "shard maps of the coordinators differ"
+            )
+        if asked is not None and request.rank is None:
+            raise InvalidArgumentError(
+                f"node {request.node_id!r} joined {self.me} without the worker id shard 0 gave it"
+            )
+
+    def failed_steps(self, outgoing: list[Outgoing]) -> None:
+        """Tells the other shards of every step that `outgoing` fails for the first time."""
+        for item in outgoing:
+            event = item.event
+            if isinstance(event, ErrorOut) and event.step_failed and event.step not in self._told:
+                self._mark_told(event.step)
+                self.peers.notify(
+                    ShardNotice(
+                        self.own_index,
+                        self.shard_map.count,
+                        event.step,
+                        event.code,
+                        event.message,
+                        event.culprit_worker_id,
+                    )
+                )
+
+    def worker_lost(self, worker_id: int, reason: str, pending: set[int]) -> None:
+        """Tells the other shards that a worker was lost here: its steps in flight fail there too."""
+        for step in pending:
+            self._mark_told(step)
+        self.peers.notify(
+            ShardNotice(
+                self.own_index,
+                self.shard_map.count,
+                min(pending, default=0),
+                int(grpc.StatusCode.ABORTED.value[0]),
+                f"worker {worker_id} {reason}",
+                worker_id,
+                worker_lost=True,
+            )
+        )
+
+    def unreachable(self, index: int, why: str, table: ReductionTable) -> list[Outgoing]:
+        """Another shard stopped answering: every step still unsettled here fails for every
+        worker, naming it (the workers cannot get that shard's part of those steps)."""
+        where = self.shard_map.describe(index)
+        out: list[Outgoing] = []
+        for step in sorted(table.unsettled_steps()):
+            self._mark_told(step)
+            message = f"step {step} aborted: {where} is unreachable: {why}"
+            out += table.fail_step(step, message, grpc.StatusCode.UNAVAILABLE)
+        return out
+
+    def heard(self, raw: bytes, table: ReductionTable) -> list[Outgoing]:
+        """Applies a notice from another shard to `table`: the step (or, for a lost worker, every
+        step in flight) fails for every worker, naming the shard that failed it first."""
+        notice = decode_notice(raw)
+        if notice.shard_count != self.shard_map.count or notice.from_shard >= self.shard_map.count:
+            raise InvalidArgumentError(
+                f"a notice from shard {notice.from_shard} of {notice.shard_count} reached {self.me} "
+                f"of {self.shard_map.count}: the shard maps of the coordinators differ"
+            )
+        origin = self.shard_map.describe(notice.from_shard)
+        log.warning("%s reports: %s", origin, notice.message)
+        code = status_code_from_value(notice.code)
+        if notice.worker_lost:
+            # Only steps in flight here (including ones whose chunks here are all averaged, but
+            # not yet counted complete): a step counted complete stays complete, and the lost
+            # worker's later contributions are refused by the shard that lost it.
+            steps = table.unsettled_steps()
+            for step in steps:
+                self._mark_told(step)
+            message = f"on {origin}: {notice.message}"
+            out: list[Outgoing] = []
+            for step in sorted(steps):
+                out += table.fail_step(
+                    step, f"step {step} aborted: {message}", code, notice.culprit_worker_id
+                )
+            return out
+        self._mark_told(notice.step)
+        message = f"step {notice.step} failed on {origin}: {notice.message}"
+        return table.fail_step(notice.step, message, code, notice.culprit_worker_id)
+
+    def _mark_told(self, step: int) -> None:
+        self._told[step] = None
+        while len(self._told) > _TOLD_KEPT:
+            self._told.popitem(last=False)
+
+    def reset(self) -> None:
+        """A new job starts (every worker left): its steps count from 0 again."""
+        self._told.clear()
+
+    async def close(self) -> None:
+        await self.peers.close()

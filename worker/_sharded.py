@@ -1,0 +1,275 @@
+"""The worker's side of sharded coordinators: one Exchange stream per shard, one result.
+
+Shard 0's JoinResponse carries the shard map; the worker joins every other shard as the worker id
+shard 0 gave it (`join_other_shards`) and opens one stream per shard. `ShardedExchange` offers the
+`ExchangeStream` calls the `WorkerClient` uses: each chunk goes to the shard that owns it
+(gradserver.common.shard_map), barriers and shard requests go to shard 0, and every shard's stream
+fills its chunks of the same result array. An average is returned only once every shard that owns
+a chunk of it delivered, and never when any shard failed its step: a worker never applies part of
+a step. The streams share one condition, so a waiter wakes on news from any shard; a stream that
+breaks (a shard killed or cut off) breaks the others at once, so every wait fails naming that
+shard instead of running into its deadline, and every shard counts this worker as lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from gradserver.common.chunking import chunk_count
+from gradserver.common.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    GradServerError,
+    UnavailableError,
+)
+from gradserver.common.messages import (
+    ChunkIn,
+    DType,
+    JoinAccepted,
+    ShardAssignmentOut,
+    TensorKey,
+    WorkerEvent,
+)
+from gradserver.common.shard_map import ShardMap
+from gradserver.common.timeouts import Timeouts
+
+from ._exchange import ErrorRecord, ExchangeStream, PendingResult, _PendingBarrier
+
+# Joins shard `index` at `address` as the given worker id; returns its channel and answer.
+JoinShard = Callable[[int, str], tuple[grpc.Channel, JoinAccepted]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLink:
+    """One joined shard: its index, its channel and its JoinResponse."""
+
+    index: int
+    channel: grpc.Channel
+    accepted: JoinAccepted
+
+
+def join_other_shards(first: JoinAccepted, join: JoinShard) -> list[ShardLink]:
+    """Joins shards 1..K-1 of `first.shard_map` in order (every worker joins them in the same
+    order, so each shard's Join completes once the whole world reached it). Refuses shards whose
+    map, worker id or chunk size differ from shard 0's: the chunk rule needs all three equal."""
+    shard_map = ShardMap(first.shard_map)
+    links: list[ShardLink] = []
+    try:
+        for index in range(1, shard_map.count):
+            try:
+                channel, accepted = join(index, shard_map.addresses[index])
+            except GradServerError as exc:
+                where = shard_map.describe(index)
+                raise type(exc)(f"{where}: {exc.message}", worker_id=exc.worker_id) from exc
+            links.append(ShardLink(index, channel, accepted))
+            _check_alike(shard_map, index, first, accepted)
+    except BaseException:
+        for link in links:
+            link.channel.close()
+        raise
+    return links
+
+
+def _check_alike(shard_map: ShardMap, index: int, first: JoinAccepted, other: JoinAccepted) -> None:
+    where = shard_map.describe(index)
+    if other.shard_map != first.shard_map or other.shard_index != index:
+        raise FailedPreconditionError(
+            f"{where} runs with shard map {','.join(other.shard_map)} as shard {other.shard_index}, "
+            f"but shard 0 has {','.join(first.shard_map)}: start every shard with the same --shard-map"
+        )
+    if other.worker_id != first.worker_id or other.chunk_bytes != first.chunk_bytes:
+        raise FailedPreconditionError(
+            f"{where} made this worker {other.worker_id} with {other.chunk_bytes}-byte chunks, but "
+            f"shard 0 made it {first.worker_id} with {first.chunk_bytes}-byte chunks: start every "
+            "shard with the same --chunk-mib"
+        )
+
+
+class ShardedExchange:
+    """The streams to every shard, used like one `ExchangeStream` by the `WorkerClient`."""
+
+    def __init__(
+        self,
+        first: tuple[grpc.Channel, JoinAccepted],
+        others: list[ShardLink],
+        timeouts: Timeouts,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.accepted = first[1]
+        self.shard_map = ShardMap(self.accepted.shard_map)
+        self.timeouts = timeouts
+        self._chunk_elements = self.accepted.chunk_bytes // 4
+        self._cond = threading.Condition()
+        self._closing = False
+        self._broken_by: int | None = None
+        self._delivered: dict[TensorKey, set[int]] = {}  # shards whose part of a key arrived
+        self._streams: list[ExchangeStream] = []
+        links = [(first[0], first[1])] + [(link.channel, link.accepted) for link in others]
+        try:
+            for index, (channel, accepted) in enumerate(links):
+                self._streams.append(
+                    ExchangeStream(
+                        channel,
+                        accepted,
+                        timeouts,
+                        metadata,
+                        cond=self._cond,
+                        on_break=functools.partial(self._shard_broke, index),
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        for index, stream in enumerate(self._streams):
+            broken = stream.trouble(-1)
+            if broken is not None:
+                self._shard_broke(index, broken)
+
+    # --- errors naming the shard --------------------------------------------------------------
+
+    def _named(self, index: int, error: GradServerError | ErrorRecord) -> GradServerError:
+        record = error if isinstance(error, ErrorRecord) else ErrorRecord.of(error)
+        where = self.shard_map.describe(index)
+        if record.message.startswith(where):
+            return record.exception()
+        return dataclasses.replace(record, message=f"{where}: {record.message}").exception()
+
+    def _shard_broke(self, index: int, error: ErrorRecord) -> None:
+        """One shard's stream broke: every other one breaks too, naming that shard."""
+        with self._cond:
+            if self._closing or self._broken_by is not None:
+                return
+            self._broken_by = index
+        lost = UnavailableError(f"{self.shard_map.describe(index)} is lost: {error.message}")
+        for other, stream in enumerate(self._streams):
+            if other != index:
+                stream.abort_with(lost)
+
+    # --- the ExchangeStream calls the WorkerClient makes -----------------------------------------
+
+    def raise_if_broken(self) -> None:
+        for index, stream in enumerate(self._streams):
+            try:
+                stream.raise_if_broken()
+            except GradServerError as exc:
+                raise self._named(index, exc) from None
+
+    def send(self, event: WorkerEvent) -> None:
+        """Chunks go to the shard that owns them; everything else to shard 0."""
+        index = 0
+        if isinstance(event, ChunkIn):
+            index = self.shard_map.owner(event.key, event.offset // self._chunk_elements)
+        try:
+            self._streams[index].send(event)
+        except GradServerError as exc:
+            raise self._named(index, exc) from None
+
+    def _owners(self, key: TensorKey, total: int) -> dict[int, int]:
+        """Shard index -> how many chunks of `key` it owns, for the shards owning any."""
+        num_chunks = chunk_count(total, self._chunk_elements)
+        counts = {i: self.shard_map.owned_chunks(key, num_chunks, i) for i in range(self.shard_map.count)}
+        return {i: n for i, n in counts.items() if n}
+
+    def expect(
+        self, key: TensorKey, component_sizes: tuple[int, ...], total: int, dtype: DType = DType.FLOAT32
+    ) -> None:
+        array = np.empty(total, dtype=np.float32)
+        try:
+            for index, owned in self._owners(key, total).items():
+                self._streams[index].expect(
+                    key, component_sizes, total, dtype, array=array, num_chunks=owned
+                )
+        except BaseException:
+            self.forget(key)
+            raise
+        with self._cond:
+            self._delivered[key] = set()
+
+    def forget(self, key: TensorKey) -> None:
+        with self._cond:
+            self._delivered.pop(key, None)
+            for stream in self._streams:
+                stream.forget(key)
+
+    def awaiting(self, key: TensorKey) -> bool:
+        return any(stream.awaiting(key) for stream in self._streams)
+
+    def step_failed(self, step: int) -> bool:
+        return any(stream.step_failed(step) for stream in self._streams)
+
+    def _trouble(self, step: int) -> tuple[int, ErrorRecord] | None:
+        """The first shard that broke or failed `step`, and why."""
+        for index, stream in enumerate(self._streams):
+            record = stream.trouble(step)
+            if record is not None:
+                return index, record
+        return None
+
+    def wait_result(self, key: TensorKey, timeout: float | None = None) -> PendingResult:
+        """The average of `key` once every owning shard delivered its chunks. Any shard that broke
+        or failed the key's step fails it (naming that shard); after a local timeout the key stays
+        registered and a later call waits for the shards still missing."""
+        limit = self.timeouts.receive if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._cond:
+            delivered = self._delivered.setdefault(key, set())
+            owners = [i for i, s in enumerate(self._streams) if i not in delivered and s.awaiting(key)]
+            result: PendingResult | None = None
+            while True:
+                trouble = self._trouble(key.step)
+                if trouble is not None:
+                    self.forget(key)
+                    raise self._named(*trouble)
+                for index in [i for i in owners if self._streams[i].result_ready(key)]:
+                    try:
+                        result = self._streams[index].wait_result(key, 0)
+                    except GradServerError as exc:
+                        self.forget(key)
+                        raise self._named(index, exc) from None
+                    delivered.add(index)
+                    owners.remove(index)
+                if not owners:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = ", ".join(self.shard_map.describe(i) for i in owners)
+                    raise DeadlineExceededError(
+                        f"no average for {key} within {limit:g} s from {missing}", step=key.step
+                    )
+                self._cond.wait(remaining)
+            del self._delivered[key]
+        if result is None:
+            raise UnavailableError(f"{key} is not awaited on any shard", step=key.step, key=str(key))
+        return result
+
+    def expect_barrier(self, step: int, name: str) -> _PendingBarrier:
+        return self._streams[0].expect_barrier(step, name)
+
+    def forget_barrier(self, step: int, name: str) -> None:
+        self._streams[0].forget_barrier(step, name)
+
+    def wait_barrier(self, step: int, name: str, bar: _PendingBarrier, timeout: float | None) -> None:
+        try:
+            self._streams[0].wait_barrier(step, name, bar, timeout)
+        except GradServerError as exc:
+            raise self._named(0, exc) from None
+
+    def wait_shard(self, timeout: float | None) -> ShardAssignmentOut:
+        try:
+            return self._streams[0].wait_shard(timeout)
+        except GradServerError as exc:
+            raise self._named(0, exc) from None
+
+    def close(self) -> None:
+        """Leaves every shard (each stream says goodbye) and stops every helper thread."""
+        with self._cond:
+            self._closing = True
+        for stream in self._streams:
+            stream.close()
