@@ -183,9 +183,7 @@ class ShardedExchange:
         array = np.empty(total, dtype=np.float32)
         try:
             for index, owned in self._owners(key, total).items():
-                self._streams[index].expect(
-                    key, component_sizes, total, dtype, array=array, num_chunks=owned
-                )
+                self._streams[index].expect(key, component_sizes, total, dtype, array=array, num_chunks=owned)
         except BaseException:
             self.forget(key)
             raise
