@@ -85,13 +85,18 @@ class FaultProxy:
             for writer in list(self._writers):
                 sock = writer.get_extra_info("socket")
                 if sock is not None:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    try:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    except OSError:  # the peer already closed it: nothing left to reset
+                        pass
                 writer.transport.abort()
             self._writers.clear()
 
         self._loop.call_soon_threadsafe(abort_all)
 
     def stop(self) -> None:
+        if not self._thread.is_alive():  # stopped already (a test and its fixture may both stop it)
+            return
         self.blackhole = False
         self.reset()
         self._loop.call_soon_threadsafe(self._stopped.set)
