@@ -39,7 +39,7 @@ from gradserver.common.messages import (
     TensorKey,
 )
 from gradserver.server.reduction import ReductionTable
-from gradserver.worker.torch._collective import CollectiveClient
+from gradserver.torch._collective import CollectiveClient
 
 from .helpers.logwait import log_waiter
 from .helpers.processes import ROOT
@@ -229,7 +229,7 @@ def _flat(tensors: Any) -> torch.Tensor:
 
 def _train_rank(rank: int, backend: str, store_path: str, out_dir: str, die_at: int) -> None:
     """One DDP rank: STEPS steps; odd steps accumulate two micro-batches under no_sync()."""
-    import gradserver.worker.torch  # noqa: F401 - registers "gradserver"
+    import gradserver.torch  # noqa: F401 - registers "gradserver"
 
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=2)
     out = Path(out_dir)
@@ -332,7 +332,7 @@ import torch
 import torch.distributed as dist
 
 dist.init_process_group("gradserver", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-assert "gradserver.worker.torch" in sys.modules  # loaded by torch's entry point
+assert "gradserver.torch" in sys.modules  # loaded by torch's entry point
 assert dist.get_backend() == "gradserver"
 big = torch.tensor([2**62 + 1, -5, 3], dtype=torch.int64)
 dist.all_reduce(big)

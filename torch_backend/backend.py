@@ -34,7 +34,7 @@ from gradserver.common.timeouts import Timeouts
 from ._collective import CollectiveClient
 from ._coordinator import EmbeddedCoordinator, Store, coordinator_for
 
-log = logging.getLogger("gradserver.worker.torch")
+log = logging.getLogger("gradserver.torch")
 
 BACKEND_NAME = "gradserver"
 _DEFAULT_GROUP = 0
