@@ -12,7 +12,8 @@ non-zero (or is killed) ends the run: the others and the coordinator are stopped
 SIGKILL after a grace period) and run exits with that rank's code, naming it. Exit 0 when every
 rank exited 0 and the coordinator was stopped. Every process group of the script uses this one
 coordinator, so `dist.new_group` subgroups are refused (they need the embedded coordinator of
-plain torchrun).
+plain torchrun). The coordinator takes its other settings from the environment as always
+(GRADSERVER_STEP_TIMEOUT, GRADSERVER_JOIN_TIMEOUT, ...).
 
 It lives in the training application beside `gradserver launch` because it is the same kind of
 job supervision (and reuses launch's helpers); it starts the user's command and never imports
@@ -27,6 +28,7 @@ import queue
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -88,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
             stop_children(children)
     for child in children:
         child.finish_output()
-    print(f"run: {message}", flush=True)
+    # Last, after the other processes' final lines: the one line that says how the run ended.
+    print(f"run: {message}", file=sys.stderr if code else sys.stdout, flush=True)
     return code
 
 
@@ -219,7 +222,7 @@ def _watch(
         code = child.proc.returncode
         if child is coordinator:
             child.finish_output()
-            return (code or 1), f"the {child.failure()}" if code else "the coordinator ended before the ranks"
+            return 1, f"the {child.failure()}" if code else "the coordinator ended before the ranks"
         running.discard(child)
         if code != 0:
             child.finish_output()
