@@ -3,6 +3,7 @@ on synthetic images generated here. Only the backend string differs between
 
     torchrun --nproc-per-node 2 examples/ddp_cnn.py --backend gloo
     torchrun --nproc-per-node 2 examples/ddp_cnn.py --backend gradserver
+    gradserver run --workers 2 -- python examples/ddp_cnn.py --backend gradserver
 
 ("gradserver" is registered by the installed package when torch is imported; with
 TORCH_DEVICE_BACKEND_AUTOLOAD=0, `import gradserver.torch` first). It prints the loss every
