@@ -32,6 +32,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	rm -rf $(TYPECHECK_ROOT) && mkdir -p $(TYPECHECK_ROOT)/gradserver
 	for part in common server worker train cli; do ln -s ../../../$$part $(TYPECHECK_ROOT)/gradserver/$$part; done
+	ln -s ../../../torch_backend $(TYPECHECK_ROOT)/gradserver/torch
 	cd $(TYPECHECK_ROOT) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p gradserver
 
 pytest: $(STAMP)

@@ -1,7 +1,7 @@
 """gradserver.cli: the `gradserver` command, the one place that may import every side.
 
 The dispatcher (`gradserver.cli.main`) registers `coordinator` and `health` from
-gradserver.server.cli and `worker` and `launch` from gradserver.train; nothing below it imports
+gradserver.server.cli and `worker`, `launch` and `run` from gradserver.train; nothing below it imports
 this package.
 """
 

@@ -1,7 +1,7 @@
 """The `gradserver` command: one entry point whose subcommands live beside what they run.
 
-`coordinator` and `health` come from gradserver.server.cli; `worker` and `launch` from
-gradserver.train. Each is imported here, inside `build_parser`, so that importing this module
+`coordinator` and `health` come from gradserver.server.cli; `worker`, `launch` and `run`
+from gradserver.train. Each is imported here, inside `build_parser`, so that importing this module
 loads no side. Errors of the project's hierarchy end the command with one line on stderr: exit
 code 2 for bad configuration or arguments, 1 for anything else. A command that needs an optional
 dependency that is not installed also exits 2, with one line naming the extra to install.
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gradserver.server import cli as server_cli
     from gradserver.train import cli as worker_cli
     from gradserver.train import launch
+    from gradserver.train import run as run_command
 
     parser = argparse.ArgumentParser(
         prog="gradserver", description="Gradient averaging for data-parallel training."
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     server_cli.register(commands)
     worker_cli.register(commands)
     launch.register(commands)
+    run_command.register(commands)
     return parser
 
 

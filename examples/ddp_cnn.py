@@ -3,9 +3,10 @@ on synthetic images generated here. Only the backend string differs between
 
     torchrun --nproc-per-node 2 examples/ddp_cnn.py --backend gloo
     torchrun --nproc-per-node 2 examples/ddp_cnn.py --backend gradserver
+    gradserver run --workers 2 -- python examples/ddp_cnn.py --backend gradserver
 
 ("gradserver" is registered by the installed package when torch is imported; with
-TORCH_DEVICE_BACKEND_AUTOLOAD=0, `import gradserver.worker.torch` first). It prints the loss every
+TORCH_DEVICE_BACKEND_AUTOLOAD=0, `import gradserver.torch` first). It prints the loss every
 `--log-every` steps and, on rank 0, the training throughput (median samples/s over the steps after
 the first few).
 """

@@ -1,10 +1,12 @@
 """The layering of the packages, enforced: what each may import, and a coordinator without torch.
 
     cli -> server, worker, train;  train -> worker, common;  server -> common;  worker -> common
+    torch_backend (gradserver.torch) -> worker, common
 
-`common` imports nothing above it, `server` and `worker` never import each other or `train`, and
-the client library imports torch only inside functions, except its torch.distributed backend
-`worker/torch/`, which nothing else in the client library imports. The static part reads every module's
+`common` imports nothing above it, `server` and `worker` never import each other or `train`, the
+client library imports torch only inside functions, and the torch.distributed backend
+`torch_backend/` imports torch freely but nothing of server or train; no other package but cli
+imports it. The static part reads every module's
 imports (AST, so nothing is executed); the dynamic part runs in a subprocess where torch,
 matplotlib and tqdm cannot be imported, as in a `pip install gradserver` without the `train` extra.
 """
@@ -21,17 +23,16 @@ import pytest
 
 from .helpers.processes import ROOT
 
-PACKAGES = ("common", "server", "worker", "train", "cli")
+PACKAGES = ("common", "server", "worker", "train", "cli", "torch_backend")
 TRAINING_MODULES = ("torch", "matplotlib", "tqdm")
-# The torch.distributed backend: the one part of the client library that needs torch to import.
-TORCH_BACKEND = "worker/torch"
-# For each package, the gradserver packages it must not import.
+# For each package folder, the gradserver packages (installed names) it must not import.
 FORBIDDEN = {
-    "common": {"server", "worker", "train", "cli"},
-    "server": {"worker", "train", "cli"},
-    "worker": {"server", "train", "cli"},
-    "train": {"server", "cli"},
+    "common": {"server", "worker", "train", "cli", "torch"},
+    "server": {"worker", "train", "cli", "torch"},
+    "worker": {"server", "train", "cli", "torch"},
+    "train": {"server", "cli", "torch"},
     "cli": set(),
+    "torch_backend": {"server", "train", "cli"},
 }
 
 
@@ -79,16 +80,8 @@ def _violations(package: str) -> list[str]:
             if parts[0] in TRAINING_MODULES:
                 if package in ("common", "server"):
                     problems.append(f"{where}:{node.lineno} imports {name}")
-                elif (
-                    package == "worker" and id(node) in top and not where.as_posix().startswith(TORCH_BACKEND)
-                ):
+                elif package == "worker" and id(node) in top:
                     problems.append(f"{where}:{node.lineno} imports {name} at import time")
-            if (
-                package == "worker"
-                and parts[:3] == ["gradserver", "worker", "torch"]
-                and not where.as_posix().startswith(TORCH_BACKEND)
-            ):
-                problems.append(f"{where}:{node.lineno} imports the torch backend {name}")
     return problems
 
 
@@ -105,10 +98,19 @@ def test_the_scan_sees_a_forbidden_import(tmp_path: Path, monkeypatch: pytest.Mo
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
         "import numpy\ntry:\n    import torch.nn\nexcept ImportError:\n    pass\n"
         "def lazy():\n    import torch\n"
+        "def backend():\n    import gradserver.torch\n"
+    )
+    (tmp_path / "torch_backend").mkdir()
+    (tmp_path / "torch_backend" / "app.py").write_text(
+        "import torch\nfrom gradserver.worker import client\nfrom gradserver.train import model\n"
     )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _violations("common") == ["common/bad.py:2 imports gradserver.server.cli"]
-    assert _violations("worker") == ["worker/eager.py:6 imports torch.nn at import time"]
+    assert _violations("worker") == [
+        "worker/eager.py:6 imports torch.nn at import time",
+        "worker/eager.py:12 imports gradserver.torch",
+    ]
+    assert _violations("torch_backend") == ["torch_backend/app.py:3 imports gradserver.train.model"]
 
 
 # Installed first in every subprocess below: the training extra's modules cannot be imported.
@@ -133,8 +135,7 @@ COORDINATOR_AND_CLIENT = textwrap.dedent(
 
     for package in (gradserver.common, gradserver.server, gradserver.worker):
         for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-            if not info.name.startswith("gradserver.worker.torch"):  # needs torch, by design
-                importlib.import_module(info.name)
+            importlib.import_module(info.name)
 
     from gradserver.server import CoordinatorConfig, GradientServer
     from gradserver.worker import WorkerClient

@@ -39,7 +39,7 @@ from gradserver.common.messages import (
     TensorKey,
 )
 from gradserver.server.reduction import ReductionTable
-from gradserver.worker.torch._collective import CollectiveClient
+from gradserver.torch._collective import CollectiveClient
 
 from .helpers.logwait import log_waiter
 from .helpers.processes import ROOT
@@ -229,7 +229,7 @@ def _flat(tensors: Any) -> torch.Tensor:
 
 def _train_rank(rank: int, backend: str, store_path: str, out_dir: str, die_at: int) -> None:
     """One DDP rank: STEPS steps; odd steps accumulate two micro-batches under no_sync()."""
-    import gradserver.worker.torch  # noqa: F401 - registers "gradserver"
+    import gradserver.torch  # noqa: F401 - registers "gradserver"
 
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=2)
     out = Path(out_dir)
@@ -326,13 +326,128 @@ def test_a_killed_rank_fails_the_other_naming_it(tmp_path: Path, monkeypatch: py
     assert elapsed < 120, elapsed
 
 
+# --- collectives beyond DDP's: three real ranks against local references in rank order ------------
+
+WORLD = 3
+R = dist.ReduceOp
+# (name, op, dtype): every rank reduces the inputs `_case_input` gives it.
+CASES = [
+    ("sum_f32", R.SUM, torch.float32),
+    ("avg_f32", R.AVG, torch.float32),
+    ("sum_f16", R.SUM, torch.float16),
+    ("avg_bf16", R.AVG, torch.bfloat16),
+    ("sum_f64", R.SUM, torch.float64),
+    ("avg_f64", R.AVG, torch.float64),
+    ("sum_i64", R.SUM, torch.int64),
+    ("sum_i8", R.SUM, torch.int8),
+    ("min_f32", R.MIN, torch.float32),
+    ("max_f64", R.MAX, torch.float64),
+    ("product_f32", R.PRODUCT, torch.float32),
+    ("product_i32", R.PRODUCT, torch.int32),
+    ("max_i16", R.MAX, torch.int16),
+    ("min_bool", R.MIN, torch.bool),
+    ("bxor_i64", R.BXOR, torch.int64),
+    ("bor_u8", R.BOR, torch.uint8),
+]
+
+
+def _case_input(name: str, dtype: torch.dtype, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)) + 17 * rank)  # not hash(): salted per process
+    if dtype == torch.bool:
+        return torch.rand(9, generator=g) > 0.3
+    if dtype.is_floating_point:
+        return (torch.randn(2, 9, generator=g, dtype=torch.float64) * (3 if "product" in name else 1e3)).to(
+            dtype
+        )
+    if dtype == torch.int64:
+        return torch.randint(-(2**62), 2**62, (9,), generator=g, dtype=torch.int64)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (9,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _reference(name: str, op: Any, dtype: torch.dtype) -> torch.Tensor:
+    """torch's semantics, reduced in rank order; SUM/AVG of float32 (and the half types widened
+    to it) as the coordinator does: a float64 sum rounded once."""
+    parts = [_case_input(name, dtype, r) for r in range(WORLD)]
+    if op in (R.SUM, R.AVG) and dtype in (torch.float32, torch.float16, torch.bfloat16):
+        total = sum(p.double() for p in parts)
+        return (total / WORLD if op == R.AVG else total).float().to(dtype)
+    combine = {R.SUM: torch.add, R.AVG: torch.add, R.MIN: torch.minimum, R.MAX: torch.maximum}
+    combine |= {R.PRODUCT: torch.mul, R.BXOR: torch.bitwise_xor, R.BOR: torch.bitwise_or}
+    result = parts[0]
+    for p in parts[1:]:
+        result = combine[op](result, p)
+    return result / WORLD if op == R.AVG else result
+
+
+def _collectives_rank(rank: int, store_path: str, out_dir: str) -> None:
+    import gradserver.torch  # noqa: F401 - registers "gradserver"
+
+    dist.init_process_group("gradserver", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    try:
+        results: dict[str, Any] = {}
+        for name, op, dtype in CASES:
+            tensor = _case_input(name, dtype, rank)
+            dist.all_reduce(tensor, op=op)
+            results[name] = tensor
+        # reduce_scatter: rank r gets the SUM of every rank's piece r.
+        pieces = [torch.full((4,), 0.1 * (rank + 1) + piece, dtype=torch.float32) for piece in range(WORLD)]
+        scattered = torch.zeros(4)
+        dist.reduce_scatter(scattered, pieces)
+        results["reduce_scatter"] = scattered
+        # alltoall: rank r sends [100 r + j] to rank j.
+        received = [torch.zeros(2, dtype=torch.int64) for _ in range(WORLD)]
+        dist.all_to_all(received, [torch.tensor([100 * rank + j, -j]) for j in range(WORLD)])
+        results["alltoall"] = received
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    except Exception as exc:
+        (Path(out_dir) / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_collectives_match_torch_semantics_in_rank_order_on_every_rank(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_collectives_rank, args=(r, str(tmp_path / "store"), str(tmp_path)))
+        for r in range(WORLD)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(RANK_TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    errors = {p.name: p.read_text() for p in tmp_path.glob("*.error")}
+    assert not errors, errors
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for name, op, dtype in CASES:
+        expected = _reference(name, op, dtype)
+        for rank in range(WORLD):
+            got = results[rank][name]
+            assert got.dtype == dtype, (name, got.dtype)
+            assert torch.equal(got, expected), (name, rank, got, expected)
+    for rank in range(WORLD):
+        total = sum(torch.full((4,), 0.1 * (r + 1) + rank, dtype=torch.float64) for r in range(WORLD))
+        assert torch.equal(results[rank]["reduce_scatter"], total.float()), rank
+        assert [t.tolist() for t in results[rank]["alltoall"]] == [
+            [100 * r + rank, -rank] for r in range(WORLD)
+        ]
+
+
 SINGLE_RANK_SCRIPT = """
 import sys
 import torch
 import torch.distributed as dist
 
 dist.init_process_group("gradserver", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-assert "gradserver.worker.torch" in sys.modules  # loaded by torch's entry point
+assert "gradserver.torch" in sys.modules  # loaded by torch's entry point
 assert dist.get_backend() == "gradserver"
 big = torch.tensor([2**62 + 1, -5, 3], dtype=torch.int64)
 dist.all_reduce(big)
@@ -340,7 +455,8 @@ assert big.tolist() == [2**62 + 1, -5, 3], big
 x = torch.tensor([0.1, -2.5])
 dist.all_reduce(x, op=dist.ReduceOp.AVG)
 assert x.tolist() == torch.tensor([0.1, -2.5]).tolist()
-for bad, kwargs in [(torch.ones(2), {"op": dist.ReduceOp.MAX}), (torch.ones(2, dtype=torch.float64), {})]:
+premul = dist._make_nccl_premul_sum(2.0)
+for bad, kwargs in [(torch.ones(2), {"op": premul}), (torch.ones(2), {"op": dist.ReduceOp.BAND})]:
     try:
         dist.all_reduce(bad, **kwargs)
     except (NotImplementedError, TypeError) as exc:
@@ -366,9 +482,10 @@ def test_init_process_group_gradserver_works_without_importing_gradserver(tmp_pa
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[-1] == "ok", result.stdout
-    assert lines[0] == "NotImplementedError: gradserver allreduce supports SUM and AVG, not MAX"
+    assert lines[0].startswith("NotImplementedError: gradserver allreduce supports SUM, AVG, PRODUCT")
+    assert lines[0].endswith("not PREMUL_SUM")
     assert lines[1].startswith(
-        "TypeError: gradserver allreduce: dtype torch.float64 with SUM is not supported"
+        "TypeError: gradserver allreduce: dtype torch.float32 with BAND is not supported"
     )
 
 
@@ -394,3 +511,50 @@ def test_the_example_runs_under_torchrun_with_the_gradserver_backend(tmp_path: P
     assert proc.returncode == 0, output
     assert "step 5 loss" in output, output
     assert "backend gradserver world 2:" in output and "samples/s" in output, output
+
+
+CUDA_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+import gradserver.torch  # noqa: F401
+
+dist.init_process_group("gradserver", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    # Written by a kernel on the caller's stream just before the call: the copy to the host must
+    # wait for it; the result, read on the same stream after wait(), must follow the copy back.
+    x = torch.full((1 << 20,), 0.5, device="cuda") * 3
+    work = dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
+    work.wait()
+    y = x + 1
+    h = torch.arange(6, device="cuda", dtype=torch.float16)
+    dist.all_reduce(h)
+    out = [torch.zeros(3, device="cuda", dtype=torch.int64)]
+    dist.all_gather(out, torch.tensor([1, 2, 3], device="cuda"))
+side.synchronize()
+assert torch.equal(y.cpu(), torch.full((1 << 20,), 2.5)), y
+assert h.device.type == "cuda" and h.tolist() == [0, 1, 2, 3, 4, 5]
+assert out[0].tolist() == [1, 2, 3]
+try:
+    dist.all_reduce_coalesced([torch.ones(1, device="cuda"), torch.ones(1)])
+except ValueError as exc:
+    print(exc)
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_copied_on_the_callers_stream(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", CUDA_SCRIPT, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "ok", result.stdout
+    assert "the tensors of one call must be on one device" in lines[0], result.stdout

@@ -19,7 +19,15 @@ import pytest
 
 from .helpers.processes import ROOT
 
-PACKAGES = ("common", "server", "worker", "train", "cli")  # installed as gradserver.<name>
+# Each package folder and the name it is installed as, gradserver.<name>.
+PACKAGES = {
+    "common": "common",
+    "server": "server",
+    "worker": "worker",
+    "train": "train",
+    "cli": "cli",
+    "torch_backend": "torch",
+}
 INSTALL_SCRIPT = ROOT / ".ci" / "install-runtime.sh"
 CHECK_TORCH = ROOT / ".ci" / "check-torch.sh"
 
@@ -40,6 +48,12 @@ def _repository_files() -> list[str]:
 
 def _package_files() -> list[str]:
     return [name for name in _repository_files() if name.split("/", 1)[0] in PACKAGES]
+
+
+def _installed(name: str) -> str:
+    """Where a file of a package folder is in the wheel."""
+    folder, rest = name.split("/", 1)
+    return f"gradserver/{PACKAGES[folder]}/{rest}"
 
 
 def _clean_env(bin_dir: Path | None = None) -> dict[str, str]:
@@ -114,7 +128,8 @@ def _names_a_data_file(package: Path, text: str) -> bool:
 
 def test_wheel_ships_every_file_of_the_packages(wheel: Path) -> None:
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"gradserver/{name}" for name in _package_files()}
+    expected = {_installed(name) for name in _package_files()}
+    assert "gradserver/torch/backend.py" in expected
     assert {name for name in expected if name.endswith("/kjv.txt.gz")}, "the corpus is tracked"
     missing = sorted(expected - shipped)
     assert not missing, f"files of the packages missing from {wheel.name}: {missing}"
@@ -125,7 +140,7 @@ def test_wheel_ships_every_file_of_the_packages(wheel: Path) -> None:
         if name.endswith(".py"):
             package = ROOT / name.split("/", 1)[0]
             opened |= {
-                f"gradserver/{package.name}/{s}"
+                f"gradserver/{PACKAGES[package.name]}/{s}"
                 for s in _strings_in(ROOT / name)
                 if _names_a_data_file(package, s)
             }
@@ -135,9 +150,12 @@ def test_wheel_ships_every_file_of_the_packages(wheel: Path) -> None:
 
 def test_install_script_gives_cpu_torch_and_no_bare_modules(installed: Installed, tmp_path: Path) -> None:
     check = (
-        "import importlib.util, torch, gradserver.worker; "
+        "import importlib.util, sys, torch, gradserver.worker; "
         "print(torch.__version__); print(gradserver.worker.__file__); "
-        "print([m for m in ('common', 'server', 'worker') if importlib.util.find_spec(m)])"
+        "print([m for m in ('common', 'server', 'worker', 'torch_backend') if importlib.util.find_spec(m)]); "
+        # The entry point registered the backend at `import torch`, from the installed package.
+        "import torch.distributed as dist; print('gradserver' in dist.Backend.backend_list, "
+        "sys.modules['gradserver.torch'].__file__)"
     )
     out = subprocess.run(
         [str(installed.python), "-c", check],
@@ -148,9 +166,12 @@ def test_install_script_gives_cpu_torch_and_no_bare_modules(installed: Installed
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    version, location, bare = out.stdout.splitlines()
+    version, location, bare, registered = out.stdout.splitlines()
     assert version == "2.13.0+cpu"
     assert Path(location).is_relative_to(installed.python.parent.parent), location
+    backend, backend_location = registered.split(" ", 1)
+    assert backend == "True" and backend_location.endswith("gradserver/torch/__init__.py")
+    assert Path(backend_location).is_relative_to(installed.python.parent.parent), backend_location
     assert bare == "[]", "the source folders must not be importable as top-level modules"
     cli = subprocess.run(
         [str(installed.bin_dir / "gradserver"), "health", "--help"],

@@ -29,12 +29,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from gradserver.common.config import config_from_sources
 from gradserver.common.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
+from gradserver.worker.local_coordinator import coordinator_command, wait_for_port
 
 from .cli import available_cores
 from .extra import require_training_extra
@@ -42,7 +43,7 @@ from .plots import plot_metrics
 
 _TAIL_LINES = 200
 _RELAY_GRACE_S = 5.0
-_STOP_GRACE_S = 5.0
+STOP_GRACE_S = 5.0
 _COORDINATOR_EXIT_S = 10.0
 # The line `gradserver` prints for an error of the hierarchy (cli/main.py).
 _ONE_LINE_ERROR = re.compile(r"^gradserver \w+: ")
@@ -116,7 +117,7 @@ class _Progress:
             self._bar.close()
 
 
-class _Child:
+class Child:
     """A started process: its output relayed with a prefix, its last lines kept for the error."""
 
     def __init__(self, name: str, proc: subprocess.Popen[str], sink: Callable[[str, str], None]) -> None:
@@ -132,7 +133,7 @@ class _Child:
             self.tail.append(line.rstrip("\n"))
             sink(f"[{self.name}]", line)
 
-    def watch(self, exits: queue.Queue[_Child]) -> None:
+    def watch(self, exits: queue.Queue[Child]) -> None:
         """Reports this child on `exits` once it has exited and its output is read."""
 
         def wait() -> None:
@@ -174,10 +175,14 @@ def error_line(lines: list[str]) -> str:
     return ""
 
 
-def _start(
-    argv: list[str], name: str, sink: Callable[[str, str], None], threads: int | None = None
-) -> _Child:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def start_child(
+    argv: list[str],
+    name: str,
+    sink: Callable[[str, str], None],
+    threads: int | None = None,
+    env_extra: Mapping[str, str] | None = None,
+) -> Child:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     if threads is not None:
         # N processes each using every core for torch's intra-op threads oversubscribe the
         # machine and stall at random; like torchrun, share the cores out unless told otherwise.
@@ -186,7 +191,7 @@ def _start(
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env
     )
-    child = _Child(name, proc, sink)
+    child = Child(name, proc, sink)
     sink("[launch]", f"started {name} (pid {proc.pid})")
     return child
 
@@ -293,13 +298,13 @@ def _run_local(args: argparse.Namespace) -> int:
 
 def _run_processes(args: argparse.Namespace, extra: list[str], progress: _Progress) -> int:
     deadline = time.monotonic() + args.timeout
-    children: list[_Child] = []
+    children: list[Child] = []
     failure = ""
     with tempfile.TemporaryDirectory(prefix="gradserver-launch-") as tmp:
         try:
             failure = _supervise(args, extra, progress, Path(tmp), deadline, children)
         finally:
-            _stop(children)
+            stop_children(children)
     for child in children:
         child.finish_output()
     if failure:
@@ -315,11 +320,11 @@ def _supervise(
     progress: _Progress,
     tmp: Path,
     deadline: float,
-    children: list[_Child],
+    children: list[Child],
 ) -> str:
     """Starts the processes and watches them until the job ends; returns '' on success, else the
     first failure (the caller stops whatever still runs)."""
-    exits: queue.Queue[_Child] = queue.Queue()
+    exits: queue.Queue[Child] = queue.Queue()
     coordinator = None
     if args.backend == "remote":
         coordinator, address = _start_coordinator(args, progress, tmp, deadline)
@@ -330,7 +335,7 @@ def _supervise(
         target = f"file://{tmp}/dist-store"
     threads = max(1, available_cores() // args.workers)
     workers = [
-        _start(gradserver_command("worker", *argv), f"local-{i}", progress.line, threads)
+        start_child(gradserver_command("worker", *argv), f"local-{i}", progress.line, threads)
         for i, argv in enumerate(_worker_argvs(args, extra, target))
     ]
     children.extend(workers)
@@ -338,7 +343,7 @@ def _supervise(
         child.watch(exits)
     running = set(workers)
     while running:
-        child = _next_exit(exits, deadline, args.timeout)
+        child = next_exit(exits, deadline, args.timeout)
         if child is coordinator:
             if child.proc.returncode != 0:
                 return child.failure()
@@ -351,7 +356,7 @@ def _supervise(
     return ""
 
 
-def _end_coordinator(coordinator: _Child) -> str:
+def _end_coordinator(coordinator: Child) -> str:
     """Every worker is done: the coordinator exits by itself once its job finished (--max-steps
     is the absolute last step, so resumed jobs end too); if it has not after a short wait (the
     workers left early), it is asked to stop."""
@@ -360,9 +365,9 @@ def _end_coordinator(coordinator: _Child) -> str:
     except subprocess.TimeoutExpired:
         coordinator.proc.terminate()
         try:
-            code = coordinator.proc.wait(_STOP_GRACE_S)
+            code = coordinator.proc.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:
-            return f"coordinator did not stop within {_STOP_GRACE_S:g} s of SIGTERM"
+            return f"coordinator did not stop within {STOP_GRACE_S:g} s of SIGTERM"
         if code == -signal.SIGTERM:
             return ""
     return coordinator.failure() if code != 0 else ""
@@ -370,57 +375,50 @@ def _end_coordinator(coordinator: _Child) -> str:
 
 def _start_coordinator(
     args: argparse.Namespace, progress: _Progress, tmp: Path, deadline: float
-) -> tuple[_Child, str]:
+) -> tuple[Child, str]:
     port_file = tmp / "port"
-    coordinator = _start(
-        gradserver_command(
-            "coordinator",
-            "--bind",
-            "127.0.0.1:0",
-            "--world-size",
-            str(args.workers),
-            "--max-steps",
-            str(args.steps),
-            "--port-file",
-            str(port_file),
-            "--log-level",
-            "WARNING",
-        ),
-        "coordinator",
-        progress.line,
+    options = ["--max-steps", str(args.steps), "--log-level", "WARNING"]
+    coordinator = start_child(
+        coordinator_command(args.workers, port_file, *options), "coordinator", progress.line
     )
+    return coordinator, f"127.0.0.1:{await_coordinator(coordinator, port_file, deadline)}"
+
+
+def await_coordinator(coordinator: Child, port_file: Path, deadline: float) -> int:
+    """The port the started coordinator listens on; stops it and raises if it exits first or does
+    not listen by `deadline`."""
     try:
-        while not port_file.exists():
-            if coordinator.proc.poll() is not None:
-                coordinator.finish_output()
-                raise FailedPreconditionError(f"the {coordinator.failure()} before it was ready")
-            if time.monotonic() > deadline:
-                raise DeadlineExceededError("the coordinator did not start within --timeout")
-            time.sleep(0.05)
+        port = wait_for_port(coordinator.proc, port_file, max(0.0, deadline - time.monotonic()))
+        if port is None:
+            coordinator.finish_output()
+            raise FailedPreconditionError(f"the {coordinator.failure()} before it was ready")
+    except DeadlineExceededError:
+        stop_children([coordinator])
+        raise DeadlineExceededError("the coordinator did not start within --timeout") from None
     except BaseException:
-        _stop([coordinator])
+        stop_children([coordinator])
         raise
-    return coordinator, f"127.0.0.1:{port_file.read_text().strip()}"
+    return port
 
 
-def _next_exit(exits: queue.Queue[_Child], deadline: float, timeout: float) -> _Child:
+def next_exit(exits: queue.Queue[Child], deadline: float, timeout: float) -> Child:
     try:
         return exits.get(timeout=max(0.0, deadline - time.monotonic()))
     except queue.Empty:
         raise DeadlineExceededError(f"the run did not finish within --timeout {timeout:g} s") from None
 
 
-def _stop(children: list[_Child]) -> None:
+def stop_children(children: list[Child]) -> None:
     """SIGTERM to every process still running, SIGKILL to those alive after a grace period."""
     alive = [c for c in children if c.proc.poll() is None]
     for child in alive:
         with contextlib.suppress(ProcessLookupError):
             child.proc.terminate()
-    grace_end = time.monotonic() + _STOP_GRACE_S
+    grace_end = time.monotonic() + STOP_GRACE_S
     for child in alive:
         try:
             child.proc.wait(max(0.0, grace_end - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(_STOP_GRACE_S)  # SIGKILL cannot be refused; this only reaps
+                child.proc.wait(STOP_GRACE_S)  # SIGKILL cannot be refused; this only reaps

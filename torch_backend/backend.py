@@ -3,12 +3,16 @@ gradserver coordinator.
 
 Every collective is one generic collective key of the coordinator (see docs/PROTOCOL.md): the
 group's operations are numbered in issue order and run one after another on one background
-thread per group; each call returns a `Work` at once. Reductions are the coordinator's: float64
-sums in rank order rounded once to float32, so SUM and AVG are bit-identical on every rank and
-independent of arrival order. Broadcast and allgather move the raw bytes of any dtype exactly:
-each byte travels as a float32 in [0, 255], and the ranks that do not own a segment send zeros,
-so a SUM reproduces the owner's bytes. A rank that is lost makes every other rank's pending and
-later Work fail with the coordinator's error naming it (worker ids are the group's ranks).
+thread per group; each call returns a `Work` at once. Reductions are the coordinator's where it
+can (float64 sums in rank order rounded once to float32, so SUM and AVG are bit-identical on
+every rank and independent of arrival order), else an allgather and a reduction in rank order on
+every rank: `_reductions` says which op and dtype goes which way. Broadcast and allgather move the
+raw bytes of any dtype exactly: each byte travels as a float32 in [0, 255], and the ranks that do
+not own a segment send zeros, so a SUM reproduces the owner's bytes. reduce_scatter is an
+allreduce keeping this rank's part; alltoall an allgather keeping this rank's pieces. CUDA tensors
+are copied to the host once and back on the caller's stream (`_devices`). A rank that is lost
+makes every other rank's pending and later Work fail with the coordinator's error naming it
+(worker ids are the group's ranks).
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ from gradserver.common.timeouts import Timeouts
 
 from ._collective import CollectiveClient
 from ._coordinator import EmbeddedCoordinator, Store, coordinator_for
+from ._devices import StreamOrder
+from ._reductions import Plan, from_limbs, plan_reduction, reduce_in_rank_order, to_limbs
 
-log = logging.getLogger("gradserver.worker.torch")
+log = logging.getLogger("gradserver.torch")
 
 BACKEND_NAME = "gradserver"
 _DEFAULT_GROUP = 0
-_REDUCE_OPS = {dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.AVG}
 _groups = itertools.count()
 _external_lock = threading.Lock()
 _external_groups: list[str] = []  # the address of the one group joined to GRADSERVER_COORDINATOR
@@ -69,20 +74,59 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     # --- collectives ------------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        op = opts.reduceOp if isinstance(opts, dist.AllreduceOptions) else opts
-        wire_op = _wire_op(op if op is not None else dist.ReduceOp.SUM)
-        integer = _check_allreduce_dtypes(tensors, wire_op, self.size())
+        op = (
+            opts.reduceOp
+            if isinstance(opts, dist.AllreduceOptions | dist.AllreduceCoalescedOptions)
+            else opts
+        )
+        plan = plan_reduction("allreduce", op, [t.dtype for t in tensors], self.size())
 
         def run(sequence: int) -> None:
-            flat = [t.detach().reshape(-1).to("cpu") for t in tensors]
-            values = (flat[0] if len(flat) == 1 else torch.cat(flat)).contiguous().numpy()
-            if integer:
-                result = _from_limbs(self._exchange(sequence, _to_limbs(values), ReduceOp.SUM))
-            else:
-                result = self._exchange(sequence, values, wire_op)
-            _scatter_into(tensors, torch.from_numpy(result))
+            _scatter_into(tensors, self._reduce(sequence, _flatten(tensors), plan))
 
-        return self._submit("allreduce", run, tensors)
+        return self._submit("allreduce", run, tensors, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self.allreduce(tensors, opts)
+
+    def reduce_scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> dist.Work:
+        """An allreduce of every input, keeping this rank's part: each rank sends N times its output."""
+        size, rank = self.size(), self.rank()
+        op = opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else opts
+        inputs = [t for group in input_tensors for t in group]
+        plan = plan_reduction("reduce_scatter", op, [t.dtype for t in [*inputs, *output_tensors]], size)
+        _check_pieces("reduce_scatter", output_tensors, input_tensors, size)
+
+        def run(sequence: int) -> None:
+            reduced = self._reduce(sequence, _flatten(inputs), plan)
+            offset = 0
+            for output, group in zip(output_tensors, input_tensors, strict=True):
+                n = output.numel()
+                start = offset + rank * n
+                output.copy_(reduced[start : start + n].reshape(output.shape))
+                offset += sum(t.numel() for t in group)
+
+        return self._submit("reduce_scatter", run, output_tensors, [*inputs, *output_tensors])
+
+    def alltoall(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """Through an allgather (each rank sends 4 * N times its input bytes); equal pieces only."""
+        size, rank = self.size(), self.rank()
+        _check_pieces("alltoall", output_tensors, [input_tensors], size)
+        if len(output_tensors) != size or len({t.numel() for t in [*input_tensors, *output_tensors]}) > 1:
+            raise ValueError("gradserver alltoall: every input and output tensor must have the same numel")
+
+        def run(sequence: int) -> None:
+            mine = np.concatenate([_bytes_of(t) for t in input_tensors])
+            segments = self._gather_bytes(sequence, mine)
+            piece = mine.size // size
+            for r, output in enumerate(output_tensors):
+                _write_bytes_into([output], segments[r][rank * piece : (rank + 1) * piece])
+
+        return self._submit("alltoall", run, output_tensors, [*input_tensors, *output_tensors])
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         root = opts.rootRank if isinstance(opts, dist.BroadcastOptions) else 0
@@ -95,33 +139,30 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             result = self._exchange(sequence, payload, ReduceOp.SUM)
             _write_bytes_into(tensors, result.astype(np.uint8))
 
-        return self._submit("broadcast", run, tensors)
+        return self._submit("broadcast", run, tensors, tensors)
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
-        size, rank = self.size(), self.rank()
+        size = self.size()
         for i, outputs in enumerate(output_tensors):
             if len(outputs) != size:
                 raise ValueError(f"allgather: output list {i} holds {len(outputs)} tensors, the group {size}")
 
         def run(sequence: int) -> None:
             mine = np.concatenate([_bytes_of(t) for t in input_tensors]) if input_tensors else np.zeros(0)
-            payload = np.zeros(mine.size * size, np.float32)
-            payload[rank * mine.size : (rank + 1) * mine.size] = mine
-            gathered = self._exchange(sequence, payload, ReduceOp.SUM).astype(np.uint8)
-            segments = gathered.reshape(size, mine.size) if mine.size else np.zeros((size, 0), np.uint8)
+            segments = self._gather_bytes(sequence, mine.astype(np.uint8))
             for r in range(size):
                 _write_bytes_into([outputs[r] for outputs in output_tensors], segments[r])
 
         flat_outputs = [t for outputs in output_tensors for t in outputs]
-        return self._submit("allgather", run, flat_outputs)
+        return self._submit("allgather", run, flat_outputs, [*input_tensors, *flat_outputs])
 
     def barrier(self, opts: Any = None) -> dist.Work:
         def run(sequence: int) -> None:
             self._exchange(sequence, np.zeros(0, np.float32), ReduceOp.SUM)
 
-        return self._submit("barrier", run, [torch.zeros(0)])
+        return self._submit("barrier", run, [torch.zeros(0)], [])
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -143,13 +184,45 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         self._client.send_collective(sequence, _DEFAULT_GROUP, payload, op)
         return self._client.receive_collective(self._timeout_s)
 
-    def _submit(self, what: str, run: Callable[[int], None], result: list[torch.Tensor]) -> dist.Work:
-        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    def _gather_bytes(self, sequence: int, mine: np.ndarray) -> np.ndarray:
+        """Every rank's `mine` (uint8, one length on every rank) as rows, in rank order: each rank
+        puts its bytes (as float32) in its own segment and zeros elsewhere, and the SUM of x and
+        zeros is x."""
+        size, rank = self.size(), self.rank()
+        payload = np.zeros(mine.size * size, np.float32)
+        payload[rank * mine.size : (rank + 1) * mine.size] = mine
+        gathered = self._exchange(sequence, payload, ReduceOp.SUM).astype(np.uint8)
+        return gathered.reshape(size, mine.size) if mine.size else np.zeros((size, 0), np.uint8)
+
+    def _reduce(self, sequence: int, flat: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """`flat` (a 1-D host tensor) reduced over the group as `plan` says, in its dtype."""
+        if plan.route == "coordinator":
+            return torch.from_numpy(self._exchange(sequence, flat.numpy(), plan.wire_op))
+        if plan.route == "widened":
+            widened = self._exchange(sequence, flat.float().numpy(), plan.wire_op)
+            return torch.from_numpy(widened).to(flat.dtype)
+        if plan.route == "limbs":
+            return torch.from_numpy(
+                from_limbs(self._exchange(sequence, to_limbs(flat.numpy()), ReduceOp.SUM))
+            )
+        rows = self._gather_bytes(sequence, _bytes_of(flat))
+        parts = [torch.from_numpy(row.copy()).view(flat.dtype) for row in rows]
+        return reduce_in_rank_order(parts, plan.op)
+
+    def _submit(
+        self,
+        what: str,
+        run: Callable[[int], None],
+        result: list[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
+    ) -> dist.Work:
+        order = StreamOrder(what, tensors)
+        future = order.future()
         with self._issue:
             if self._closed:
                 raise RuntimeError(f"gradserver {what}: this process group was shut down")
             sequence = next(self._sequence)
-            self._executor.submit(self._run, what, sequence, run, result, future)
+            self._executor.submit(self._run, what, sequence, run, result, future, order)
         return _FutureWork(future)
 
     def _run(
@@ -159,18 +232,18 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         run: Callable[[int], None],
         result: list[torch.Tensor],
         future: torch.futures.Future[list[torch.Tensor]],
+        order: StreamOrder,
     ) -> None:
         try:
-            run(sequence)
+            with order.on_caller_stream():
+                run(sequence)
+                future.set_result(result)
         except GradServerError as exc:
             message = f"rank {self.rank()}: gradserver {what} (operation {sequence}) failed: {exc.message}"
             error = type(exc)(message, step=exc.step, key=exc.key, worker_id=exc.worker_id)
             future.set_exception(error)  # type: ignore[arg-type]  # the stubs mistype it
-            return
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work, not the thread
             future.set_exception(exc)  # type: ignore[arg-type]
-            return
-        future.set_result(result)
 
 
 class _FutureWork(dist.Work):
@@ -194,59 +267,6 @@ class _FutureWork(dist.Work):
         return self._future
 
 
-def _wire_op(op: Any) -> ReduceOp:
-    for torch_op, wire in _REDUCE_OPS.items():
-        if op == torch_op:
-            return wire
-    names = [n for n in ("PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM") if _is_op(op, n)]
-    raise NotImplementedError(f"gradserver allreduce supports SUM and AVG, not {names[0] if names else op}")
-
-
-def _is_op(op: Any, name: str) -> bool:
-    try:
-        return bool(op == getattr(dist.ReduceOp, name))
-    except (AttributeError, TypeError):
-        return False
-
-
-_INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-# An integer travels as four 16-bit limbs of its 64-bit two's complement; a sum of up to 256
-# limbs stays below 2**24, so float32 holds it exactly.
-_LIMBS = 4
-_MAX_INTEGER_RANKS = 256
-
-
-def _check_allreduce_dtypes(tensors: Sequence[torch.Tensor], op: ReduceOp, size: int) -> bool:
-    """True for an exact integer SUM; raises TypeError naming a dtype it cannot reduce exactly."""
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        raise TypeError(f"gradserver allreduce: tensors of one call must share a dtype, got {dtypes}")
-    dtype = dtypes.pop() if dtypes else torch.float32
-    if dtype == torch.float32:
-        return False
-    if dtype in _INTEGER_DTYPES and op is ReduceOp.SUM and size <= _MAX_INTEGER_RANKS:
-        return True
-    raise TypeError(
-        f"gradserver allreduce: dtype {dtype} with {op.name} is not supported; the coordinator "
-        "reduces float32 exactly (SUM and AVG) and integers exactly (SUM); convert other dtypes "
-        "with .float() and back, where that rounding is acceptable"
-    )
-
-
-def _to_limbs(values: np.ndarray) -> np.ndarray:
-    unsigned = values.astype(np.int64).view(np.uint64)
-    limbs = [(unsigned >> np.uint64(16 * k)) & np.uint64(0xFFFF) for k in range(_LIMBS)]
-    return np.stack(limbs, axis=1).astype(np.float32).reshape(-1)
-
-
-def _from_limbs(sums: np.ndarray) -> np.ndarray:
-    limbs = sums.reshape(-1, _LIMBS).astype(np.uint64)
-    total = np.zeros(limbs.shape[0], np.uint64)
-    for k in range(_LIMBS):
-        total += limbs[:, k] << np.uint64(16 * k)  # wraps modulo 2**64, like the integer sum
-    return total.view(np.int64)
-
-
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's raw bytes (a copy on the host)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -261,6 +281,26 @@ def _write_bytes_into(tensors: Sequence[torch.Tensor], data: np.ndarray) -> None
             raw = torch.from_numpy(np.ascontiguousarray(data[offset : offset + nbytes]))
             tensor.copy_(raw.view(tensor.dtype).reshape(tensor.shape))
         offset += nbytes
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements, in order, as one contiguous 1-D host tensor (one copy)."""
+    flat = [t.detach().reshape(-1).to("cpu") for t in tensors]
+    return (flat[0] if len(flat) == 1 else torch.cat(flat)).contiguous()
+
+
+def _check_pieces(
+    what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]], size: int
+) -> None:
+    if len(outputs) != len(inputs) and what == "reduce_scatter":
+        raise ValueError(f"gradserver {what}: {len(outputs)} outputs for {len(inputs)} input lists")
+    for i, group in enumerate(inputs):
+        if len(group) != size:
+            raise ValueError(
+                f"gradserver {what}: input list {i} holds {len(group)} tensors, the group {size}"
+            )
+        if what == "reduce_scatter" and any(t.numel() != outputs[i].numel() for t in group):
+            raise ValueError(f"gradserver {what}: input list {i} has tensors of another size than output {i}")
 
 
 def _scatter_into(tensors: Sequence[torch.Tensor], result: torch.Tensor) -> None:

@@ -9,20 +9,17 @@ the torch Store that `init_process_group` set up; the other ranks read it from t
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Protocol
 
 from gradserver.common.errors import UnavailableError
+from gradserver.worker.local_coordinator import coordinator_command, wait_for_port
 
 ENV_COORDINATOR = "GRADSERVER_COORDINATOR"
 STORE_KEY = "gradserver/coordinator"
-_POLL_S = 0.05
 
 
 class Store(Protocol):
@@ -40,47 +37,30 @@ class EmbeddedCoordinator:
     def __init__(self, world_size: int, timeout_s: float, start_timeout_s: float = 60.0) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="gradserver-pg-")
         port_file = Path(self._dir.name) / "port"
-        command = [
-            sys.executable,
-            "-m",
-            "gradserver.cli",
-            "coordinator",
-            "--bind",
-            "127.0.0.1:0",
-            "--world-size",
-            str(world_size),
+        command = coordinator_command(
+            world_size,
+            port_file,
             "--join-timeout",
             f"{timeout_s:g}",
             "--step-timeout",
             f"{timeout_s:g}",
-            "--port-file",
-            str(port_file),
             "--log-level",
             os.environ.get("GRADSERVER_LOG_LEVEL", "WARNING"),
-        ]
+        )
         self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         atexit.register(self.stop)
         try:
-            self.address = f"127.0.0.1:{self._wait_for_port(port_file, start_timeout_s)}"
+            port = wait_for_port(self._process, port_file, start_timeout_s)
         except BaseException:
             self.stop()
             raise
-
-    def _wait_for_port(self, port_file: Path, timeout_s: float) -> int:
-        # The child writes the file once it listens; there is no other signal to wait on.
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise UnavailableError(
-                    f"the embedded gradserver coordinator exited with status {self._process.returncode} "
-                    "before it listened (its log is above)"
-                )
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                text = port_file.read_text().strip()
-                if text:
-                    return int(text.rsplit(":", 1)[-1])
-            time.sleep(_POLL_S)
-        raise UnavailableError(f"the embedded gradserver coordinator did not listen within {timeout_s:g} s")
+        if port is None:
+            self.stop()
+            raise UnavailableError(
+                f"the embedded gradserver coordinator exited with status {self._process.returncode} "
+                "before it listened (its log is above)"
+            )
+        self.address = f"127.0.0.1:{port}"
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ends the child (SIGTERM, then SIGKILL after `timeout_s`). Safe to call more than once."""

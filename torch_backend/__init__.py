@@ -1,7 +1,8 @@
-"""gradserver as a torch.distributed backend: `import gradserver.worker.torch` registers "gradserver".
+"""gradserver as a torch.distributed backend: `import gradserver.torch` registers "gradserver".
 
-This package is the only part of the client library that imports torch at import time; it is a
-client of the same coordinator API as `WorkerClient`.
+Its own package beside the client library (folder `torch_backend/`, installed as
+`gradserver.torch`): a client of the same coordinator API as `WorkerClient`, which it builds on;
+neither the client library nor the coordinator imports it, so both work without torch.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def autoload() -> None:
     try:
         register()
     except Exception:  # a failure here must not make `import torch` fail
-        logging.getLogger("gradserver.worker.torch").warning(
+        logging.getLogger("gradserver.torch").warning(
             "could not register the gradserver torch.distributed backend", exc_info=True
         )
 

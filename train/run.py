@@ -1,0 +1,253 @@
+"""`gradserver run`: any training script on this machine, its ranks averaging through a coordinator.
+
+    gradserver run --workers 2 -- python my_train.py --epochs 3
+
+starts a coordinator (127.0.0.1, --port or any free port) and N copies of the command with the
+torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT:
+a free port for the torch Store), GRADSERVER_COORDINATOR (so `init_process_group("gradserver")`
+joins it), GRADSERVER_AUTH_TOKEN from --token-file, and OMP_NUM_THREADS = cores // N unless set.
+Each rank's output is relayed with a prefix ([rank 0], ...). SIGINT and SIGTERM are forwarded to
+every rank; run then stops what is left and exits 128 + the signal. The first rank that exits
+non-zero (or is killed) ends the run: the others and the coordinator are stopped (SIGTERM, then
+SIGKILL after a grace period) and run exits with that rank's code, naming it. Exit 0 when every
+rank exited 0 and the coordinator was stopped. Every process group of the script uses this one
+coordinator, so `dist.new_group` subgroups are refused (they need the embedded coordinator of
+plain torchrun). The coordinator takes its other settings from the environment as always
+(GRADSERVER_STEP_TIMEOUT, GRADSERVER_JOIN_TIMEOUT, ...).
+
+It lives in the training application beside `gradserver launch` because it is the same kind of
+job supervision (and reuses launch's helpers); it starts the user's command and never imports
+torch itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
+from gradserver.worker.local_coordinator import coordinator_command
+
+from .cli import available_cores
+from .launch import STOP_GRACE_S, Child, await_coordinator, start_child, stop_children
+
+_START_TIMEOUT_S = 60.0
+_POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal
+_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+def register(commands: Any) -> None:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "run",
+        help="run any training script with N ranks through a coordinator (like torchrun)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--workers", type=int, required=True, help="number of ranks (copies of the command)")
+    parser.add_argument(
+        "--port", type=int, default=0, help="coordinator port on 127.0.0.1 (0: any free port)"
+    )
+    parser.add_argument("--token-file", default="", help="file holding the shared token of the coordinator")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=0.0,
+        help="seconds of silence after which the coordinator fails a rank (0: its default)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=0.0, help="seconds for the whole run, a last resort (0: none)"
+    )
+    # Not "command": that is the dispatcher's name for the subcommand (cli/main.py).
+    parser.add_argument(
+        "argv", metavar="command", nargs=argparse.REMAINDER, help="after --, the command every rank runs"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = [a for a in args.argv[:1] if a != "--"] + args.argv[1:]
+    _check(args, command)
+    token = _read_token(args.token_file)
+    children: list[Child] = []
+    with (
+        _forwarded_signals(children) as received,
+        tempfile.TemporaryDirectory(prefix="gradserver-run-") as tmp,
+    ):
+        try:
+            code, message = _supervise(args, command, token, Path(tmp), children, received)
+        finally:
+            stop_children(children)
+    for child in children:
+        child.finish_output()
+    # Last, after the other processes' final lines: the one line that says how the run ended.
+    print(f"run: {message}", file=sys.stderr if code else sys.stdout, flush=True)
+    return code
+
+
+def _check(args: argparse.Namespace, command: list[str]) -> None:
+    if not command:
+        raise InvalidArgumentError("no command to run: give it after --, e.g. -- python train.py")
+    if args.workers < 1:
+        raise InvalidArgumentError(f"--workers must be at least 1, got {args.workers}")
+    if not 0 <= args.port <= 65535:
+        raise InvalidArgumentError(f"--port must be in 0..65535, got {args.port}")
+    if args.heartbeat_timeout < 0 or args.timeout < 0:
+        raise InvalidArgumentError("--heartbeat-timeout and --timeout must not be negative")
+
+
+def _read_token(path: str) -> str:
+    if not path:
+        return ""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise InvalidArgumentError(f"--token-file {path}: cannot read it ({exc.strerror})") from None
+    if not token:
+        raise InvalidArgumentError(f"--token-file {path} is empty")
+    return token
+
+
+@contextlib.contextmanager
+def _forwarded_signals(children: list[Child]) -> Iterator[list[int]]:
+    """While active, SIGINT/SIGTERM go to every running child and are recorded in the list."""
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        for child in children:
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _free_port() -> int:
+    # Like torchrun's standalone mode: the port is free now; the Store binds it moments later.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_env(rank: int, world: int, master_port: int, coordinator: str, token: str) -> dict[str, str]:
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "GRADSERVER_COORDINATOR": coordinator,
+    }
+    if token:
+        env["GRADSERVER_AUTH_TOKEN"] = token
+    return env
+
+
+def _print(prefix: str, line: str) -> None:
+    print(f"{prefix} {line.rstrip()}", flush=True)
+
+
+def _supervise(
+    args: argparse.Namespace,
+    command: list[str],
+    token: str,
+    tmp: Path,
+    children: list[Child],
+    received: list[int],
+) -> tuple[int, str]:
+    """Starts the coordinator and the ranks and watches them; returns (exit code, last line). The
+    caller stops whatever still runs."""
+    deadline = time.monotonic() + (args.timeout or float("inf"))
+    port_file = tmp / "port"
+    options = ["--log-level", "WARNING"]
+    if args.heartbeat_timeout:
+        options += ["--heartbeat-timeout", f"{args.heartbeat_timeout:g}"]
+    # The token reaches the coordinator through its environment, never its argv (ps shows that).
+    secret = {"GRADSERVER_AUTH_TOKEN": token} if token else {}
+    coordinator = start_child(
+        coordinator_command(args.workers, port_file, *options, port=args.port),
+        "coordinator",
+        _print,
+        None,
+        secret,
+    )
+    children.append(coordinator)
+    port = await_coordinator(coordinator, port_file, min(deadline, time.monotonic() + _START_TIMEOUT_S))
+    exits: queue.Queue[Child] = queue.Queue()
+    coordinator.watch(exits)
+    threads = max(1, available_cores() // args.workers)
+    master_port = _free_port()
+    ranks = []
+    for rank in range(args.workers):
+        env = _rank_env(rank, args.workers, master_port, f"127.0.0.1:{port}", token)
+        ranks.append(start_child(command, f"rank {rank}", _print, threads, env))
+        children.append(ranks[-1])
+        ranks[-1].watch(exits)
+    return _watch(coordinator, ranks, exits, deadline, received)
+
+
+def _watch(
+    coordinator: Child, ranks: list[Child], exits: queue.Queue[Child], deadline: float, received: list[int]
+) -> tuple[int, str]:
+    running = set(ranks)
+    while running:
+        if received:
+            return _after_signal(ranks, received[0])
+        if time.monotonic() >= deadline:
+            raise DeadlineExceededError("the run did not finish within --timeout")
+        try:
+            child = exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            continue
+        if received:  # this exit is the forwarded signal's doing, not the rank's failure
+            return _after_signal(ranks, received[0])
+        code = child.proc.returncode
+        if child is coordinator:
+            child.finish_output()
+            return 1, f"the {child.failure()}" if code else "the coordinator ended before the ranks"
+        running.discard(child)
+        if code != 0:
+            child.finish_output()
+            return (code if code > 0 else 128 - code), child.failure()
+    return _end_coordinator(coordinator, len(ranks))
+
+
+def _after_signal(ranks: list[Child], signum: int) -> tuple[int, str]:
+    """The signal went to every rank: give them the grace period to exit on it."""
+    grace_end = time.monotonic() + STOP_GRACE_S
+    for child in ranks:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(max(0.0, grace_end - time.monotonic()))
+    return 128 + signum, f"stopped by {signal.Signals(signum).name}"
+
+
+def _end_coordinator(coordinator: Child, ranks: int) -> tuple[int, str]:
+    """Every rank exited 0: the coordinator has no end of its own here (no step count), so it is
+    asked to stop, and must."""
+    coordinator.proc.terminate()
+    try:
+        code = coordinator.proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:  # the caller kills it
+        return 1, f"the coordinator did not stop within {STOP_GRACE_S:g} s of SIGTERM"
+    if code not in (0, -signal.SIGTERM):
+        coordinator.finish_output()
+        return 1, f"every rank finished, but the {coordinator.failure()}"
+    return 0, f"all {ranks} ranks finished"
