@@ -109,8 +109,19 @@ class ChunkHeader:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShmRef:
+    """Where a payload lies in a shared-memory arena: its name ("in" or "out"), byte offset and
+    byte length (docs/PROTOCOL.md, "Shared memory")."""
+
+    name: str
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ChunkIn:
-    """A piece of one worker's contribution. `data` holds little-endian float32 elements."""
+    """A piece of one worker's contribution. `data` holds little-endian float32 elements; with
+    `shm` set, `data` is empty until the coordinator resolves the reference in the sender's arena."""
 
     worker_id: int
     key: TensorKey
@@ -118,6 +129,7 @@ class ChunkIn:
     offset: int
     data: bytes | memoryview
     stats: SampleStats | None = None
+    shm: ShmRef | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +169,8 @@ class AveragedChunkOut:
     data: bytes | memoryview
     num_contributors: int
     stats: SampleStats | None = None
+    # Set for a shared-memory recipient: the average lies there and `data` is empty.
+    shm: ShmRef | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,3 +256,6 @@ class JoinAccepted:
     max_steps: int
     resume_step: int | None = None
     local_workers: int = 1
+    # Same-host fast path: the coordinator's Unix socket and its nonce ("" and b"" when off).
+    shm_socket: str = ""
+    shm_nonce: bytes = b""

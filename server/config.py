@@ -92,6 +92,18 @@ class CoordinatorConfig:
     insecure: bool = dataclasses.field(
         default=False, metadata={"help": "allow a non-loopback --bind without TLS or a token"}
     )
+    no_shm: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "offer no shared-memory fast path to workers on this host (gRPC only)"},
+    )
+    shm_dir: str = dataclasses.field(
+        default="",
+        metadata={"help": "where the 0700 directory of the shared-memory socket goes ('': the temp dir)"},
+    )
+    shm_arena_mib: float = dataclasses.field(
+        default=256.0,
+        metadata={"help": "MiB of the shared output arena the averages go through (same-host workers)"},
+    )
 
     def __post_init__(self) -> None:
         host, _ = parse_address(self.bind, what="--bind")
@@ -132,6 +144,12 @@ class CoordinatorConfig:
         )
         require_setting(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0")
         require_setting(
+            self.shm_arena_mib >= self.chunk_mib,
+            "shm_arena_mib",
+            self.shm_arena_mib,
+            f"at least chunk_mib ({self.chunk_mib:g})",
+        )
+        require_setting(
             -1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "-1 (off) or a port 0..65535"
         )
         require_setting(self.log_format in ("text", "json"), "log_format", self.log_format, "text or json")
@@ -149,6 +167,10 @@ class CoordinatorConfig:
     @property
     def max_message_bytes(self) -> int:
         return int(self.max_message_mib * MIB)
+
+    @property
+    def shm_arena_bytes(self) -> int:
+        return int(self.shm_arena_mib * MIB)
 
     @property
     def max_inflight_bytes(self) -> int:

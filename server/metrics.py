@@ -40,6 +40,17 @@ class CoordinatorMetrics:
         self.sent_bytes = Counter(
             "gradserver_sent_bytes", "Message bytes written to workers", registry=registry
         )
+        self.shm_bytes = Counter(
+            "gradserver_shm_bytes",
+            "Payload bytes moved through shared memory (averages to same-host workers, counted per "
+            "recipient); the gRPC bytes are gradserver_sent_bytes and gradserver_received_bytes",
+            registry=registry,
+        )
+        self.shm_received_bytes = Counter(
+            "gradserver_shm_received_bytes",
+            "Contribution bytes read from same-host workers' shared memory",
+            registry=registry,
+        )
         self.reduce_latency = Histogram(
             "gradserver_reduce_latency_seconds",
             "Per key: first contribution to last averaged chunk",

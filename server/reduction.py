@@ -192,6 +192,15 @@ class ReductionTable:
         self._settle_steps()
         return out
 
+    def own_worker_data(self, worker_id: int) -> None:
+        """Replaces the views of `worker_id`'s contributions still held by private copies, so
+        that memory it can still write (a shared-memory arena) is never read again."""
+        for slot in self._pending.values():
+            for parts in slot.chunks.values():
+                part = parts[worker_id]
+                if isinstance(part, memoryview):
+                    parts[worker_id] = bytes(part)
+
     def worker_joined(self, worker_id: int) -> None:
         """A (re)joined worker takes part from the next step that has not started yet."""
         self._roster.joined(worker_id)

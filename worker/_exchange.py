@@ -57,6 +57,8 @@ from gradserver.common.messages import (
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
 from gradserver.common.timeouts import Timeouts
 
+from .transports.shm import ShmChannel
+
 log = logging.getLogger("gradserver.worker")
 
 _FAILED_STEPS_KEPT = 64
@@ -163,8 +165,10 @@ class ExchangeStream:
         accepted: JoinAccepted,
         timeouts: Timeouts,
         extra_metadata: tuple[tuple[str, str], ...] = (),
+        shm: ShmChannel | None = None,
     ) -> None:
         self.accepted = accepted
+        self._shm = shm
         self.timeouts = timeouts
         self._cond = threading.Condition()
         self._outbound = _Outbound(_OUTBOUND_MESSAGES)
@@ -374,11 +378,27 @@ class ExchangeStream:
             self._cond.notify_all()
 
     def _on_chunk(self, event: AveragedChunkOut) -> None:
+        if self._shm is not None:
+            # Averaged: the coordinator holds no view of this chunk's input slot any more.
+            self._shm.chunk_done(event.key, event.offset)
+        if event.shm is None:
+            self._fill(event, np.frombuffer(event.data, dtype="<f4"))
+            return
+        if self._shm is None:
+            raise InternalError(
+                f"coordinator sent {event.key} through shared memory this worker has not mapped"
+            )
+        try:
+            self._fill(event, self._shm.average(event.shm))
+        finally:
+            self._shm.release(event.shm)
+
+    def _fill(self, event: AveragedChunkOut, data: np.ndarray) -> None:
         with self._cond:
             pending = self._results.get(event.key)
         if pending is None or pending.error is not None:
             return  # a key this worker gave up on (timeout, failed step): nothing to fill
-        length = len(event.data) // 4
+        length = data.size
         end = event.offset + length
         error: ErrorRecord | None = None
         if (
@@ -394,7 +414,7 @@ class ExchangeStream:
                 key=str(event.key),
             )
         else:
-            pending.array[event.offset : end] = np.frombuffer(event.data, dtype="<f4")
+            pending.array[event.offset : end] = data
         with self._cond:
             if error is not None:
                 pending.error = error
@@ -416,6 +436,12 @@ class ExchangeStream:
         )
         log.warning("coordinator: %s", exc)
         error = ErrorRecord.of(exc)
+        if self._shm is not None:
+            # A failed step or a refused key is dropped by the coordinator: its slots are free.
+            if event.step_failed:
+                self._shm.step_done(event.step)
+            elif event.key is not None:
+                self._shm.key_done(event.key)
         if event.step_failed:
             # The first report says why the step failed and who caused it; later refusals of
             # this step's messages repeat it about their own key.

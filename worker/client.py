@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import socket
 import time
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from gradserver.common.components import (
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
+    GradServerError,
     InvalidArgumentError,
     UnavailableError,
     error_from_status,
@@ -53,6 +55,7 @@ from gradserver.common.timeouts import Timeouts
 from ._exchange import ExchangeStream, PendingResult
 from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
 from .tensors import as_float32_array
+from .transports.shm import ShmChannel
 
 log = logging.getLogger("gradserver.worker")
 
@@ -60,6 +63,37 @@ log = logging.getLogger("gradserver.worker")
 # these bounds, so a long wait says what it is doing and a short one stays quiet enough.
 _PROGRESS_MIN_S = 0.1
 _PROGRESS_MAX_S = 5.0
+
+TRANSPORTS = ("auto", "grpc", "shm")
+TRANSPORT_ENV = "GRADSERVER_TRANSPORT"
+DEFAULT_SHM_ARENA_MIB = 256.0
+
+
+def _transport_choice(transport: str | None) -> str:
+    """The argument, else $GRADSERVER_TRANSPORT, else auto; anything else is refused by name."""
+    choice = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "") or "auto"
+    if choice not in TRANSPORTS:
+        source = "transport" if transport is not None else TRANSPORT_ENV
+        raise InvalidArgumentError(f"{source}={choice!r}: choose one of {', '.join(TRANSPORTS)}")
+    return choice
+
+
+def _open_shm(accepted: JoinAccepted, choice: str, arena_mib: float, timeout: float) -> ShmChannel | None:
+    """The shared-memory channel for `auto` or `shm`; auto falls back to gRPC with one INFO line
+    saying why, shm raises the reason."""
+    if choice == "grpc":
+        return None
+    try:
+        if not accepted.shm_socket:
+            raise FailedPreconditionError(
+                "the coordinator offers no shared memory (it runs with --no-shm or without Linux memfd)"
+            )
+        return ShmChannel.open(accepted, int(arena_mib * 1024 * 1024), timeout)
+    except GradServerError as exc:
+        if choice == "shm":
+            raise type(exc)(f"transport 'shm' is not available: {exc.message}") from None
+        log.info("gradients go over gRPC: %s", exc.message)
+        return None
 
 
 def _wait_until_reachable(channel: grpc.Channel, address: str, limit: float, hint: str) -> None:
@@ -102,12 +136,14 @@ class WorkerClient:
         timeouts: Timeouts,
         address: str,
         metadata: tuple[tuple[str, str], ...] = (),
+        shm: ShmChannel | None = None,
     ) -> None:
         self._channel = channel
         self._accepted = accepted
         self.timeouts = timeouts
         self.address = address
-        self._stream = ExchangeStream(channel, accepted, timeouts, metadata)
+        self._shm = shm
+        self._stream = ExchangeStream(channel, accepted, timeouts, metadata, shm)
         self._sent: dict[KeyKind, collections.deque[TensorKey]] = {
             kind: collections.deque() for kind in KeyKind
         }
@@ -128,6 +164,8 @@ class WorkerClient:
         committed_step: int | None = None,
         fingerprint: Mapping[str, str] | None = None,
         rank: int | None = None,
+        transport: str | None = None,
+        shm_arena_mib: float = DEFAULT_SHM_ARENA_MIB,
     ) -> Self:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
@@ -138,8 +176,12 @@ class WorkerClient:
         every worker resumes. `fingerprint` maps each setting that must agree across the job's
         workers to its value: the coordinator refuses a joiner whose map differs from the
         first joiner's, naming the fields. `rank` asks for that worker id (a torch rank) instead
-        of the lowest free one: a rank out of range or already taken is refused, naming it."""
+        of the lowest free one: a rank out of range or already taken is refused, naming it.
+        `transport` is "auto" (default, or $GRADSERVER_TRANSPORT): shared memory when the
+        coordinator proves it is on this host, else gRPC; "grpc"; or "shm", which raises when
+        shared memory is not available. `shm_arena_mib` bounds this worker's input arena."""
         timeouts = Timeouts.of(timeout)
+        choice = _transport_choice(transport)
         parse_address(address, what="coordinator address")
         node_id = node_id or socket.gethostname()
         options: list[tuple[str, int | str]] = list(worker_channel_options())
@@ -174,8 +216,20 @@ class WorkerClient:
                     details = f"join did not complete within {timeouts.join:g} s ({details})"
                 raise error_from_status(code, details) from exc
             accepted = codec.decode_join_accepted(raw)
-            log.info("joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers)
-            return cls(channel, accepted, timeouts, address, metadata)
+            shm = _open_shm(accepted, choice, shm_arena_mib, timeouts.connect)
+            log.info(
+                "joined %s as worker %d of %d (gradients over %s)",
+                address,
+                accepted.worker_id,
+                accepted.total_workers,
+                "shared memory" if shm is not None else "gRPC",
+            )
+            try:
+                return cls(channel, accepted, timeouts, address, metadata, shm)
+            except BaseException:
+                if shm is not None:
+                    shm.close()
+                raise
         except BaseException:
             channel.close()
             raise
@@ -216,6 +270,30 @@ class WorkerClient:
     @property
     def heartbeat_timeout(self) -> float:
         return self._accepted.heartbeat_timeout_s
+
+    @property
+    def transport(self) -> str:
+        """How gradients move: "shm" (same-host shared memory) or "grpc"."""
+        return "shm" if self._shm is not None else "grpc"
+
+    def gradient_buffer(self, num_elements: int) -> np.ndarray:
+        """A zeroed float32 array of `num_elements` to build gradients in. Over shared memory it
+        lies in this worker's registered arena, so sending it (or a slice) copies nothing; keep
+        its contents unchanged until the average of what was sent from it has been received. Under
+        gRPC (or when the arena has no room left) it is a plain array."""
+        if (
+            isinstance(num_elements, bool)
+            or not isinstance(num_elements, (int, np.integer))
+            or num_elements < 0
+        ):
+            raise InvalidArgumentError(
+                f"gradient_buffer needs a non-negative element count, got {num_elements!r}"
+            )
+        array = self._shm.gradient_buffer(int(num_elements)) if self._shm is not None else None
+        if array is None:
+            return np.zeros(int(num_elements), dtype=np.float32)
+        array[:] = 0.0
+        return array
 
     # --- per-block gradients ------------------------------------------------------------------
 
@@ -357,6 +435,8 @@ class WorkerClient:
             self._stream.close()
         finally:
             self._channel.close()
+            if self._shm is not None:
+                self._shm.close()
 
     def __enter__(self) -> WorkerClient:
         return self
@@ -391,10 +471,16 @@ class WorkerClient:
         self._stream.expect(key, sizes, int(array.size))
         try:
             for offset, length in chunk_spans(int(array.size), self.chunk_bytes // 4):
-                data = array[offset : offset + length].data
-                self._stream.send(ChunkIn(self.worker_id, key, header, offset, data, stats))
+                piece = array[offset : offset + length]
+                ref = self._shm.stage(key, offset, piece) if self._shm is not None else None
+                if ref is None:
+                    self._stream.send(ChunkIn(self.worker_id, key, header, offset, piece.data, stats))
+                else:
+                    self._stream.send(ChunkIn(self.worker_id, key, header, offset, b"", stats, ref))
         except BaseException:
             self._stream.forget(key)
+            if self._shm is not None:
+                self._shm.key_done(key)
             raise
         self._sent[key.kind].append(key)
 
