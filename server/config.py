@@ -100,6 +100,10 @@ class CoordinatorConfig:
         default="",
         metadata={"help": "where the 0700 directory of the shared-memory socket goes ('': the temp dir)"},
     )
+    reduce_threads: int = dataclasses.field(
+        default=0,
+        metadata={"help": "threads that average one large chunk together (0: min(8, CPU count))"},
+    )
     shm_arena_mib: float = dataclasses.field(
         default=256.0,
         metadata={"help": "MiB of the shared output arena the averages go through (same-host workers)"},
@@ -143,6 +147,7 @@ class CoordinatorConfig:
             self.max_tensor_elements >= 1, "max_tensor_elements", self.max_tensor_elements, ">= 1"
         )
         require_setting(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0")
+        require_setting(self.reduce_threads >= 0, "reduce_threads", self.reduce_threads, ">= 0 (0: auto)")
         require_setting(
             self.shm_arena_mib >= self.chunk_mib,
             "shm_arena_mib",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -143,6 +144,7 @@ class GradientServer:
             on_key_reduced=self.metrics.reduce_latency.observe,
             on_barrier_released=self.metrics.barrier_wait.observe,
             on_worker_loss=self.config.on_worker_loss,
+            reduce_threads=self.config.reduce_threads or min(8, os.cpu_count() or 1),
         )
 
     # --- lifecycle ----------------------------------------------------------------------------

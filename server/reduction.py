@@ -124,6 +124,7 @@ class ReductionTable:
         on_key_reduced: Callable[[float], None] | None = None,
         on_barrier_released: Callable[[float], None] | None = None,
         on_worker_loss: str = "abort",
+        reduce_threads: int = 1,
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
         contribution or arrival to completion (for metrics)."""
@@ -137,7 +138,7 @@ class ReductionTable:
         self.chunk_elements = chunk_elements
         self.step_timeout = step_timeout
         self._clock = clock
-        self._averager = Averager()
+        self._averager = Averager(reduce_threads)
         self._pending: dict[tuple[KeyKind, int], _Slot] = {}
         self._barriers: dict[tuple[int, str], _Barrier] = {}
         self._last_step: dict[tuple[KeyKind, int], int] = {}

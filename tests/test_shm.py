@@ -369,3 +369,21 @@ def test_a_closed_arena_socket_does_not_hang_the_coordinator(shm_coordinator) ->
         except ConnectionResetError:
             rest = b""
         assert rest == b"" or rest[0] != 0
+
+
+def test_a_reduction_split_across_threads_gives_the_same_bytes() -> None:
+    from gradserver.server.averaging import Averager, NonFiniteContribution
+
+    size = 1_000_003
+    arrays = [_data(w, 9, size) for w in range(3)]
+    single, split = Averager(1), Averager(4)
+    try:
+        for divide in (True, False):
+            want = bytes(single.average([a.data for a in arrays], divide=divide))
+            assert bytes(split.average([a.data for a in arrays], divide=divide)) == want
+        arrays[1][size - 5] = np.nan  # in the last thread's range
+        with pytest.raises(NonFiniteContribution) as caught:
+            split.average([a.data for a in arrays])
+        assert (caught.value.position, caught.value.element) == (1, size - 5)
+    finally:
+        split.close()
