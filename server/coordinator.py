@@ -606,6 +606,7 @@ class GradientServer:
                     )
                 event = self.shm.resolve(event, stream.member)
                 self.metrics.shm_received_bytes.inc(len(event.data))
+                self.metrics.received_bytes.inc(len(event.data))
             self._deliver(self._table.contribute(event))
         elif isinstance(event, BarrierIn):
             if self._beyond_final_step(stream, event.step, barrier=event.name):
@@ -707,6 +708,7 @@ class GradientServer:
         for event, to in parts:
             if event.shm is not None:
                 self.metrics.shm_bytes.inc(event.shm.length * len(to))
+                self.metrics.sent_bytes.inc(event.shm.length * len(to))
         return list(parts)
 
     def _broadcast(self, event: ShutdownOut) -> None:

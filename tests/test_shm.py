@@ -387,3 +387,29 @@ def test_a_reduction_split_across_threads_gives_the_same_bytes() -> None:
         assert (caught.value.position, caught.value.element) == (1, size - 5)
     finally:
         split.close()
+
+
+def test_training_over_shm_sends_from_gradient_buffers_and_matches_grpc(shm_coordinator, tmp_path) -> None:
+    """The trainer's accumulators live in the client's arena (backward writes straight into what
+    is sent), and the weights after training equal those trained over gRPC, bit for bit."""
+    import torch
+
+    from gradserver.train.backends import RemoteBackend
+    from gradserver.train.checkpoint import load_checkpoint
+    from gradserver.train.training import TrainConfig, train
+
+    states = {}
+    for transport in ("grpc", "shm"):
+        out = tmp_path / transport
+        config = TrainConfig(model="tiny", steps=2, batch_size=4, lr=1e-2, max_grad_norm=1.0, out=str(out))
+        server = shm_coordinator(world_size=2, chunk_mib=4.0, max_message_mib=16.0)
+
+        def work(c: CollectiveClient, config: TrainConfig = config) -> int:
+            train(RemoteBackend(c), config)
+            return c._shm.zero_copy_bytes if c._shm is not None else 0
+
+        copied = _run(server, [transport, transport], work)
+        assert (min(copied) > 0) == (transport == "shm")
+        states[transport] = load_checkpoint(out / "checkpoint-rank0.pt").model_state
+    for name, weight in states["grpc"].items():
+        assert torch.equal(states["shm"][name], weight), name

@@ -45,6 +45,7 @@ from gradserver.common.logs import LOG_FORMATS, configure_logging, set_log_conte
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 from gradserver.worker import WorkerClient
+from gradserver.worker.client import TRANSPORTS
 
 from .extra import require_training_extra
 from .fingerprint import synthetic_fingerprint
@@ -134,6 +135,13 @@ class WorkerConfig:
             "help": "train: seconds to keep rejoining a lost coordinator (0: off); steps become all-or-none"
         },
     )
+    transport: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "remote: how gradients move; auto: shared memory when the coordinator is on this host, "
+            "else gRPC; grpc; shm (fail if unavailable)"
+        },
+    )
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of weights or synthetic gradients"})
     num_blocks: int = dataclasses.field(
         default=0, metadata={"help": "synthetic: override the preset's blocks"}
@@ -174,6 +182,7 @@ class WorkerConfig:
         for name, value, allowed in (
             ("job", self.job, JOBS),
             ("backend", self.backend, BACKENDS),
+            ("transport", self.transport, TRANSPORTS),
             ("log_format", self.log_format, LOG_FORMATS),
             ("log_level", self.log_level.upper(), LOG_LEVELS),
         ):
@@ -392,6 +401,7 @@ def _connect(
         server_name=config.tls_server_name,
         committed_step=committed_step,
         fingerprint=fingerprint,
+        transport=config.transport,
     )
 
 
