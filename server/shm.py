@@ -186,7 +186,7 @@ class ShmHub:
             return
         for offset in [o for o, h in self._holders.items() if worker_id in h]:
             self.release(worker_id, offset)
-        if peer.reader is not None:
+        if peer.reader is not None and peer.reader is not asyncio.current_task():
             peer.reader.cancel()
         peer.conn.close()
         peer.view.release()
@@ -270,7 +270,12 @@ class ShmHub:
         while True:
             data = await loop.sock_recv(peer.conn, 64 * 1024)
             if not data:
-                return  # the worker closed it; its gRPC stream says why it left
+                # The worker closed it (it exits, or gave up on shared memory after all): nothing
+                # more is named in its arena, and averages go to it inline from now on.
+                if self._peers.get(peer.worker_id) is peer:
+                    log.info("worker %d closed its shared-memory socket", peer.worker_id)
+                    self.worker_gone(peer.worker_id)
+                return
             pending += data
             whole = len(pending) - len(pending) % shm.RELEASE.size
             for (offset,) in shm.RELEASE.iter_unpack(pending[:whole]):
