@@ -180,6 +180,7 @@ class ExchangeStream:
         self._closing = False
         self.shutdown_reason: str | None = None
         self.last_ack = time.monotonic()
+        self._acks = 0
         self._stop_heartbeat = threading.Event()
         exchange = channel.stream_stream(EXCHANGE_METHOD)
         metadata = stream_metadata(accepted.worker_id, accepted.session_id, accepted.member_token)
@@ -213,6 +214,16 @@ class ExchangeStream:
             f"could not send within {self.timeouts.send:g} s: the coordinator is not "
             "reading this worker's stream"
         )
+
+    def confirm_open(self, timeout: float) -> None:
+        """Returns once the coordinator answered a heartbeat on this stream, so the stream is
+        registered there before the caller goes on (gRPC opens it in the background otherwise);
+        raises the coordinator's refusal or a timeout."""
+        with self._cond:
+            seen = self._acks
+        self.send(HeartbeatIn(self.accepted.worker_id, 0))
+        with self._cond:
+            self._wait(lambda: self._acks > seen, timeout, "the coordinator did not answer on the new stream")
 
     def raise_if_broken(self) -> None:
         if self._broken is not None:
@@ -370,6 +381,7 @@ class ExchangeStream:
                 self._shards.append(event)
             elif isinstance(event, HeartbeatAckOut):
                 self.last_ack = time.monotonic()
+                self._acks += 1
             elif isinstance(event, ShutdownOut):
                 self.shutdown_reason = event.reason or "no reason given"
                 log.info("coordinator is shutting down: %s", self.shutdown_reason)

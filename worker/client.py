@@ -225,11 +225,17 @@ class WorkerClient:
                 "shared memory" if shm is not None else "gRPC",
             )
             try:
-                return cls(channel, accepted, timeouts, address, metadata, shm)
+                client = cls(channel, accepted, timeouts, address, metadata, shm)
             except BaseException:
                 if shm is not None:
                     shm.close()
                 raise
+            try:
+                client._stream.confirm_open(timeouts.connect)
+            except BaseException:
+                client.close()
+                raise
+            return client
         except BaseException:
             channel.close()
             raise
