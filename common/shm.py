@@ -68,11 +68,21 @@ def map_readonly(fd: int, what: str) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
 
 
-def peer_uid(sock: socket.socket) -> int:
-    """The user id of the process at the other end of a connected AF_UNIX socket."""
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """The process id and user id at the other end of a connected AF_UNIX socket (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
+def same_network_namespace(pid: int) -> bool:
+    """Whether process `pid` shares this process's network namespace. Another one is treated
+    as another host (a container, or a test's emulated machine), even when it can reach the
+    socket; when it cannot be told, the answer is no."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+    except OSError:
+        return False
 
 
 def recv_exact(sock: socket.socket, size: int, fds: int = 0) -> tuple[bytes, list[int]]:

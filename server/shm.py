@@ -218,11 +218,16 @@ class ShmHub:
             worker_id, session_id, token = shm.HELLO.unpack(hello)
             if len(fds) != 1:
                 raise InvalidArgumentError(f"worker {worker_id} sent {len(fds)} descriptors, expected 1")
-            uid = shm.peer_uid(conn)
+            pid, uid = shm.peer_credentials(conn)
             if uid != os.getuid():
                 raise InvalidArgumentError(
                     f"the process claiming worker {worker_id} runs as uid {uid}, this coordinator as "
                     f"{os.getuid()}"
+                )
+            if not shm.same_network_namespace(pid):
+                raise InvalidArgumentError(
+                    f"worker {worker_id} (pid {pid}) runs in another network namespace, which counts "
+                    "as another host: it uses gRPC"
                 )
             member = self._authenticate(worker_id, session_id, token)
             try:

@@ -413,3 +413,20 @@ def test_training_over_shm_sends_from_gradient_buffers_and_matches_grpc(shm_coor
         states[transport] = load_checkpoint(out / "checkpoint-rank0.pt").model_state
     for name, weight in states["grpc"].items():
         assert torch.equal(states["shm"][name], weight), name
+
+
+def test_connect_returns_once_the_coordinator_holds_the_stream(shm_coordinator) -> None:
+    """A worker may send and leave right after connect: every peer's stream must already be
+    registered then, or it is refused as opened before the world was complete."""
+    server = shm_coordinator(world_size=3)
+    clients = _connect(server.address, ["shm", "shm", "grpc"])
+    try:
+        assert server.call(lambda s: sorted(s._streams)) == [0, 1, 2]
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_another_network_namespace_counts_as_another_host() -> None:
+    assert shm_support.same_network_namespace(os.getpid())
+    assert not shm_support.same_network_namespace(2**22 + 1)  # above pid_max: no such process
