@@ -80,7 +80,7 @@ def same_network_namespace(pid: int) -> bool:
     as another host (a container, or a test's emulated machine), even when it can reach the
     socket; when it cannot be told, the answer is no."""
     try:
-        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{os.getpid()}/ns/net")
     except OSError:
         return False
 
