@@ -69,18 +69,6 @@ CONFIGS = {
         vocab=256,
         max_seq_len=128,
     ),
-    # Communication-heavy (24M parameters, 16-token sequences): for benchmarking the exchange
-    # inside training, where averaging is a large share of a step.
-    "wide": ModelConfig(
-        "wide",
-        hidden=512,
-        num_heads=8,
-        num_kv_heads=2,
-        intermediate=2048,
-        num_layers=4,
-        vocab=8192,
-        max_seq_len=16,
-    ),
     "350m": ModelConfig(
         "350m",
         hidden=1024,
