@@ -3,13 +3,17 @@
     python -m bench.exchange                 # 4 blocks of H=1024, D_kv=256, I=4096 + LM head; N=2, 4
     python -m bench.exchange --full          # all 24 blocks + LM head
     python -m bench.exchange --workers 2 --steps 5
+    python -m bench.exchange --transport grpc,shm   # gloo, gradserver over gRPC and over shared memory
 
 For each N, the same worker processes' buffers are averaged by (a) a gradserver coordinator
 process and N WorkerClient processes, sending every block in reverse order and then the LM head,
 pipelined, and (b) N processes calling torch.distributed.all_reduce (gloo) on the same buffers and
 dividing by N. Each step starts after a barrier; a step's time is the slowest worker's. The
 table shows median step time, algorithmic bandwidth (gradient bytes per worker / step time), the
-ratio gradserver/gloo, and the coordinator's peak RSS (VmHWM).
+ratio gradserver/gloo, and the coordinator's peak RSS (VmHWM). With `--transport shm` the workers
+use the same-host shared-memory path (with `--zero-copy` their buffers are `gradient_buffer`s, so
+nothing is copied on the way in); the coordinator's private (RssAnon) and shared (RssShmem) memory
+at the end are shown separately.
 """
 
 from __future__ import annotations
@@ -45,9 +49,22 @@ def _gradserver_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     shape = json.loads(args.shape)
     client = WorkerClient.connect(
-        args.address, node_id=f"bench-{os.getpid()}", timeout=Timeouts(receive=300.0)
+        args.address,
+        node_id=f"bench-{os.getpid()}",
+        timeout=Timeouts(receive=300.0),
+        transport=args.transport,
+        shm_arena_mib=args.shm_arena_mib,
     )
+    if client.transport != args.transport:
+        raise RuntimeError(f"asked for transport {args.transport}, got {client.transport}")
     blocks, sizes, lm_head = _buffers(client.worker_id, shape)
+    if args.zero_copy:
+        placed = []
+        for array in [*blocks, lm_head]:
+            buf = client.gradient_buffer(array.size)
+            buf[:] = array
+            placed.append(buf)
+        blocks, lm_head = placed[:-1], placed[-1]
     times = []
     with client:
         for step in range(args.warmup + args.steps):
@@ -197,9 +214,27 @@ def _me(*extra: str) -> list[str]:
     return [sys.executable, "-m", "bench.exchange", *extra]
 
 
+def _memory_mib(pid: int) -> tuple[float, float]:
+    """The process's private (RssAnon) and shared-memory (RssShmem) resident MiB now."""
+    found = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("RssAnon", "RssShmem"):
+            found[name] = int(value.split()[0]) / 1024
+    return found.get("RssAnon", float("nan")), found.get("RssShmem", float("nan"))
+
+
 def run_gradserver(
-    world: int, shape: dict[str, int], steps: int, warmup: int, chunk_mib: float, timeout: float
-) -> tuple[list[float], float]:
+    world: int,
+    shape: dict[str, int],
+    steps: int,
+    warmup: int,
+    chunk_mib: float,
+    timeout: float,
+    transport: str = "grpc",
+    zero_copy: bool = False,
+    shm_arena_mib: float = 256.0,
+) -> tuple[list[float], float, tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         coord = subprocess.Popen(
@@ -222,6 +257,8 @@ def run_gradserver(
                 str(chunk_mib + 1),
                 "--max-inflight-mib",
                 str(max(64.0, 4 * chunk_mib)),
+                "--shm-arena-mib",
+                str(shm_arena_mib),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -235,6 +272,10 @@ def run_gradserver(
                 time.sleep(0.02)
             address = f"127.0.0.1:{port_file.read_text().strip()}"
             common = ["--shape", json.dumps(shape), "--steps", str(steps), "--warmup", str(warmup)]
+            common += ["--transport", transport, "--shm-arena-mib", str(shm_arena_mib)]
+            if zero_copy:
+                set_mib = 4 * _elements(shape) / 2**20
+                common += ["--zero-copy", "--shm-arena-mib", str(set_mib + shm_arena_mib)]
             procs = [
                 subprocess.Popen(
                     _me("--role", "gradserver-worker", "--address", address, *common),
@@ -246,10 +287,18 @@ def run_gradserver(
             ]
             results = _collect(procs, timeout)
             rss = _peak_rss_mib(coord.pid)
+            memory = _memory_mib(coord.pid)
         finally:
             coord.terminate()
             coord.wait(30)
-    return _step_times(results), rss
+    return _step_times(results), rss, memory
+
+
+def _elements(shape: dict[str, int]) -> int:
+    from gradserver.common.components import compute_block_sizes
+
+    block = sum(compute_block_sizes(shape["hidden"], shape["kv_hidden"], shape["intermediate"]))
+    return shape["num_blocks"] * block + shape["vocab"] * shape["hidden"]
 
 
 def run_gloo(world: int, shape: dict[str, int], steps: int, warmup: int, timeout: float) -> list[float]:
@@ -297,6 +346,9 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--store", default="")
+    parser.add_argument("--transport", default="grpc", help="comma-separated: grpc, shm")
+    parser.add_argument("--zero-copy", action="store_true", help="shm: send from gradient_buffer()s")
+    parser.add_argument("--shm-arena-mib", type=float, default=256.0, help="per-worker and output arena")
     args = parser.parse_args()
     if args.role == "gradserver-worker":
         print(json.dumps(_gradserver_worker(args)))
@@ -311,37 +363,47 @@ def main() -> int:
         print(json.dumps(_echo_worker(args)))
         return 0
     shape = dict(SLICE, num_blocks=24) if args.full else json.loads(args.shape)
-    from gradserver.common.components import compute_block_sizes
-
-    block = sum(compute_block_sizes(shape["hidden"], shape["kv_hidden"], shape["intermediate"]))
-    elements = shape["num_blocks"] * block + shape["vocab"] * shape["hidden"]
+    elements = _elements(shape)
     gbytes = 4 * elements / 1e9
+    transports = args.transport.split(",")
     print(
         f"gradient set: {shape['num_blocks']} blocks + LM head = {4 * elements / 2**20:.0f} MiB per worker; "
         f"chunk {args.chunk_mib:g} MiB; median of {args.steps} steps after {args.warmup} warm-up; "
-        f"nproc={os.cpu_count()}"
+        f"nproc={os.cpu_count()}; arenas {args.shm_arena_mib:g} MiB"
+        + (" + the set (zero copy)" if args.zero_copy else "")
     )
     print(
-        "| N | gradserver s | GB/s | gloo s | GB/s | gradserver/gloo | gRPC echo floor s | floor/gloo "
-        "| coordinator peak RSS MiB |"
+        "| N | transport | gradserver s | GB/s | gloo s | gradserver/gloo | gRPC echo floor s "
+        "| coordinator peak RSS MiB | RssAnon MiB | RssShmem MiB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for world in [int(w) for w in args.workers.split(",")]:
-        ours, rss = run_gradserver(world, shape, args.steps, args.warmup, args.chunk_mib, args.timeout)
-        a = statistics.median(ours)
         gloo = [] if args.no_gloo else run_gloo(world, shape, args.steps, args.warmup, args.timeout)
+        b = statistics.median(gloo) if gloo else float("nan")
         echo = (
             run_echo(world, shape, args.steps, args.warmup, args.chunk_mib, args.timeout)
             if args.floor
             else []
         )
-        b = statistics.median(gloo) if gloo else float("nan")
         f = statistics.median(echo) if echo else float("nan")
-        print(
-            f"| {world} | {a:.3f} | {gbytes / a:.2f} | {b:.3f} | {gbytes / b:.2f} | {a / b:.2f} | {f:.3f} "
-            f"| {f / b:.2f} | {rss:.0f} |",
-            flush=True,
-        )
+        for transport in transports:
+            ours, rss, (anon, shmem) = run_gradserver(
+                world,
+                shape,
+                args.steps,
+                args.warmup,
+                args.chunk_mib,
+                args.timeout,
+                transport,
+                args.zero_copy and transport == "shm",
+                args.shm_arena_mib,
+            )
+            a = statistics.median(ours)
+            print(
+                f"| {world} | {transport} | {a:.3f} | {gbytes / a:.2f} | {b:.3f} | {a / b:.2f} | {f:.3f} "
+                f"| {rss:.0f} | {anon:.0f} | {shmem:.0f} |",
+                flush=True,
+            )
     return 0
 
 

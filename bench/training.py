@@ -2,6 +2,7 @@
 
     python -m bench.training                     # small model, N = 1, 2, 4, 30 steps each
     python -m bench.training --workers 2 --steps 50
+    python -m bench.training --workers 2 --transport grpc,shm   # remote over gRPC and over shared memory
 
 Same model, batch per worker and steps for every run, all in this one invocation. Reports the
 median over steps (after warm-up) of global tokens/s (all workers' tokens / the slowest worker's
@@ -22,7 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def run(backend: str, workers: int, model: str, steps: int, batch: int, warmup: int) -> tuple[float, float]:
+def run(
+    backend: str, workers: int, model: str, steps: int, batch: int, warmup: int, transport: str = "auto"
+) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             sys.executable,
@@ -43,7 +46,9 @@ def run(backend: str, workers: int, model: str, steps: int, batch: int, warmup: 
             out,
             "--no-progress",
         ]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+        # The launched workers read their transport from the environment (remote backend only).
+        env = dict(os.environ, GRADSERVER_TRANSPORT=transport)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False, env=env)
         if result.returncode != 0:
             raise RuntimeError(f"{backend} N={workers} failed:\n{result.stdout[-3000:]}")
         by_step: dict[int, list[dict[str, float]]] = defaultdict(list)
@@ -69,6 +74,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--transport", default="auto", help="remote backend: comma-separated auto, grpc, shm")
     args = parser.parse_args()
     sizes = [int(w) for w in args.workers.split(",")]
     print(
@@ -76,23 +82,22 @@ def main() -> int:
         f"(median after {args.warmup}), nproc={os.cpu_count()}"
     )
     print(
-        "| N | remote tokens/s | gloo tokens/s | remote/gloo | remote scaling | gloo scaling "
-        "| remote comm share | gloo comm share |"
+        "| N | remote transport | remote tokens/s | gloo tokens/s | remote/gloo | remote scaling "
+        "| gloo scaling | remote comm share | gloo comm share |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     base: dict[str, float] = {}
     for n in sizes:
-        row = {}
-        for backend in ("remote", "gloo"):
-            row[backend] = run(backend, n, args.model, args.steps, args.batch_size, args.warmup)
-            if n == 1 or backend not in base:
-                base.setdefault(backend, row[backend][0] / n)
-        (r, rc), (g, gc) = row["remote"], row["gloo"]
-        print(
-            f"| {n} | {r:.0f} | {g:.0f} | {r / g:.2f} | {r / (n * base['remote']):.2f} "
-            f"| {g / (n * base['gloo']):.2f} | {rc:.0%} | {gc:.0%} |",
-            flush=True,
-        )
+        g, gc = run("gloo", n, args.model, args.steps, args.batch_size, args.warmup)
+        base.setdefault("gloo", g / n)
+        for transport in args.transport.split(","):
+            r, rc = run("remote", n, args.model, args.steps, args.batch_size, args.warmup, transport)
+            base.setdefault(transport, r / n)
+            print(
+                f"| {n} | {transport} | {r:.0f} | {g:.0f} | {r / g:.2f} | {r / (n * base[transport]):.2f} "
+                f"| {g / (n * base['gloo']):.2f} | {rc:.0%} | {gc:.0%} |",
+                flush=True,
+            )
     return 0
 
 

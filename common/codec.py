@@ -43,6 +43,7 @@ from .messages import (
     ServerEvent,
     ShardAssignmentOut,
     ShardRequestIn,
+    ShmRef,
     ShutdownOut,
     TensorKey,
     WorkerEvent,
@@ -217,6 +218,8 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         local_workers=accepted.local_workers,
         shard_map=accepted.shard_map,
         shard_index=accepted.shard_index,
+        shm_socket=accepted.shm_socket,
+        shm_nonce=accepted.shm_nonce,
     ).SerializeToString()
 
 
@@ -245,6 +248,8 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         local_workers=max(1, msg.local_workers),
         shard_map=tuple(msg.shard_map),
         shard_index=msg.shard_index,
+        shm_socket=msg.shm_socket,
+        shm_nonce=msg.shm_nonce,
     )
 
 
@@ -263,6 +268,9 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
         )
         if event.stats is not None:
             chunk.stats.CopyFrom(_stats_to_pb(event.stats))
+        if event.shm is not None:
+            chunk.shm.CopyFrom(_shm_to_pb(event.shm))
+            return pb.WorkerMessage(chunk=chunk).SerializeToString()
         return with_payload(_WORKER_CHUNK_FIELD, chunk.SerializeToString(), _CHUNK_DATA_FIELD, event.data)
     if isinstance(event, BarrierIn):
         msg = pb.WorkerMessage(
@@ -357,28 +365,34 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
             worker_id=chunk.worker_id,
         )
     payload = chunk.WhichOneof("payload")
+    shm: ShmRef | None = None
     if data is None and payload == "data":
         data = memoryview(chunk.data)
-    if data is None or payload == "shm":
-        what = "a shared-memory payload" if payload == "shm" else "no payload"
+    elif data is None and payload == "shm":
+        try:
+            shm = _shm_from_pb(chunk.shm, context=context, expected="in")
+        except InvalidArgumentError as exc:
+            exc.step, exc.key, exc.worker_id = key.step, str(key), chunk.worker_id
+            raise
+        data = memoryview(b"")
+    if data is None:
         raise InvalidArgumentError(
-            f"{context}: chunk carries {what}; this coordinator accepts inline data only",
+            f"{context}: chunk carries no payload",
             step=key.step,
             key=str(key),
             worker_id=chunk.worker_id,
         )
+    length = shm.length if shm is not None else len(data)
     item_size = ITEM_SIZE[dtype]
-    if len(data) % item_size:
+    if length % item_size:
         raise InvalidArgumentError(
-            f"{context}: {len(data)} payload bytes is not a whole number of {dtype.name.lower()} elements",
+            f"{context}: {length} payload bytes is not a whole number of {dtype.name.lower()} elements",
             step=key.step,
             key=str(key),
             worker_id=chunk.worker_id,
         )
     try:
-        check_chunk_length(
-            total, limits.chunk_elements, chunk.offset, len(data) // item_size, context=context
-        )
+        check_chunk_length(total, limits.chunk_elements, chunk.offset, length // item_size, context=context)
     except (InvalidArgumentError, ResourceExhaustedError) as exc:
         exc.step, exc.key, exc.worker_id = key.step, str(key), chunk.worker_id
         raise
@@ -414,7 +428,23 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
         offset=chunk.offset,
         data=data,
         stats=stats,
+        shm=shm,
     )
+
+
+def _shm_to_pb(ref: ShmRef) -> pb.SharedMemoryRef:
+    return pb.SharedMemoryRef(name=ref.name, offset=ref.offset, length=ref.length)
+
+
+def _shm_from_pb(msg: pb.SharedMemoryRef, *, context: str, expected: str) -> ShmRef:
+    """A shared-memory reference; only the arena `expected` may be named (bounds are checked
+    against the mapped arena by whoever resolves it)."""
+    if msg.name != expected:
+        raise InvalidArgumentError(
+            f"{context}: shared-memory payload names arena {msg.name[:MAX_NAME_LENGTH]!r}; only "
+            f"{expected!r} is allowed here"
+        )
+    return ShmRef(msg.name, msg.offset, msg.length)
 
 
 def _stats_to_pb(stats: SampleStats) -> pb.SampleStats:
@@ -438,6 +468,9 @@ def encode_server_event(event: ServerEvent) -> bytes:
             avg.global_loss = event.stats.loss
             avg.correct = event.stats.correct
             avg.total = event.stats.total
+        if event.shm is not None:
+            avg.shm.CopyFrom(_shm_to_pb(event.shm))
+            return pb.ServerMessage(averaged_chunk=avg).SerializeToString()
         return with_payload(_SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data)
     if isinstance(event, BarrierReleaseOut):
         msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
@@ -483,9 +516,13 @@ def decode_server_message(raw: bytes) -> ServerEvent:
     try:
         if kind == "averaged_chunk":
             a = msg.averaged_chunk
-            if data is None:
-                data = memoryview(a.data)
             key = _key_from_pb(a.key, who="coordinator", limits=None)
+            shm = None
+            if a.WhichOneof("payload") == "shm":
+                shm = _shm_from_pb(a.shm, context=f"coordinator, {key}", expected="out")
+                data = memoryview(b"")
+            elif data is None:
+                data = memoryview(a.data)
             stats = (
                 SampleStats(a.global_loss, a.correct, a.total) if key.kind is KeyKind.WHOLE_MODEL else None
             )
@@ -496,6 +533,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
                 data=data,
                 num_contributors=a.num_contributors,
                 stats=stats,
+                shm=shm,
             )
         if kind == "barrier_release":
             return BarrierReleaseOut(msg.barrier_release.step, msg.barrier_release.name)

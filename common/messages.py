@@ -109,9 +109,20 @@ class ChunkHeader:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShmRef:
+    """Where a payload lies in a shared-memory arena: its name ("in" or "out"), byte offset and
+    byte length (docs/PROTOCOL.md, "Shared memory")."""
+
+    name: str
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ChunkIn:
     """A piece of one worker's contribution. `data` holds little-endian elements of
-    `header.dtype` (float32, or the raw 16 bits of bfloat16 / float16)."""
+    `header.dtype` (float32, or the raw 16 bits of bfloat16 / float16); with `shm` set, `data` is
+    empty until the coordinator resolves the reference in the sender's arena."""
 
     worker_id: int
     key: TensorKey
@@ -119,6 +130,7 @@ class ChunkIn:
     offset: int
     data: bytes | memoryview
     stats: SampleStats | None = None
+    shm: ShmRef | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +170,8 @@ class AveragedChunkOut:
     data: bytes | memoryview
     num_contributors: int
     stats: SampleStats | None = None
+    # Set for a shared-memory recipient: the average lies there and `data` is empty.
+    shm: ShmRef | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,3 +263,6 @@ class JoinAccepted:
     # the answering shard's index in it.
     shard_map: tuple[str, ...] = ()
     shard_index: int = 0
+    # Same-host fast path: the coordinator's Unix socket and its nonce ("" and b"" when off).
+    shm_socket: str = ""
+    shm_nonce: bytes = b""

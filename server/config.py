@@ -107,6 +107,22 @@ class CoordinatorConfig:
         default="",
         metadata={"help": "PEM CA that verifies the other shards' certificates (default: --tls-client-ca)"},
     )
+    no_shm: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "offer no shared-memory fast path to workers on this host (gRPC only)"},
+    )
+    shm_dir: str = dataclasses.field(
+        default="",
+        metadata={"help": "where the 0700 directory of the shared-memory socket goes ('': the temp dir)"},
+    )
+    reduce_threads: int = dataclasses.field(
+        default=0,
+        metadata={"help": "threads that average one large chunk together (0: min(8, CPU count))"},
+    )
+    shm_arena_mib: float = dataclasses.field(
+        default=256.0,
+        metadata={"help": "MiB of the shared output arena the averages go through (same-host workers)"},
+    )
 
     def __post_init__(self) -> None:
         host, _ = parse_address(self.bind, what="--bind")
@@ -147,6 +163,13 @@ class CoordinatorConfig:
         )
         require_setting(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0")
         self._check_shards()
+        require_setting(self.reduce_threads >= 0, "reduce_threads", self.reduce_threads, ">= 0 (0: auto)")
+        require_setting(
+            self.shm_arena_mib >= self.chunk_mib,
+            "shm_arena_mib",
+            self.shm_arena_mib,
+            f"at least chunk_mib ({self.chunk_mib:g})",
+        )
         require_setting(
             -1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "-1 (off) or a port 0..65535"
         )
@@ -189,6 +212,10 @@ class CoordinatorConfig:
     @property
     def max_message_bytes(self) -> int:
         return int(self.max_message_mib * MIB)
+
+    @property
+    def shm_arena_bytes(self) -> int:
+        return int(self.shm_arena_mib * MIB)
 
     @property
     def max_inflight_bytes(self) -> int:

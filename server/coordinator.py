@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -34,15 +35,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gradserver.common import codec
+from gradserver.common import shm as shm_support
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
+    InvalidArgumentError,
     PermissionDeniedError,
     UnavailableError,
     status_code_from_value,
 )
 from gradserver.common.messages import (
+    AveragedChunkOut,
     BarrierIn,
     ChunkIn,
     ErrorOut,
@@ -72,6 +76,7 @@ from .metrics import CoordinatorMetrics
 from .outgoing import Outgoing
 from .peers import ShardRole
 from .reduction import ReductionTable
+from .shm import ShmHub
 from .streams import WorkerStream
 
 log = logging.getLogger("gradserver.server")
@@ -131,6 +136,7 @@ class GradientServer:
         self._had_loss = False
         self._limit_logged = False
         self._rejoin_timer: asyncio.TimerHandle | None = None
+        self.shm: ShmHub | None = None  # the same-host fast path, when offered
         self.metrics.job_state.state(self.state.value)
         self.port = 0
 
@@ -143,6 +149,7 @@ class GradientServer:
             on_barrier_released=self.metrics.barrier_wait.observe,
             on_worker_loss=self.config.on_worker_loss,
             shard=(self._shard.shard_map, self._shard.own_index) if self._shard is not None else None,
+            reduce_threads=self.config.reduce_threads or min(8, os.cpu_count() or 1),
         )
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -182,6 +189,7 @@ class GradientServer:
         self._server = server
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._start_shm()
         self._start_monitor()
         if self._shard is not None:
             shard = self._shard
@@ -199,6 +207,30 @@ class GradientServer:
             self.state.value,
         )
         return self.port
+
+    async def _start_shm(self) -> None:
+        """Offers the shared-memory path unless --no-shm or the platform lacks it; a failure to
+        set it up leaves gRPC only, with a warning."""
+        if self.config.no_shm or not shm_support.supported():
+            return
+        hub = ShmHub(
+            self.config.shm_dir,
+            self.config.shm_arena_bytes,
+            self.config.chunk_bytes,
+            self.config.heartbeat_timeout,
+            self._authenticate_shm,
+        )
+        try:
+            await hub.start()
+        except OSError as exc:
+            log.warning("shared memory is off (gRPC only): %r", exc)
+            await hub.stop()
+            return
+        self.shm = hub
+
+    def _authenticate_shm(self, worker_id: int, session_id: int, token: int) -> Member:
+        assert self._membership is not None
+        return self._membership.authenticate(worker_id, session_id, token)
 
     async def stop(self, reason: str = "coordinator stopped") -> None:
         """Graceful shutdown: NOT_SERVING, workers told, steps in flight drained (bounded by
@@ -252,6 +284,8 @@ class GradientServer:
             await self._shard.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        if self.shm is not None:
+            await self.shm.stop()
         self.metrics.close()
         self._stopped.set()
         log.info("coordinator stopped")
@@ -383,6 +417,8 @@ class GradientServer:
                 local_workers=self._membership.local_workers(member),
                 shard_map=self._shard.shard_map.addresses if self._shard is not None else (),
                 shard_index=self._shard.own_index if self._shard is not None else 0,
+                shm_socket=self.shm.path if self.shm is not None else "",
+                shm_nonce=self.shm.nonce if self.shm is not None else b"",
             )
         )
 
@@ -491,6 +527,10 @@ class GradientServer:
         self._departures.append(f"worker {worker_id} {reason}")
         if lost and self._shard is not None:
             self._shard.worker_lost(worker_id, reason, self._table.unsettled_steps())
+        if self.shm is not None:
+            # Its arena may still be written (a zombie): what the table keeps of it is copied.
+            self._table.own_worker_data(worker_id)
+            self.shm.worker_gone(worker_id)
         self._deliver(self._table.worker_lost(worker_id, reason))
         self._after_departure(lost)
 
@@ -591,6 +631,18 @@ class GradientServer:
         if isinstance(event, ChunkIn):
             if self._beyond_final_step(stream, event.key.step, key=event.key):
                 return False
+            if event.shm is not None:
+                if self.shm is None:
+                    raise InvalidArgumentError(
+                        f"worker {w}, {event.key}: chunk names shared memory, which this coordinator "
+                        "does not offer",
+                        step=event.key.step,
+                        key=str(event.key),
+                        worker_id=w,
+                    )
+                event = self.shm.resolve(event, stream.member)
+                self.metrics.shm_received_bytes.inc(len(event.data))
+                self.metrics.received_bytes.inc(len(event.data))
             self._deliver(self._table.contribute(event))
         elif isinstance(event, BarrierIn):
             if self._beyond_final_step(stream, event.step, barrier=event.name):
@@ -671,11 +723,12 @@ class GradientServer:
             if isinstance(item.event, ErrorOut):
                 code = status_code_from_value(item.event.code)
                 self.metrics.errors.labels(code.name).inc(len(item.to))
-            raw = codec.encode_server_event(item.event)
-            for worker_id in item.to:
-                stream = self._streams.get(worker_id)
-                if stream is not None:
-                    stream.send(raw)
+            for event, to in self._split_by_transport(item):
+                raw = codec.encode_server_event(event)
+                for worker_id in to:
+                    stream = self._streams.get(worker_id)
+                    if stream is not None:
+                        stream.send(raw)
         if outgoing:
             self._wake_readers()
         steps, keys = self._table.steps_completed, self._table.keys_reduced
@@ -684,6 +737,17 @@ class GradientServer:
         self._counted = (steps, keys)
         self._check_step_limit()
         self._progress.set()
+
+    def _split_by_transport(self, item: Outgoing) -> list[tuple[Any, tuple[int, ...]]]:
+        """Averages go through the output arena to shared-memory workers, inline to the rest."""
+        if self.shm is None or not isinstance(item.event, AveragedChunkOut):
+            return [(item.event, item.to)]
+        parts = self.shm.publish(item.event, item.to)
+        for event, to in parts:
+            if event.shm is not None:
+                self.metrics.shm_bytes.inc(event.shm.length * len(to))
+                self.metrics.sent_bytes.inc(event.shm.length * len(to))
+        return list(parts)
 
     def _broadcast(self, event: ShutdownOut) -> None:
         raw = codec.encode_server_event(event)

@@ -35,10 +35,25 @@ class CoordinatorMetrics:
         )
         self.keys_reduced = Counter("gradserver_keys_reduced", "Keys fully averaged", registry=registry)
         self.received_bytes = Counter(
-            "gradserver_received_bytes", "Message bytes read from workers", registry=registry
+            "gradserver_received_bytes",
+            "Bytes read from workers, every transport (gRPC messages and shared-memory payloads)",
+            registry=registry,
         )
         self.sent_bytes = Counter(
-            "gradserver_sent_bytes", "Message bytes written to workers", registry=registry
+            "gradserver_sent_bytes",
+            "Bytes written to workers, every transport (gRPC messages; shared-memory averages per recipient)",
+            registry=registry,
+        )
+        self.shm_bytes = Counter(
+            "gradserver_shm_bytes",
+            "The part of gradserver_sent_bytes that went through shared memory (averages to same-host "
+            "workers, counted per recipient)",
+            registry=registry,
+        )
+        self.shm_received_bytes = Counter(
+            "gradserver_shm_received_bytes",
+            "The part of gradserver_received_bytes read from same-host workers' shared memory",
+            registry=registry,
         )
         self.reduce_latency = Histogram(
             "gradserver_reduce_latency_seconds",

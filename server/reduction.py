@@ -126,6 +126,7 @@ class ReductionTable:
         on_barrier_released: Callable[[float], None] | None = None,
         on_worker_loss: str = "abort",
         shard: tuple[ShardMap, int] | None = None,
+        reduce_threads: int = 1,
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
         contribution or arrival to completion (for metrics). `shard` (map, own index): this
@@ -140,7 +141,7 @@ class ReductionTable:
         self.chunk_elements = chunk_elements
         self.step_timeout = step_timeout
         self._clock = clock
-        self._averager = Averager()
+        self._averager = Averager(reduce_threads)
         self._pending: dict[tuple[KeyKind, int], _Slot] = {}
         self._barriers: dict[tuple[int, str], _Barrier] = {}
         self._last_step: dict[tuple[KeyKind, int], int] = {}
@@ -200,6 +201,15 @@ class ReductionTable:
                 )
         self._settle_steps()
         return out
+
+    def own_worker_data(self, worker_id: int) -> None:
+        """Replaces the views of `worker_id`'s contributions still held by private copies, so
+        that memory it can still write (a shared-memory arena) is never read again."""
+        for slot in self._pending.values():
+            for parts in slot.chunks.values():
+                part = parts[worker_id]
+                if isinstance(part, memoryview):
+                    parts[worker_id] = bytes(part)
 
     def worker_joined(self, worker_id: int) -> None:
         """A (re)joined worker takes part from the next step that has not started yet."""

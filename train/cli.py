@@ -46,6 +46,7 @@ from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import WIRE_DTYPES
 from gradserver.worker import WorkerClient
+from gradserver.worker.client import TRANSPORTS
 
 from .extra import require_training_extra
 from .fingerprint import synthetic_fingerprint
@@ -135,6 +136,13 @@ class WorkerConfig:
             "help": "train: seconds to keep rejoining a lost coordinator (0: off); steps become all-or-none"
         },
     )
+    transport: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "remote: how gradients move; auto: shared memory when the coordinator is on this host, "
+            "else gRPC; grpc; shm (fail if unavailable)"
+        },
+    )
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of weights or synthetic gradients"})
     num_blocks: int = dataclasses.field(
         default=0, metadata={"help": "synthetic: override the preset's blocks"}
@@ -183,6 +191,7 @@ class WorkerConfig:
         for name, value, allowed in (
             ("job", self.job, JOBS),
             ("backend", self.backend, BACKENDS),
+            ("transport", self.transport, TRANSPORTS),
             ("log_format", self.log_format, LOG_FORMATS),
             ("log_level", self.log_level.upper(), LOG_LEVELS),
         ):
@@ -423,6 +432,7 @@ def _connect(
         fingerprint=fingerprint,
         wire_dtype=config.wire_dtype,
         error_feedback=config.error_feedback,
+        transport=config.transport,
     )
 
 

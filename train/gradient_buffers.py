@@ -10,7 +10,8 @@ call, meant once per optimizer step, and host copies go through reusable pinned 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -104,6 +105,10 @@ class BlockGradientSet:
         return bool(self.non_finite())
 
 
+def _zeros(elements: int, *, device: torch.device) -> torch.Tensor:
+    return torch.zeros(elements, device=device)
+
+
 class PerBlockGradientAccumulator:
     """One BlockGradientSet per block plus the non-block gradients, all on `device`."""
 
@@ -116,7 +121,10 @@ class PerBlockGradientAccumulator:
         device: torch.device | str | None = None,
         *,
         tied: bool = False,
+        allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """`allocate(n)` (CPU only) makes each zeroed float32 buffer instead of torch.zeros, e.g. in
+        a WorkerClient's shared memory (`gradient_buffer`), so sending it copies nothing."""
         if num_blocks < 1 or vocab_size < 1 or hidden_size < 1:
             raise InvalidArgumentError(
                 "need num_blocks, vocab_size and hidden_size >= 1, "
@@ -124,14 +132,19 @@ class PerBlockGradientAccumulator:
             )
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.block_component_sizes = _check_sizes(block_sizes)
-        self.block_grads = [BlockGradientSet.zeroed(block_sizes, self.device) for _ in range(num_blocks)]
+        if allocate is None or self.device.type != "cpu":
+            allocate = functools.partial(_zeros, device=self.device)
+        self.block_grads = [
+            BlockGradientSet(allocate(sum(self.block_component_sizes)), self.block_component_sizes)
+            for _ in range(num_blocks)
+        ]
         self.non_block: dict[NonBlockComponent, torch.Tensor] = {
-            NonBlockComponent.FINAL_NORM: torch.zeros(hidden_size, device=self.device),
-            NonBlockComponent.EMBEDDING: torch.zeros(vocab_size * hidden_size, device=self.device),
+            NonBlockComponent.FINAL_NORM: allocate(hidden_size),
+            NonBlockComponent.EMBEDDING: allocate(vocab_size * hidden_size),
         }
         if not tied:
             self.non_block = {
-                NonBlockComponent.LM_HEAD: torch.zeros(vocab_size * hidden_size, device=self.device),
+                NonBlockComponent.LM_HEAD: allocate(vocab_size * hidden_size),
                 **self.non_block,
             }
         self.accumulated_count = 0

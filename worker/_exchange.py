@@ -60,6 +60,8 @@ from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
 from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import widen
 
+from .transports.shm import ShmChannel
+
 log = logging.getLogger("gradserver.worker")
 
 _FAILED_STEPS_KEPT = 64
@@ -168,6 +170,7 @@ class ExchangeStream:
         accepted: JoinAccepted,
         timeouts: Timeouts,
         extra_metadata: tuple[tuple[str, str], ...] = (),
+        shm: ShmChannel | None = None,
         *,
         cond: threading.Condition | None = None,
         on_break: Callable[[ErrorRecord], None] | None = None,
@@ -176,6 +179,7 @@ class ExchangeStream:
         so a waiter wakes on any shard's news, and `on_break`, called once when this stream
         breaks (not when it is closed), so the other shards' streams break too."""
         self.accepted = accepted
+        self._shm = shm
         self.timeouts = timeouts
         self._cond = cond if cond is not None else threading.Condition()
         self._on_break = on_break
@@ -188,6 +192,7 @@ class ExchangeStream:
         self._closing = False
         self.shutdown_reason: str | None = None
         self.last_ack = time.monotonic()
+        self._acks = 0
         self._stop_heartbeat = threading.Event()
         exchange = channel.stream_stream(EXCHANGE_METHOD)
         metadata = stream_metadata(accepted.worker_id, accepted.session_id, accepted.member_token)
@@ -221,6 +226,16 @@ class ExchangeStream:
             f"could not send within {self.timeouts.send:g} s: the coordinator is not "
             "reading this worker's stream"
         )
+
+    def confirm_open(self, timeout: float) -> None:
+        """Returns once the coordinator answered a heartbeat on this stream, so the stream is
+        registered there before the caller goes on (gRPC opens it in the background otherwise);
+        raises the coordinator's refusal or a timeout."""
+        with self._cond:
+            seen = self._acks
+        self.send(HeartbeatIn(self.accepted.worker_id, 0))
+        with self._cond:
+            self._wait(lambda: self._acks > seen, timeout, "the coordinator did not answer on the new stream")
 
     def raise_if_broken(self) -> None:
         if self._broken is not None:
@@ -418,6 +433,7 @@ class ExchangeStream:
                 self._shards.append(event)
             elif isinstance(event, HeartbeatAckOut):
                 self.last_ack = time.monotonic()
+                self._acks += 1
             elif isinstance(event, ShutdownOut):
                 self.shutdown_reason = event.reason or "no reason given"
                 log.info("coordinator is shutting down: %s", self.shutdown_reason)
@@ -426,11 +442,30 @@ class ExchangeStream:
             self._cond.notify_all()
 
     def _on_chunk(self, event: AveragedChunkOut) -> None:
+        if self._shm is not None:
+            # Averaged: the coordinator holds no view of this chunk's input slot any more.
+            self._shm.chunk_done(event.key, event.offset)
+        if event.shm is None:
+            if event.header.dtype is DType.FLOAT32:
+                self._fill(event, np.frombuffer(event.data, dtype="<f4"))
+            else:
+                self._fill(event, widen(event.data, event.header.dtype))
+            return
+        if self._shm is None:
+            raise InternalError(
+                f"coordinator sent {event.key} through shared memory this worker has not mapped"
+            )
+        try:
+            self._fill(event, self._shm.average(event.shm))
+        finally:
+            self._shm.release(event.shm)
+
+    def _fill(self, event: AveragedChunkOut, data: np.ndarray) -> None:
         with self._cond:
             pending = self._results.get(event.key)
         if pending is None or pending.error is not None:
             return  # a key this worker gave up on (timeout, failed step): nothing to fill
-        length = len(event.data) // ITEM_SIZE.get(event.header.dtype, 4)
+        length = data.size
         end = event.offset + length
         error: ErrorRecord | None = None
         if (
@@ -447,10 +482,8 @@ class ExchangeStream:
                 step=event.key.step,
                 key=str(event.key),
             )
-        elif pending.dtype is DType.FLOAT32:
-            pending.array[event.offset : end] = np.frombuffer(event.data, dtype="<f4")
         else:
-            pending.array[event.offset : end] = widen(event.data, pending.dtype)
+            pending.array[event.offset : end] = data
         with self._cond:
             if error is not None:
                 pending.error = error
@@ -472,6 +505,12 @@ class ExchangeStream:
         )
         log.warning("coordinator: %s", exc)
         error = ErrorRecord.of(exc)
+        if self._shm is not None:
+            # A failed step or a refused key is dropped by the coordinator: its slots are free.
+            if event.step_failed:
+                self._shm.step_done(event.step)
+            elif event.key is not None:
+                self._shm.key_done(event.key)
         if event.step_failed:
             # The first report says why the step failed and who caused it; later refusals of
             # this step's messages repeat it about their own key.

@@ -247,6 +247,14 @@ class ShardedExchange:
             raise UnavailableError(f"{key} is not awaited on any shard", step=key.step, key=str(key))
         return result
 
+    def confirm_open(self, timeout: float) -> None:
+        """Returns once every shard answered on its new stream (see ExchangeStream.confirm_open)."""
+        for index, stream in enumerate(self._streams):
+            try:
+                stream.confirm_open(timeout)
+            except GradServerError as exc:
+                raise self._named(index, exc) from None
+
     def expect_barrier(self, step: int, name: str) -> _PendingBarrier:
         return self._streams[0].expect_barrier(step, name)
 

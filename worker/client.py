@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import socket
 import time
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from gradserver.common.components import (
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
+    GradServerError,
     InvalidArgumentError,
     UnavailableError,
     error_from_status,
@@ -57,6 +59,7 @@ from ._sharded import ShardedExchange, ShardLink, join_other_shards
 from ._wire_encoder import WireEncoder
 from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
 from .tensors import as_float32_array
+from .transports.shm import ShmChannel
 
 log = logging.getLogger("gradserver.worker")
 
@@ -64,6 +67,50 @@ log = logging.getLogger("gradserver.worker")
 # these bounds, so a long wait says what it is doing and a short one stays quiet enough.
 _PROGRESS_MIN_S = 0.1
 _PROGRESS_MAX_S = 5.0
+
+TRANSPORTS = ("auto", "grpc", "shm")
+TRANSPORT_ENV = "GRADSERVER_TRANSPORT"
+DEFAULT_SHM_ARENA_MIB = 256.0
+
+
+def _transport_choice(transport: str | None) -> str:
+    """The argument, else $GRADSERVER_TRANSPORT, else auto; anything else is refused by name."""
+    choice = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "") or "auto"
+    if choice not in TRANSPORTS:
+        source = "transport" if transport is not None else TRANSPORT_ENV
+        raise InvalidArgumentError(f"{source}={choice!r}: choose one of {', '.join(TRANSPORTS)}")
+    return choice
+
+
+def _why_not_shm(encoder: WireEncoder, shards: list[ShardLink] | None) -> str | None:
+    """Why this worker's settings rule shared memory out, or None."""
+    if encoder.dtype is not DType.FLOAT32:
+        return f"the wire dtype is {encoder.dtype.name.lower()} (shared memory carries float32)"
+    if shards:
+        return "the coordinators are sharded (shared memory is for one coordinator on this host)"
+    return None
+
+
+def _open_shm(
+    accepted: JoinAccepted, choice: str, arena_mib: float, timeout: float, why_not: str | None = None
+) -> ShmChannel | None:
+    """The shared-memory channel for `auto` or `shm`; auto falls back to gRPC with one INFO line
+    saying why, shm raises the reason."""
+    if choice == "grpc":
+        return None
+    try:
+        if why_not is not None:
+            raise FailedPreconditionError(why_not)
+        if not accepted.shm_socket:
+            raise FailedPreconditionError(
+                "the coordinator offers no shared memory (it runs with --no-shm or without Linux memfd)"
+            )
+        return ShmChannel.open(accepted, int(arena_mib * 1024 * 1024), timeout)
+    except GradServerError as exc:
+        if choice == "shm":
+            raise type(exc)(f"transport 'shm' is not available: {exc.message}") from None
+        log.info("gradients go over gRPC: %s", exc.message)
+        return None
 
 
 def _wait_until_reachable(channel: grpc.Channel, address: str, limit: float, hint: str) -> None:
@@ -146,19 +193,21 @@ class WorkerClient:
         metadata: tuple[tuple[str, str], ...] = (),
         encoder: WireEncoder | None = None,
         shards: list[ShardLink] | None = None,
+        shm: ShmChannel | None = None,
     ) -> None:
         self._channel = channel
         self._encoder = encoder or WireEncoder(DType.FLOAT32)
         self._accepted = accepted
         self.timeouts = timeouts
         self.address = address
+        self._shm = shm
         # Sharded coordinators: `shards` are the joined shards 1..K-1 (see worker/_sharded.py).
         self._shard_links = shards or []
         self._stream: ExchangeStream | ShardedExchange
         if self._shard_links:
             self._stream = ShardedExchange((channel, accepted), self._shard_links, timeouts, metadata)
         else:
-            self._stream = ExchangeStream(channel, accepted, timeouts, metadata)
+            self._stream = ExchangeStream(channel, accepted, timeouts, metadata, shm)
         self._sent: dict[KeyKind, collections.deque[TensorKey]] = {
             kind: collections.deque() for kind in KeyKind
         }
@@ -181,6 +230,8 @@ class WorkerClient:
         rank: int | None = None,
         wire_dtype: str | DType = "float32",
         error_feedback: bool = False,
+        transport: str | None = None,
+        shm_arena_mib: float = DEFAULT_SHM_ARENA_MIB,
     ) -> Self:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
@@ -195,8 +246,13 @@ class WorkerClient:
         `wire_dtype` (float32, bfloat16, float16) is what gradients travel as: arrays are still
         given and returned as float32, rounded once before sending; `error_feedback` (16-bit
         only) adds each key slot's rounding error to its next gradient. Every worker of a job
-        must use the same wire dtype (the coordinator fails a step whose workers differ)."""
+        must use the same wire dtype (the coordinator fails a step whose workers differ).
+        `transport` is "auto" (default, or $GRADSERVER_TRANSPORT): shared memory when the
+        coordinator proves it is on this host, else gRPC; "grpc"; or "shm", which raises when
+        shared memory is not available (also with a 16-bit wire or sharded coordinators, which
+        are for networks). `shm_arena_mib` bounds this worker's input arena."""
         timeouts = Timeouts.of(timeout)
+        choice = _transport_choice(transport)
         try:
             encoder = WireEncoder(parse_wire_dtype(wire_dtype), error_feedback=error_feedback)
         except ValueError as exc:
@@ -228,7 +284,21 @@ class WorkerClient:
                         at, dataclasses.replace(request, rank=accepted.worker_id, shard_index=index)
                     ),
                 )
-            return cls(channel, accepted, timeouts, address, metadata, encoder, shards)
+            shm = _open_shm(accepted, choice, shm_arena_mib, timeouts.connect, _why_not_shm(encoder, shards))
+            if shm is not None:
+                log.info("worker %d sends its gradients through shared memory", accepted.worker_id)
+            try:
+                client = cls(channel, accepted, timeouts, address, metadata, encoder, shards, shm)
+            except BaseException:
+                if shm is not None:
+                    shm.close()
+                raise
+            try:
+                client._stream.confirm_open(timeouts.connect)
+            except BaseException:
+                client.close()
+                raise
+            return client
         except BaseException:
             channel.close()
             raise
@@ -273,6 +343,30 @@ class WorkerClient:
     @property
     def heartbeat_timeout(self) -> float:
         return self._accepted.heartbeat_timeout_s
+
+    @property
+    def transport(self) -> str:
+        """How gradients move: "shm" (same-host shared memory) or "grpc"."""
+        return "shm" if self._shm is not None else "grpc"
+
+    def gradient_buffer(self, num_elements: int) -> np.ndarray:
+        """A zeroed float32 array of `num_elements` to build gradients in. Over shared memory it
+        lies in this worker's registered arena, so sending it (or a slice) copies nothing; keep
+        its contents unchanged until the average of what was sent from it has been received. Under
+        gRPC (or when the arena has no room left) it is a plain array."""
+        if (
+            isinstance(num_elements, bool)
+            or not isinstance(num_elements, (int, np.integer))
+            or num_elements < 0
+        ):
+            raise InvalidArgumentError(
+                f"gradient_buffer needs a non-negative element count, got {num_elements!r}"
+            )
+        array = self._shm.gradient_buffer(int(num_elements)) if self._shm is not None else None
+        if array is None:
+            return np.zeros(int(num_elements), dtype=np.float32)
+        array[:] = 0.0
+        return array
 
     # --- per-block gradients ------------------------------------------------------------------
 
@@ -416,6 +510,8 @@ class WorkerClient:
             self._channel.close()
             for link in self._shard_links:
                 link.channel.close()
+            if self._shm is not None:
+                self._shm.close()
 
     def __enter__(self) -> WorkerClient:
         return self
@@ -453,10 +549,16 @@ class WorkerClient:
             # Chunks cut at the same element offsets whatever the dtype: the coordinator's chunk
             # size is in float32 elements, so a 16-bit chunk carries half the bytes.
             for offset, length in chunk_spans(int(array.size), self.chunk_bytes // 4):
-                data = payload[offset : offset + length].data
-                self._stream.send(ChunkIn(self.worker_id, key, header, offset, data, stats))
+                piece = payload[offset : offset + length]
+                ref = self._shm.stage(key, offset, piece) if self._shm is not None else None
+                if ref is None:
+                    self._stream.send(ChunkIn(self.worker_id, key, header, offset, piece.data, stats))
+                else:
+                    self._stream.send(ChunkIn(self.worker_id, key, header, offset, b"", stats, ref))
         except BaseException:
             self._stream.forget(key)
+            if self._shm is not None:
+                self._shm.key_done(key)
             raise
         self._sent[key.kind].append(key)
 

@@ -83,7 +83,7 @@ class JoinRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., backend: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "shard_map", "shard_index")
+    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "shard_map", "shard_index", "shm_socket", "shm_nonce")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class JoinResponse(_message.Message):
     LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     total_workers: int
     session_id: int
@@ -116,7 +118,9 @@ class JoinResponse(_message.Message):
     local_workers: int
     shard_map: _containers.RepeatedScalarFieldContainer[str]
     shard_index: int
-    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., shard_map: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    shm_socket: str
+    shm_nonce: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., shard_map: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class TensorKey(_message.Message):
     __slots__ = ("step", "block", "non_block", "whole_model", "collective")

@@ -1,0 +1,155 @@
+"""Shared-memory pieces both sides of the same-host fast path use (docs/PROTOCOL.md, "Shared memory").
+
+Memory has no name: arenas are `memfd_create` files, passed as file descriptors over an AF_UNIX
+socket, so nothing appears in /dev/shm and the kernel frees an arena when its last holder exits,
+SIGKILL included. Every arena is sealed against shrinking and growing before it is passed: a peer
+that could shrink it would make the other side's reads fault (SIGBUS). Whoever receives an arena
+maps it read-only; the output arena's fd is passed as an O_RDONLY descriptor, which cannot be
+mapped writable at all.
+
+The handshake on the coordinator's socket (fixed-size little-endian frames):
+  coordinator -> worker: the 16-byte nonce announced in JoinResponse.shm_nonce
+  worker -> coordinator: worker_id u32, session_id u64, member_token u64, + the input arena's fd
+  coordinator -> worker: status u8 (0 ok), message length u16, UTF-8 message, + the output arena's
+                         read-only fd when ok
+After it, the worker sends u64 byte offsets of output slots it has finished reading (releases).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+import struct
+
+NONCE_BYTES = 16
+HELLO = struct.Struct("<IQQ")
+REPLY = struct.Struct("<BH")
+RELEASE = struct.Struct("<Q")
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def supported() -> bool:
+    """Whether this platform has what the path needs (Linux memfd and fd passing)."""
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED")
+
+
+def create_arena(size: int, name: str) -> tuple[int, mmap.mmap]:
+    """A sealed anonymous shared-memory file of `size` bytes and a writable mapping of it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        return fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def readonly_fd(fd: int) -> int:
+    """A new O_RDONLY descriptor of the same file: its holder can map it for reading only."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def map_readonly(fd: int, what: str) -> mmap.mmap:
+    """Maps a received arena read-only after checking that its size can no longer change.
+
+    Raises ValueError naming `what` when the file is not a sealed arena."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ValueError(f"{what} is not a sealable shared-memory file: {exc}") from None
+    if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+        raise ValueError(f"{what} is not sealed against resizing (seals {seals:#x})")
+    size = os.fstat(fd).st_size
+    if size <= 0:
+        raise ValueError(f"{what} is empty")
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """The process id and user id at the other end of a connected AF_UNIX socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
+def same_network_namespace(pid: int) -> bool:
+    """Whether process `pid` shares this process's network namespace. Another one is treated
+    as another host (a container, or a test's emulated machine), even when it can reach the
+    socket; when it cannot be told, the answer is no."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{os.getpid()}/ns/net")
+    except OSError:
+        return False
+
+
+def recv_exact(sock: socket.socket, size: int, fds: int = 0) -> tuple[bytes, list[int]]:
+    """Reads exactly `size` bytes (and up to `fds` descriptors with the first piece); EOF raises
+    ConnectionError. The socket's timeout bounds each read."""
+    received: list[int] = []
+    buf = bytearray()
+    try:
+        if fds:
+            data, received, _flags, _addr = socket.recv_fds(sock, size, fds)
+        else:
+            data = sock.recv(size)
+        while True:
+            if not data:
+                raise ConnectionError("the peer closed the socket during the handshake")
+            buf += data
+            if len(buf) >= size:
+                break
+            data = sock.recv(size - len(buf))
+    except BaseException:
+        for fd in received:
+            os.close(fd)
+        raise
+    return bytes(buf), list(received)
+
+
+def send_reply(sock: socket.socket, message: str, fd: int | None) -> None:
+    """The coordinator's answer to a hello: ok with the output arena's fd, or a refusal."""
+    text = message.encode()[:60000]
+    frame = REPLY.pack(0 if fd is not None else 1, len(text)) + text
+    if fd is not None:
+        socket.send_fds(sock, [frame], [fd])
+    else:
+        sock.sendall(frame)
+
+
+class SlotArena:
+    """Fixed-size slots of one arena: which are free. Not thread-safe; callers lock."""
+
+    def __init__(self, size: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.count = size // slot_bytes
+        self._free = [True] * self.count
+        self.free_slots = self.count
+
+    def take(self) -> int | None:
+        """The byte offset of a free slot, or None when all are taken."""
+        return self.take_run(1)
+
+    def take_run(self, slots: int) -> int | None:
+        """The byte offset of `slots` contiguous free slots (first fit), or None."""
+        if slots < 1 or slots > self.free_slots:
+            return None
+        run = 0
+        for index, free in enumerate(self._free):
+            run = run + 1 if free else 0
+            if run == slots:
+                first = index - slots + 1
+                for i in range(first, index + 1):
+                    self._free[i] = False
+                self.free_slots -= slots
+                return first * self.slot_bytes
+        return None
+
+    def free(self, offset: int, slots: int = 1) -> None:
+        first = offset // self.slot_bytes
+        for i in range(first, first + slots):
+            if not self._free[i]:
+                self._free[i] = True
+                self.free_slots += 1

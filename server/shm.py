@@ -1,0 +1,290 @@
+"""The coordinator's side of the same-host fast path: its Unix socket, the workers' input arenas
+and the output arena (docs/PROTOCOL.md and docs/ARCHITECTURE.md, "Shared memory").
+
+`ShmHub.start` makes a 0700 directory with a listening AF_UNIX socket and a random nonce; both go
+to every joiner in JoinResponse. A worker that reaches the socket proves it is on this host and
+can open this directory; the nonce (sent first) proves to the worker that it reached the
+coordinator that answered its Join; SO_PEERCRED's uid and the member token from Join prove who
+the worker is. The worker passes its sealed input arena, which is mapped read-only here, and gets
+a read-only descriptor of the output arena.
+
+Chunks then name byte ranges of the sender's input arena (`resolve` turns them into read-only
+views for the reduction table) and averages are written once into a slot of the output arena and
+named to every shared-memory recipient (`publish`). A slot is reused only when every recipient
+released it (over the Unix socket) or left; when no slot is free, the average goes inline, so a
+slow reader never blocks anyone. A departed worker's arena is never read again: its peer entry
+goes, and the table holds copies of whatever of its data it still needs (`own_worker_data`).
+
+Everything here runs on the coordinator's event loop except the blocking handshake reads, which
+run in a thread bounded by the handshake timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import mmap
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from gradserver.common import shm
+from gradserver.common.errors import GradServerError, InvalidArgumentError
+from gradserver.common.messages import AveragedChunkOut, ChunkIn, ShmRef
+
+from .membership import Member
+
+log = logging.getLogger("gradserver.server.shm")
+
+Authenticate = Callable[[int, int, int], Member]
+
+
+@dataclasses.dataclass
+class _Peer:
+    worker_id: int
+    token: int
+    conn: socket.socket
+    arena: mmap.mmap
+    view: memoryview
+    reader: asyncio.Task[Any] | None = None
+
+
+class ShmHub:
+    """The Unix socket, the registered input arenas and the output arena of one coordinator."""
+
+    def __init__(
+        self,
+        directory: str,
+        arena_bytes: int,
+        slot_bytes: int,
+        handshake_timeout: float,
+        authenticate: Authenticate,
+    ) -> None:
+        self._parent = directory or None
+        self._slots = shm.SlotArena(arena_bytes, slot_bytes)
+        self._arena_bytes = self._slots.count * slot_bytes
+        self._timeout = handshake_timeout
+        self._authenticate = authenticate
+        self.nonce = secrets.token_bytes(shm.NONCE_BYTES)
+        self.path = ""
+        self._dir = ""
+        self._listener: socket.socket | None = None
+        self._out_fd = -1
+        self._out: mmap.mmap | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._holders: dict[int, set[int]] = {}  # output slot offset -> workers yet to release it
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.shared_bytes = 0  # bytes of averages handed out through the output arena
+        self.inline_fallbacks = 0  # averages sent inline to shm workers because no slot was free
+
+    async def start(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="gradserver-shm-", dir=self._parent)
+        os.chmod(self._dir, 0o700)
+        self.path = os.path.join(self._dir, "coordinator.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._out_fd, self._out = shm.create_arena(self._arena_bytes, "gradserver-out")
+        self._spawn(self._accept_loop())
+        log.info("shared memory: socket %s, output arena %d MiB", self.path, self._arena_bytes >> 20)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        for worker_id in list(self._peers):
+            self.worker_gone(worker_id)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._out_fd >= 0:
+            os.close(self._out_fd)
+            self._out_fd = -1
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
+
+    def registered(self, worker_id: int) -> bool:
+        return worker_id in self._peers
+
+    # --- data path ------------------------------------------------------------------------------
+
+    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn:
+        """The chunk with `data` as a read-only view of the sender's arena; raises naming the
+        worker, step and key when it has no arena or the range lies outside it."""
+        ref = chunk.shm
+        assert ref is not None
+        w, key = chunk.worker_id, chunk.key
+        peer = self._peers.get(w)
+        if peer is None or peer.token != member.token:
+            raise InvalidArgumentError(
+                f"worker {w}, {key}: chunk names shared memory, but worker {w} registered no arena",
+                step=key.step,
+                key=str(key),
+                worker_id=w,
+            )
+        size = len(peer.view)
+        if ref.offset % 4 or ref.offset + ref.length > size:
+            raise InvalidArgumentError(
+                f"worker {w}, {key}: shared-memory range [{ref.offset}, {ref.offset + ref.length}) "
+                f"lies outside its {size}-byte arena or is not 4-byte aligned",
+                step=key.step,
+                key=str(key),
+                worker_id=w,
+            )
+        return dataclasses.replace(chunk, data=peer.view[ref.offset : ref.offset + ref.length], shm=None)
+
+    def publish(
+        self, event: AveragedChunkOut, to: tuple[int, ...]
+    ) -> list[tuple[AveragedChunkOut, tuple[int, ...]]]:
+        """Splits one average's recipients: shared-memory ones get a reference into a fresh
+        output slot holding the bytes, the others (or everyone, when no slot is free) inline."""
+        readers = tuple(w for w in to if w in self._peers)
+        if not readers or self._out is None:
+            return [(event, to)]
+        data = memoryview(event.data).cast("B")
+        offset = self._slots.take() if len(data) <= self._slots.slot_bytes else None
+        if offset is None:
+            self.inline_fallbacks += 1
+            return [(event, to)]
+        self._out[offset : offset + len(data)] = data
+        self._holders[offset] = set(readers)
+        self.shared_bytes += len(data)
+        ref = ShmRef("out", offset, len(data))
+        out = [(dataclasses.replace(event, data=b"", shm=ref), readers)]
+        rest = tuple(w for w in to if w not in self._peers)
+        if rest:
+            out.append((event, rest))
+        return out
+
+    def release(self, worker_id: int, offset: int) -> None:
+        holders = self._holders.get(offset)
+        if holders is None or worker_id not in holders:
+            log.warning("worker %d released output offset %d it does not hold; ignored", worker_id, offset)
+            return
+        holders.discard(worker_id)
+        if not holders:
+            del self._holders[offset]
+            self._slots.free(offset)
+
+    def worker_gone(self, worker_id: int) -> None:
+        """Forgets a departed worker: its arena is never read again, its output slots are freed."""
+        peer = self._peers.pop(worker_id, None)
+        if peer is None:
+            return
+        for offset in [o for o, h in self._holders.items() if worker_id in h]:
+            self.release(worker_id, offset)
+        if peer.reader is not None and peer.reader is not asyncio.current_task():
+            peer.reader.cancel()
+        peer.conn.close()
+        peer.view.release()
+        # Views the table still holds keep the mapping alive until they go (never re-read: the
+        # table copies a lost worker's data first); the kernel unmaps it then.
+        with contextlib.suppress(BufferError):
+            peer.arena.close()
+
+    # --- the socket -----------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            self._spawn(self._handshake(conn))
+
+    async def _handshake(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self._timeout)
+            hello, fds = await asyncio.to_thread(self._read_hello, conn)
+            worker_id, session_id, token = shm.HELLO.unpack(hello)
+            if len(fds) != 1:
+                raise InvalidArgumentError(f"worker {worker_id} sent {len(fds)} descriptors, expected 1")
+            pid, uid = shm.peer_credentials(conn)
+            if uid != os.getuid():
+                raise InvalidArgumentError(
+                    f"the process claiming worker {worker_id} runs as uid {uid}, this coordinator as "
+                    f"{os.getuid()}"
+                )
+            if not shm.same_network_namespace(pid):
+                raise InvalidArgumentError(
+                    f"worker {worker_id} (pid {pid}) runs in another network namespace, which counts "
+                    "as another host: it uses gRPC"
+                )
+            member = self._authenticate(worker_id, session_id, token)
+            try:
+                arena = shm.map_readonly(fds[0], f"worker {worker_id}'s input arena")
+            except (ValueError, OSError) as exc:
+                raise InvalidArgumentError(str(exc)) from None
+            self._register(_Peer(worker_id, member.token, conn, arena, memoryview(arena)))
+            ro = shm.readonly_fd(self._out_fd)
+            try:
+                await asyncio.to_thread(shm.send_reply, conn, "ok", ro)
+            finally:
+                os.close(ro)
+            log.info("worker %d uses shared memory (%d MiB input arena)", worker_id, len(arena) >> 20)
+            conn.setblocking(False)
+            peer = self._peers.get(worker_id)
+            if peer is not None and peer.conn is conn:
+                peer.reader = asyncio.current_task()
+                await self._read_releases(peer)
+        except (GradServerError, OSError, ConnectionError) as exc:
+            text = exc.message if isinstance(exc, GradServerError) else repr(exc)
+            log.warning("refused a shared-memory registration: %s", text)
+            stale = [w for w, p in self._peers.items() if p.conn is conn]
+            for worker_id in stale:
+                self.worker_gone(worker_id)
+            with contextlib.suppress(OSError):
+                conn.settimeout(self._timeout)
+                await asyncio.to_thread(shm.send_reply, conn, text, None)
+            conn.close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _read_hello(self, conn: socket.socket) -> tuple[bytes, list[int]]:
+        conn.sendall(self.nonce)
+        return shm.recv_exact(conn, shm.HELLO.size, fds=1)
+
+    def _register(self, peer: _Peer) -> None:
+        if peer.worker_id in self._peers:
+            self.worker_gone(peer.worker_id)  # a rejoined member replaces its predecessor
+        self._peers[peer.worker_id] = peer
+
+    async def _read_releases(self, peer: _Peer) -> None:
+        loop = asyncio.get_running_loop()
+        pending = b""
+        while True:
+            data = await loop.sock_recv(peer.conn, 64 * 1024)
+            if not data:
+                # The worker closed it (it exits, or gave up on shared memory after all): nothing
+                # more is named in its arena, and averages go to it inline from now on.
+                if self._peers.get(peer.worker_id) is peer:
+                    log.info("worker %d closed its shared-memory socket", peer.worker_id)
+                    self.worker_gone(peer.worker_id)
+                return
+            pending += data
+            whole = len(pending) - len(pending) % shm.RELEASE.size
+            for (offset,) in shm.RELEASE.iter_unpack(pending[:whole]):
+                if self._peers.get(peer.worker_id) is not peer:
+                    return
+                self.release(peer.worker_id, offset)
+            pending = pending[whole:]

@@ -1,0 +1,432 @@
+"""The same-host shared-memory path: same averages as gRPC, negotiation, fallback, isolation."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import logging
+import mmap
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gradserver.common import compute_block_sizes
+from gradserver.common import shm as shm_support
+from gradserver.common.components import NonBlockComponent
+from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
+from gradserver.common.messages import ReduceOp
+from gradserver.worker import WorkerClient
+from gradserver.worker.torch._collective import CollectiveClient
+
+from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
+
+pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
+
+CHUNK_MIB = 1 / 64  # 4096 elements: every tensor below spans several chunks
+SIZES = compute_block_sizes(32, 16, 64)
+
+
+def _dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _memfd_mappings() -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if "memfd:gradserver" in line]
+
+
+def _connect(address: str, transports: Sequence[str], **kwargs: Any) -> list[CollectiveClient]:
+    with concurrent.futures.ThreadPoolExecutor(len(transports)) as pool:
+        futures = [
+            pool.submit(
+                CollectiveClient.connect,
+                address,
+                node_id=f"shm-test-{rank}",
+                timeout=TEST_TIMEOUTS,
+                rank=rank,
+                transport=transport,
+                **kwargs,
+            )
+            for rank, transport in enumerate(transports)
+        ]
+        return [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in futures]
+
+
+def _poll(ready: Callable[[], bool], what: str) -> None:
+    """Waits (bounded) for a condition on the coordinator's thread, which has no event for it."""
+    end = time.monotonic() + TEST_TIMEOUTS.join
+    while not ready():
+        assert time.monotonic() < end, f"the coordinator never reached {what}"
+        time.sleep(0.01)
+
+
+def _data(worker: int, tag: int, size: int) -> np.ndarray:
+    return np.random.default_rng([worker, tag]).standard_normal(size, dtype=np.float32)
+
+
+def _workload(c: CollectiveClient) -> list[bytes]:
+    """Every key kind, all sent before any result is read, for two steps."""
+    w, out = c.worker_id, []
+    for step in range(2):
+        for block in reversed(range(3)):
+            c.send_block_gradient(step, block, 3, _data(w, 100 * step + block, sum(SIZES)), SIZES)
+        c.send_non_block_gradient(step, NonBlockComponent.LM_HEAD, _data(w, 100 * step + 50, 9000))
+        c.send_gradients(step, _data(w, 100 * step + 60, 5000), loss=1.0 + w, correct=w, total=4)
+        c.send_collective(step, 7, _data(w, 100 * step + 70, 4097), ReduceOp.SUM)
+        out += [c.receive_averaged_block().gradients.tobytes() for _ in range(3)]
+        out.append(c.receive_averaged_non_block().gradients.tobytes())
+        out.append(c.receive_averaged().gradients.tobytes())
+        out.append(c.receive_collective().tobytes())
+    return out
+
+
+def _reference(world: int) -> list[bytes]:
+    """float64 sum in worker-id order, divided by the contributors (not for SUM), rounded once."""
+
+    def mean(tag: int, size: int, divide: bool = True) -> bytes:
+        acc = _data(0, tag, size).astype(np.float64)
+        for w in range(1, world):
+            acc += _data(w, tag, size)
+        return (acc / world if divide else acc).astype(np.float32).tobytes()
+
+    out = []
+    for step in range(2):
+        out += [mean(100 * step + block, sum(SIZES)) for block in reversed(range(3))]
+        out += [mean(100 * step + 50, 9000), mean(100 * step + 60, 5000), mean(100 * step + 70, 4097, False)]
+    return out
+
+
+@pytest.fixture
+def shm_coordinator(tmp_path) -> Any:
+    """Factory: a coordinator with small chunks whose shared-memory socket lives in tmp_path."""
+    started: list[ServerThread] = []
+
+    def make(**overrides: Any) -> ServerThread:
+        config: dict[str, Any] = {
+            "bind": "127.0.0.1:0",
+            "heartbeat_timeout": 5.0,
+            "step_timeout": 20.0,
+            "join_timeout": 20.0,
+            "chunk_mib": CHUNK_MIB,
+            "max_message_mib": 1.0,
+            "shm_dir": str(tmp_path),
+        }
+        config.update(overrides)
+        from gradserver.server.config import CoordinatorConfig
+
+        server = ServerThread(CoordinatorConfig(**config))
+        started.append(server)
+        server.start()
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in started:
+            server.stop()
+
+
+def _run(
+    server: ServerThread, transports: Sequence[str], fn: Callable[[CollectiveClient], Any], **kw: Any
+) -> list[Any]:
+    clients = _connect(server.address, transports, **kw)
+    try:
+        assert [c.transport for c in clients] == list(transports)
+        return run_each(clients, fn)
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize(
+    "transports",
+    [("grpc", "grpc", "grpc"), ("shm", "shm", "shm"), ("shm", "grpc", "shm")],
+    ids=["grpc", "shm", "mixed"],
+)
+def test_averages_are_bit_identical_to_the_numpy_reference_on_every_transport(
+    shm_coordinator, transports
+) -> None:
+    before = _dev_shm()
+    server = shm_coordinator(world_size=3)
+    results = _run(server, transports, _workload)
+    want = _reference(3)
+    for got in results:
+        assert got == want
+    moved = server.call(lambda s: s.metrics.shm_bytes._value.get())
+    assert (moved > 0) == ("shm" in transports)
+    assert _dev_shm() == before
+
+
+def test_small_arenas_reuse_slots_and_fall_back_inline_with_the_same_bytes(shm_coordinator) -> None:
+    """Arenas of 2 chunks on both sides: slots are reused many times, and chunks or averages that
+    find no free slot go inline; the results do not change."""
+    server = shm_coordinator(world_size=2, shm_arena_mib=2 * CHUNK_MIB)
+    clients = _connect(server.address, ["shm", "shm"], shm_arena_mib=2 * CHUNK_MIB)
+    try:
+        results = run_each(clients, _workload)
+        assert server.call(lambda s: s.shm.inline_fallbacks if s.shm else -1) > 0
+    finally:
+        for c in clients:
+            c.close()
+    assert results[0] == results[1] == _reference(2)
+
+
+def test_a_gradient_buffer_is_sent_without_a_copy(shm_coordinator) -> None:
+    server = shm_coordinator(world_size=2)
+
+    def work(c: CollectiveClient) -> bytes:
+        buf = c.gradient_buffer(10000)
+        assert not buf.any()
+        buf[:] = _data(c.worker_id, 1, 10000)
+        c.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, buf)
+        got = c.receive_averaged_non_block().gradients.tobytes()
+        assert c._shm is not None and c._shm.zero_copy_bytes == 40000 and c._shm.staged_bytes == 0
+        return got
+
+    results = _run(server, ["shm", "shm"], work)
+    want = ((_data(0, 1, 10000).astype(np.float64) + _data(1, 1, 10000)) / 2).astype(np.float32)
+    assert results == [want.tobytes()] * 2
+
+
+def test_gradient_buffer_under_grpc_is_a_plain_array(shm_coordinator) -> None:
+    server = shm_coordinator(world_size=1)
+    (client,) = _connect(server.address, ["grpc"])
+    try:
+        buf = client.gradient_buffer(5)
+        assert buf.dtype == np.float32 and buf.shape == (5,) and not buf.any()
+        with pytest.raises(InvalidArgumentError, match="non-negative element count"):
+            client.gradient_buffer(-1)
+    finally:
+        client.close()
+
+
+def test_auto_falls_back_to_grpc_with_one_info_line_and_shm_refuses(shm_coordinator, caplog) -> None:
+    server = shm_coordinator(world_size=1, no_shm=True)
+    with caplog.at_level(logging.INFO, logger="gradserver.worker"):
+        (client,) = _connect(server.address, ["auto"])
+    try:
+        assert client.transport == "grpc"
+        lines = [r.getMessage() for r in caplog.records if "gradients go over gRPC" in r.getMessage()]
+        assert len(lines) == 1 and "--no-shm" in lines[0]
+    finally:
+        client.close()
+    with pytest.raises(FailedPreconditionError, match=r"transport 'shm' is not available.*--no-shm"):
+        WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, transport="shm")
+
+
+def test_auto_falls_back_when_the_socket_cannot_be_reached(shm_coordinator, caplog) -> None:
+    """As for a worker on another host: the announced path does not exist here."""
+    server = shm_coordinator(world_size=1)
+    path = server.call(lambda s: s.shm.path if s.shm else "")
+    os.unlink(path)
+    with caplog.at_level(logging.INFO, logger="gradserver.worker"):
+        (client,) = _connect(server.address, ["auto"])
+    try:
+        assert client.transport == "grpc"
+        assert any(
+            "cannot reach the coordinator's shared-memory socket" in r.getMessage() for r in caplog.records
+        )
+        client.send_non_block_gradient(0, 1, np.ones(10, np.float32))
+        assert client.receive_averaged_non_block().gradients.tolist() == [1.0] * 10
+    finally:
+        client.close()
+
+
+def test_unknown_transport_is_refused_by_name(shm_coordinator, monkeypatch) -> None:
+    server = shm_coordinator(world_size=1)
+    monkeypatch.setenv("GRADSERVER_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(InvalidArgumentError, match="GRADSERVER_TRANSPORT='carrier-pigeon'"):
+        WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+
+
+def test_a_registration_with_a_wrong_token_is_refused(shm_coordinator) -> None:
+    server = shm_coordinator(world_size=1)
+    (client,) = _connect(server.address, ["grpc"])
+    path, nonce = server.call(lambda s: (s.shm.path, s.shm.nonce) if s.shm else ("", b""))
+    fd, arena = shm_support.create_arena(4096, "gradserver-test")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(path)
+            assert shm_support.recv_exact(sock, shm_support.NONCE_BYTES)[0] == nonce
+            hello = shm_support.HELLO.pack(0, client.session_id, client._accepted.member_token ^ 1)
+            socket.send_fds(sock, [hello], [fd])
+            reply, fds = shm_support.recv_exact(sock, shm_support.REPLY.size, fds=1)
+            status, length = shm_support.REPLY.unpack(reply)
+            text = shm_support.recv_exact(sock, length)[0].decode()
+        assert status != 0 and fds == [] and "worker 0 is not a member" in text
+        assert not server.call(lambda s: s.shm.registered(0) if s.shm else True)
+    finally:
+        arena.close()
+        os.close(fd)
+        client.close()
+
+
+def test_no_side_can_write_into_another_sides_memory(shm_coordinator) -> None:
+    server = shm_coordinator(world_size=1)
+    (client,) = _connect(server.address, ["shm"])
+    try:
+        # The coordinator maps the worker's input arena read-only.
+        assert server.call(lambda s: s.shm._peers[0].view.readonly if s.shm else False)
+        channel = client._shm
+        assert channel is not None
+        with pytest.raises(TypeError):
+            channel._out[0:4] = b"evil"
+    finally:
+        client.close()
+    fd, arena = shm_support.create_arena(4096, "gradserver-test")
+    ro = shm_support.readonly_fd(fd)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(ro, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # sealed: a peer cannot shrink it under the reader (SIGBUS)
+    finally:
+        os.close(ro)
+        arena.close()
+        os.close(fd)
+
+
+def test_an_unsealed_arena_is_refused(tmp_path) -> None:
+    fd = os.memfd_create("gradserver-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4096)
+        with pytest.raises(ValueError, match=r"sealable|sealed"):
+            shm_support.map_readonly(fd, "the test arena")
+    finally:
+        os.close(fd)
+
+
+def test_a_lost_workers_later_writes_cannot_change_an_average(shm_coordinator) -> None:
+    """--on-worker-loss continue keeps a lost worker's complete contribution. It is copied when the
+    worker is declared lost, so what the still-running process writes afterwards is not averaged."""
+    server = shm_coordinator(world_size=3, on_worker_loss="continue")
+    clients = _connect(server.address, ["shm", "shm", "shm"])
+    zombie = clients[2]
+    try:
+        buf = zombie.gradient_buffer(10000)
+        buf[:] = _data(2, 5, 10000)
+        zombie.send_non_block_gradient(0, 0, buf)
+        # Once the coordinator holds the zombie's whole contribution, the zombie is lost.
+        _poll(lambda: server.call(lambda s: s._table.buffered_bytes(2)) == 40000, "the contribution")
+        zombie._stream._call.cancel()
+        _poll(lambda: not server.call(lambda s: s.shm.registered(2) if s.shm else False), "the loss")
+        buf[:] = 1e30  # the zombie writes after it was declared lost
+
+        def work(c: CollectiveClient) -> tuple[bytes, int]:
+            c.send_non_block_gradient(0, 0, _data(c.worker_id, 5, 10000))
+            avg = c.receive_averaged_non_block()
+            return avg.gradients.tobytes(), avg.num_contributors
+
+        results = run_each(clients[:2], work)
+    finally:
+        for c in clients:
+            c.close()
+    acc = _data(0, 5, 10000).astype(np.float64) + _data(1, 5, 10000) + _data(2, 5, 10000)
+    assert results == [((acc / 3).astype(np.float32).tobytes(), 3)] * 2
+
+
+def test_nothing_stays_mapped_after_the_job(shm_coordinator) -> None:
+    server = shm_coordinator(world_size=2)
+    _run(server, ["shm", "shm"], lambda c: c.send_heartbeat())
+    server.stop()
+    gc.collect()
+    assert _memfd_mappings() == []
+
+
+def test_a_chunk_naming_shared_memory_without_an_arena_is_refused(shm_coordinator) -> None:
+    server = shm_coordinator(world_size=1)
+    (client,) = _connect(server.address, ["grpc"])
+    try:
+        from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ShmRef, TensorKey
+
+        key = TensorKey.non_block(0, NonBlockComponent.LM_HEAD)
+        client._stream.expect(key, (), 4)
+        client._sent[key.kind].append(key)
+        header = ChunkHeader(DType.FLOAT32, 4, ())
+        client._stream.send(ChunkIn(0, key, header, 0, b"", None, ShmRef("in", 0, 16)))
+        with pytest.raises(InvalidArgumentError, match="worker 0 registered no arena"):
+            client.receive_averaged_non_block()
+    finally:
+        client.close()
+
+
+def test_a_closed_arena_socket_does_not_hang_the_coordinator(shm_coordinator) -> None:
+    """A client that connects and says nothing is dropped after the handshake timeout."""
+    server = shm_coordinator(world_size=1, heartbeat_timeout=1.0)
+    path = server.call(lambda s: s.shm.path if s.shm else "")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(path)
+        sock.recv(shm_support.NONCE_BYTES)
+        try:
+            rest = sock.recv(100)  # the refusal (handshake timed out), then EOF
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b"" or rest[0] != 0
+
+
+def test_a_reduction_split_across_threads_gives_the_same_bytes() -> None:
+    from gradserver.server.averaging import Averager, NonFiniteContribution
+
+    size = 1_000_003
+    arrays = [_data(w, 9, size) for w in range(3)]
+    single, split = Averager(1), Averager(4)
+    try:
+        for divide in (True, False):
+            want = bytes(single.average([a.data for a in arrays], divide=divide))
+            assert bytes(split.average([a.data for a in arrays], divide=divide)) == want
+        arrays[1][size - 5] = np.nan  # in the last thread's range
+        with pytest.raises(NonFiniteContribution) as caught:
+            split.average([a.data for a in arrays])
+        assert (caught.value.position, caught.value.element) == (1, size - 5)
+    finally:
+        split.close()
+
+
+def test_training_over_shm_sends_from_gradient_buffers_and_matches_grpc(shm_coordinator, tmp_path) -> None:
+    """The trainer's accumulators live in the client's arena (backward writes straight into what
+    is sent), and the weights after training equal those trained over gRPC, bit for bit."""
+    import torch
+
+    from gradserver.train.backends import RemoteBackend
+    from gradserver.train.checkpoint import load_checkpoint
+    from gradserver.train.training import TrainConfig, train
+
+    states = {}
+    for transport in ("grpc", "shm"):
+        out = tmp_path / transport
+        config = TrainConfig(model="tiny", steps=2, batch_size=4, lr=1e-2, max_grad_norm=1.0, out=str(out))
+        server = shm_coordinator(world_size=2, chunk_mib=4.0, max_message_mib=16.0)
+
+        def work(c: CollectiveClient, config: TrainConfig = config) -> int:
+            train(RemoteBackend(c), config)
+            return c._shm.zero_copy_bytes if c._shm is not None else 0
+
+        copied = _run(server, [transport, transport], work)
+        assert (min(copied) > 0) == (transport == "shm")
+        states[transport] = load_checkpoint(out / "checkpoint-rank0.pt").model_state
+    for name, weight in states["grpc"].items():
+        assert torch.equal(states["shm"][name], weight), name
+
+
+def test_connect_returns_once_the_coordinator_holds_the_stream(shm_coordinator) -> None:
+    """A worker may send and leave right after connect: every peer's stream must already be
+    registered then, or it is refused as opened before the world was complete."""
+    server = shm_coordinator(world_size=3)
+    clients = _connect(server.address, ["shm", "shm", "grpc"])
+    try:
+        assert server.call(lambda s: sorted(s._streams)) == [0, 1, 2]
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_another_network_namespace_counts_as_another_host() -> None:
+    assert shm_support.same_network_namespace(os.getpid())
+    assert not shm_support.same_network_namespace(2**22 + 1)  # above pid_max: no such process

@@ -1,0 +1,219 @@
+"""The worker's side of the same-host fast path (docs/PROTOCOL.md, "Shared memory").
+
+`ShmChannel.open` connects to the Unix socket the coordinator announced at Join, checks the nonce
+the coordinator sends first (only the coordinator that answered this worker's Join knows it),
+presents the worker id and member token, and passes this worker's sealed input arena; it gets a
+read-only descriptor of the coordinator's output arena back and maps it read-only.
+
+Input arena: fixed-size slots of one chunk each, plus contiguous runs handed out as
+`gradient_buffer`s. A chunk is copied into a free slot (or, when it already lies in a gradient
+buffer, referenced where it is) and only then named to the coordinator, so a worker killed while
+writing never references partial data. A slot is reused once the chunk's average (or an error
+that voids it) arrived: by then the coordinator has dropped its view of it. When no slot frees up
+within a short wait, the chunk goes inline over gRPC instead, so mismatched key orders across
+workers cannot deadlock on a full arena.
+
+Output arena: averages are read where the coordinator wrote them; the worker copies them out and
+releases the slot over the Unix socket (never through the gRPC stream, whose back-pressure must
+not hold releases back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from gradserver.common import shm
+from gradserver.common.errors import InternalError, PermissionDeniedError, UnavailableError
+from gradserver.common.messages import JoinAccepted, ShmRef, TensorKey
+
+log = logging.getLogger("gradserver.worker.shm")
+
+_F32 = np.dtype("<f4")
+# How long a chunk waits for a free input slot before it goes inline instead: long enough to ride
+# out the normal turnover of a busy arena, short enough that a stalled arena costs little.
+_SLOT_WAIT_S = 2.0
+
+
+class ShmChannel:
+    """A registered input arena, the mapped output arena and the socket to the coordinator."""
+
+    def __init__(
+        self, sock: socket.socket, arena_fd: int, arena: mmap.mmap, out: mmap.mmap, slot_bytes: int
+    ) -> None:
+        self._sock = sock
+        self._arena_fd = arena_fd
+        self._arena = arena
+        self._arena_view = np.frombuffer(arena, dtype=np.uint8)
+        self._base = int(self._arena_view.__array_interface__["data"][0])
+        self._out = out
+        self._out_view = np.frombuffer(out, dtype=np.uint8)
+        self._slots = shm.SlotArena(len(arena), slot_bytes)
+        self._cond = threading.Condition()
+        self._held: dict[tuple[TensorKey, int], int] = {}  # (key, offset) -> slot byte offset
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self.staged_bytes = 0  # copied into the arena
+        self.zero_copy_bytes = 0  # sent from a gradient buffer where it lies
+        self.inline_fallbacks = 0
+
+    @classmethod
+    def open(cls, accepted: JoinAccepted, arena_bytes: int, timeout: float) -> ShmChannel:
+        """Registers with the coordinator; raises UnavailableError (or PermissionDeniedError when
+        the coordinator refuses) saying why. Every socket operation is bounded by `timeout`."""
+        if not accepted.shm_socket:
+            raise UnavailableError("the coordinator offers no shared memory")
+        if not shm.supported():
+            raise UnavailableError("this platform lacks memfd_create or descriptor passing")
+        slot_bytes = accepted.chunk_bytes
+        size = max(arena_bytes // slot_bytes, 1) * slot_bytes
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        fd = -1
+        try:
+            try:
+                sock.connect(accepted.shm_socket)
+                nonce, _ = shm.recv_exact(sock, shm.NONCE_BYTES)
+            except OSError as exc:
+                raise UnavailableError(
+                    f"cannot reach the coordinator's shared-memory socket {accepted.shm_socket}: {exc!r} "
+                    "(another host or container?)"
+                ) from None
+            if nonce != accepted.shm_nonce:
+                raise UnavailableError(
+                    f"{accepted.shm_socket} belongs to another coordinator than the one this worker joined"
+                )
+            fd, arena = shm.create_arena(size, f"gradserver-in-{accepted.worker_id}")
+            hello = shm.HELLO.pack(accepted.worker_id, accepted.session_id, accepted.member_token)
+            socket.send_fds(sock, [hello], [fd])
+            reply, fds = shm.recv_exact(sock, shm.REPLY.size, fds=1)
+            status, length = shm.REPLY.unpack(reply)
+            text = shm.recv_exact(sock, length)[0].decode(errors="replace") if length else ""
+            if status != 0 or len(fds) != 1:
+                for extra in fds:
+                    os.close(extra)
+                raise PermissionDeniedError(f"the coordinator refused the shared-memory registration: {text}")
+            try:
+                out = shm.map_readonly(fds[0], "the coordinator's output arena")
+            except ValueError as exc:
+                raise InternalError(str(exc)) from None
+            finally:
+                os.close(fds[0])
+            return cls(sock, fd, arena, out, slot_bytes)
+        except OSError as exc:
+            sock.close()
+            if fd >= 0:
+                os.close(fd)
+            raise UnavailableError(f"shared-memory registration failed: {exc!r}") from None
+        except BaseException:
+            sock.close()
+            if fd >= 0:
+                os.close(fd)
+            raise
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def gradient_buffer(self, num_elements: int) -> np.ndarray | None:
+        """A float32 array of `num_elements` in the registered arena (chunks sent from it need no
+        copy), or None when no contiguous room is left. Its slots return when it is collected."""
+        nbytes = max(num_elements, 1) * 4
+        slots = -(-nbytes // self._slots.slot_bytes)
+        with self._cond:
+            offset = self._slots.take_run(slots)
+        if offset is None:
+            return None
+        array = np.frombuffer(memoryview(self._arena)[offset : offset + num_elements * 4], dtype=_F32)
+        weakref.finalize(array, self._free_run, offset, slots)
+        return array
+
+    def _free_run(self, offset: int, slots: int) -> None:
+        with self._cond:
+            self._slots.free(offset, slots)
+            self._cond.notify_all()
+
+    def stage(self, key: TensorKey, offset: int, piece: np.ndarray) -> ShmRef | None:
+        """Where the chunk `piece` (elements from `offset` of `key`) lies in the input arena once
+        written there; None when it must go inline (no slot freed up in time)."""
+        nbytes = piece.nbytes
+        address = int(piece.__array_interface__["data"][0])
+        if (
+            self._base <= address
+            and address + nbytes <= self._base + len(self._arena)
+            and piece.flags.c_contiguous
+        ):
+            self.zero_copy_bytes += nbytes
+            return ShmRef("in", address - self._base, nbytes)
+        if nbytes > self._slots.slot_bytes:
+            return None
+        deadline = time.monotonic() + _SLOT_WAIT_S
+        with self._cond:
+            while (slot := self._slots.take()) is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    self.inline_fallbacks += 1
+                    return None
+                self._cond.wait(remaining)
+            self._held[(key, offset)] = slot
+        self._arena_view[slot : slot + nbytes] = piece.view(np.uint8)
+        self.staged_bytes += nbytes
+        return ShmRef("in", slot, nbytes)
+
+    def chunk_done(self, key: TensorKey, offset: int) -> None:
+        """The coordinator is done with this chunk (averaged, or refused): its slot is free."""
+        with self._cond:
+            slot = self._held.pop((key, offset), None)
+            if slot is not None:
+                self._slots.free(slot)
+                self._cond.notify_all()
+
+    def key_done(self, key: TensorKey) -> None:
+        self._free_where(lambda k: k == key)
+
+    def step_done(self, step: int) -> None:
+        self._free_where(lambda k: k.step == step)
+
+    def _free_where(self, match: object) -> None:
+        with self._cond:
+            for held in [h for h in self._held if match(h[0])]:  # type: ignore[operator]
+                self._slots.free(self._held.pop(held))
+            self._cond.notify_all()
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def average(self, ref: ShmRef) -> np.ndarray:
+        """The float32 average the coordinator wrote at `ref` (a read-only view; copy it, then
+        `release`). A reference outside the arena is an InternalError."""
+        if ref.offset % 4 or ref.length % 4 or ref.offset + ref.length > len(self._out):
+            raise InternalError(
+                f"coordinator named output bytes [{ref.offset}, {ref.offset + ref.length}) outside "
+                f"its {len(self._out)}-byte arena"
+            )
+        return self._out_view[ref.offset : ref.offset + ref.length].view(_F32)
+
+    def release(self, ref: ShmRef) -> None:
+        """Tells the coordinator this worker is done with an output slot. A failure means the
+        coordinator is gone, which the gRPC stream reports; nothing to do here."""
+        with self._send_lock, contextlib.suppress(OSError):
+            if not self._closed:
+                self._sock.sendall(shm.RELEASE.pack(ref.offset))
+
+    def close(self) -> None:
+        with self._send_lock:
+            self._closed = True
+            self._sock.close()
+        with self._cond:
+            self._held.clear()
+            self._cond.notify_all()
+        os.close(self._arena_fd)
+        # Mappings still viewed by arrays (gradient buffers, results) are unmapped when those go.
+        for mapping in (self._arena, self._out):
+            with contextlib.suppress(BufferError):
+                mapping.close()
