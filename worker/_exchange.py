@@ -40,7 +40,6 @@ from gradserver.common.errors import (
     status_code_from_value,
 )
 from gradserver.common.messages import (
-    ITEM_SIZE,
     AveragedChunkOut,
     BarrierReleaseOut,
     DType,
