@@ -32,8 +32,8 @@ from gradserver.common.shard_map import NOTIFY_METHOD, ShardMap, ShardNotice, en
 from gradserver.server import GradientServer
 from gradserver.server.config import CoordinatorConfig
 from gradserver.server.reduction import ReductionTable
+from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
-from gradserver.worker.torch._collective import CollectiveClient
 
 from .helpers.logwait import log_waiter
 from .helpers.processes import ManagedProcess, ProcessGroup

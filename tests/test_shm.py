@@ -20,8 +20,8 @@ from gradserver.common import shm as shm_support
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
 from gradserver.common.messages import ReduceOp
+from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
-from gradserver.worker.torch._collective import CollectiveClient
 
 from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
 
@@ -430,3 +430,22 @@ def test_connect_returns_once_the_coordinator_holds_the_stream(shm_coordinator) 
 def test_another_network_namespace_counts_as_another_host() -> None:
     assert shm_support.same_network_namespace(os.getpid())
     assert not shm_support.same_network_namespace(2**22 + 1)  # above pid_max: no such process
+
+
+def test_a_16_bit_wire_stays_on_grpc_and_shm_refuses_it(shm_coordinator, caplog) -> None:
+    """Shared memory carries float32 only: a bfloat16 worker on the coordinator's host uses gRPC
+    (auto, one INFO line naming the dtype) and transport="shm" is refused with that reason."""
+    server = shm_coordinator(world_size=1)
+    with caplog.at_level(logging.INFO, logger="gradserver.worker"):
+        client = WorkerClient.connect(
+            server.address, timeout=TEST_TIMEOUTS, transport="auto", wire_dtype="bfloat16"
+        )
+    try:
+        assert client.transport == "grpc"
+        assert any("wire dtype is bfloat16" in r.getMessage() for r in caplog.records)
+        client.send_non_block_gradient(0, 1, np.full(10, 1.5, np.float32))
+        assert client.receive_averaged_non_block().gradients.tolist() == [1.5] * 10
+    finally:
+        client.close()
+    with pytest.raises(FailedPreconditionError, match=r"transport 'shm' is not available.*bfloat16"):
+        WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, transport="shm", wire_dtype="bfloat16")

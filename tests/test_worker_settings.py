@@ -137,7 +137,7 @@ def test_differences_name_the_field_and_both_values() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--model", "huge"], "--model 'huge' is not one of tiny, small, 350m"),
+        (["--model", "huge"], "--model 'huge' is not one of tiny, small, wide, 350m"),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
         (["--steps", "-1"], "--steps must be >= 0"),
         (["--threads", "-2"], "--threads must be >= 0"),
@@ -205,7 +205,7 @@ def test_worker_with_an_unknown_model_exits_2_without_connecting() -> None:
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert lines == ["gradserver worker: --model 'huge' is not one of tiny, small, 350m"], result.stderr
+    assert lines == ["gradserver worker: --model 'huge' is not one of tiny, small, wide, 350m"], result.stderr
 
 
 @pytest.mark.processes
@@ -213,7 +213,7 @@ def test_launch_with_an_unknown_model_exits_2_before_starting_anything() -> None
     result, _ = _run_cli("launch", "--model", "huge", "--workers", "2", "--timeout", "300", timeout=150)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "gradserver launch: --model 'huge' is not one of tiny, small, 350m"
+        "gradserver launch: --model 'huge' is not one of tiny, small, wide, 350m"
     ]
     assert "started" not in result.stdout
 

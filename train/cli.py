@@ -112,7 +112,7 @@ class WorkerConfig:
     )
     steps: int = dataclasses.field(default=3, metadata={"help": "steps to run"})
     model: str = dataclasses.field(
-        default="tiny", metadata={"help": "model (train: tiny, small, 350m) or shape preset (synthetic)"}
+        default="tiny", metadata={"help": "model (train: tiny, small, wide, 350m) or shape (synthetic)"}
     )
     batch_size: int = dataclasses.field(default=8, metadata={"help": "train: sequences per micro-batch"})
     seq_len: int = dataclasses.field(default=0, metadata={"help": "train: tokens per sequence (0: model's)"})

@@ -69,6 +69,18 @@ CONFIGS = {
         vocab=256,
         max_seq_len=128,
     ),
+    # Few, wide layers and a large (mostly unused) vocabulary: many gradient bytes per token, so
+    # a step's communication is a large share of it (bench/training.py over shared memory).
+    "wide": ModelConfig(
+        "wide",
+        hidden=512,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate=2048,
+        num_layers=4,
+        vocab=8192,
+        max_seq_len=16,
+    ),
     "350m": ModelConfig(
         "350m",
         hidden=1024,
