@@ -32,6 +32,7 @@ COPY proto ./proto
 COPY common ./common
 COPY server ./server
 COPY worker ./worker
+COPY torch_backend ./torch_backend
 COPY train ./train
 COPY cli ./cli
 COPY .ci/install-runtime.sh .ci/check-torch.sh ./.ci/

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 from typing import Any
@@ -202,3 +203,13 @@ def test_container_scripts_parse_and_ci_runs_the_check_after_the_tests() -> None
     assert ci.index("make test") < ci.index("make docker-check")
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^docker-check:.*\n\tbash docker/check\.sh$", makefile, re.MULTILINE)
+
+
+def test_the_build_stage_copies_every_package_folder() -> None:
+    """pip installs the package-dir mapping of pyproject.toml: a folder the Dockerfile does not
+    copy (torch_backend/ once did not) fails the image build, not a test."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {folder.split("/")[0] for folder in setuptools["package-dir"].values()}
+    build = "\n".join(_targets((ROOT / "Dockerfile").read_text())["sources"])
+    copied = {m.group(1) for m in re.finditer(r"^COPY (\S+) \./\1$", build, re.M)}
+    assert folders <= copied, f"not copied into the build stage: {sorted(folders - copied)}"
