@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ._netns import Cluster, Host, Interrupted, available, install_signal_handlers
+from .exchange import step_times
 
 COORDINATOR_PORT = 50051
 GLOO_PORT = 29500
@@ -167,10 +168,6 @@ def _collect(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> l
     return results
 
 
-def _step_times(results: list[dict[str, Any]]) -> list[float]:
-    return [max(steps) for steps in zip(*(r["times"] for r in results), strict=True)]
-
-
 def _wait_for_file(path: Path, procs: list[subprocess.Popen[str]], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -243,7 +240,7 @@ class Bench:
             argv = _me("--role", "gloo-worker", "--address", master, "--rank", str(rank))
             argv += ["--world", str(len(self.workers)), "--wire-dtype", wire_dtype, *self._common()]
             procs.append(self.cluster.spawn(host, argv, env=env, cwd=_REPO))
-        return _step_times(_collect(procs, self.args.timeout, f"gloo {wire_dtype}"))
+        return step_times(_collect(procs, self.args.timeout, f"gloo {wire_dtype}"))
 
     def _server_hosts(self, config: Config) -> list[Host]:
         if config.placement == "worker host 0":
@@ -275,7 +272,7 @@ class Bench:
                 argv += ["--wire-dtype", config.wire_dtype, *self._common()]
                 env = dict(os.environ, OMP_NUM_THREADS="1")
                 procs.append(self.cluster.spawn(host, argv, env=env, cwd=_REPO))
-            return _step_times(_collect(procs, self.args.timeout, f"gradserver {config.placement}"))
+            return step_times(_collect(procs, self.args.timeout, f"gradserver {config.placement}"))
 
 
 def configurations(args: argparse.Namespace) -> list[Config]:

@@ -183,7 +183,7 @@ def run_echo(
             )
             for _ in range(world)
         ]
-        return _step_times(_collect(procs, timeout))
+        return step_times(_collect(procs, timeout))
     finally:
         server.terminate()
         server.wait(30)
@@ -206,7 +206,8 @@ def _collect(procs: list[subprocess.Popen[str]], timeout: float) -> list[dict[st
     return results
 
 
-def _step_times(results: list[dict[str, Any]]) -> list[float]:
+def step_times(results: list[dict[str, Any]]) -> list[float]:
+    """Each step's time: the slowest worker's (a step lasts until every worker holds every average)."""
     return [max(steps) for steps in zip(*(r["times"] for r in results), strict=True)]
 
 
@@ -291,7 +292,7 @@ def run_gradserver(
         finally:
             coord.terminate()
             coord.wait(30)
-    return _step_times(results), rss, memory
+    return step_times(results), rss, memory
 
 
 def _elements(shape: dict[str, int]) -> int:
@@ -324,7 +325,7 @@ def run_gloo(world: int, shape: dict[str, int], steps: int, warmup: int, timeout
             )
             for r in range(world)
         ]
-        return _step_times(_collect(procs, timeout))
+        return step_times(_collect(procs, timeout))
 
 
 def main() -> int:

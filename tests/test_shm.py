@@ -102,33 +102,14 @@ def _reference(world: int) -> list[bytes]:
 
 
 @pytest.fixture
-def shm_coordinator(tmp_path) -> Any:
+def shm_coordinator(coordinator: Callable[..., ServerThread], tmp_path) -> Any:
     """Factory: a coordinator with small chunks whose shared-memory socket lives in tmp_path."""
-    started: list[ServerThread] = []
 
     def make(**overrides: Any) -> ServerThread:
-        config: dict[str, Any] = {
-            "bind": "127.0.0.1:0",
-            "heartbeat_timeout": 5.0,
-            "step_timeout": 20.0,
-            "join_timeout": 20.0,
-            "chunk_mib": CHUNK_MIB,
-            "max_message_mib": 1.0,
-            "shm_dir": str(tmp_path),
-        }
-        config.update(overrides)
-        from gradserver.server.config import CoordinatorConfig
+        config: dict[str, Any] = {"chunk_mib": CHUNK_MIB, "max_message_mib": 1.0, "shm_dir": str(tmp_path)}
+        return coordinator(**{**config, **overrides})
 
-        server = ServerThread(CoordinatorConfig(**config))
-        started.append(server)
-        server.start()
-        return server
-
-    try:
-        yield make
-    finally:
-        for server in started:
-            server.stop()
+    return make
 
 
 def _run(
