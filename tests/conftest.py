@@ -39,12 +39,13 @@ def coordinator() -> Iterator[Callable[..., ServerThread]]:
 
 @pytest.fixture
 def workers(coordinator: Callable[..., ServerThread]) -> Iterator[Callable[..., list[WorkerClient]]]:
-    """Factory: workers(n, **config) -> n clients joined to a fresh coordinator."""
+    """Factory: workers(n, client_options=None, **config) -> n clients joined to a fresh
+    coordinator; `client_options` go to every WorkerClient.connect (e.g. wire_dtype)."""
     clients: list[WorkerClient] = []
 
-    def make(n: int, **overrides: Any) -> list[WorkerClient]:
+    def make(n: int, client_options: dict[str, Any] | None = None, **overrides: Any) -> list[WorkerClient]:
         server = coordinator(world_size=n, **overrides)
-        joined = connect_all(server.address, n, TEST_TIMEOUTS)
+        joined = connect_all(server.address, n, TEST_TIMEOUTS, **(client_options or {}))
         clients.extend(joined)
         return joined
 

@@ -4,7 +4,6 @@ worker, error bounds, error feedback, float16 overflow, and the worker's flags."
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from fractions import Fraction
 
 import numpy as np
@@ -33,10 +32,10 @@ from gradserver.common.wire_dtype import (
 )
 from gradserver.server.averaging import Averager, SumOverflow
 from gradserver.server.reduction import ReductionTable
+from gradserver.train import cli as worker_cli
 from gradserver.worker import WorkerClient
-from train import cli as worker_cli
 
-from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
+from .helpers.server import TEST_TIMEOUTS, run_each
 
 LM_HEAD = NonBlockComponent.LM_HEAD
 BITS = {DType.BFLOAT16: 8, DType.FLOAT16: 11}  # significand bits, the implicit one included
@@ -46,36 +45,6 @@ def ulp16(values: np.ndarray, dtype: DType) -> np.ndarray:
     """The 16-bit dtype's spacing at |values| (normal range)."""
     exponent = np.floor(np.log2(np.maximum(np.abs(values), 1e-30)))
     return np.exp2(exponent - (BITS[dtype] - 1))
-
-
-def connect(address: str, n: int, **options: object) -> list[WorkerClient]:
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        futures = [
-            pool.submit(WorkerClient.connect, address, node_id=f"wire-{i}", timeout=TEST_TIMEOUTS, **options)
-            for i in range(n)
-        ]
-        clients = [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in futures]
-    return sorted(clients, key=lambda c: c.worker_id)
-
-
-@pytest.fixture
-def wire_workers(coordinator: Callable[..., ServerThread]):
-    """Factory: wire_workers(n, wire_dtype=..., error_feedback=...) -> joined clients."""
-    clients: list[WorkerClient] = []
-
-    def make(n: int, **options: object) -> list[WorkerClient]:
-        server = coordinator(world_size=n)
-        joined = connect(server.address, n, **options)
-        clients.extend(joined)
-        return joined
-
-    try:
-        yield make
-    finally:
-        for client in clients:
-            client.close()
 
 
 def exchange(clients: list[WorkerClient], step: int, grads: list[np.ndarray]) -> list[np.ndarray]:
@@ -178,8 +147,8 @@ def test_parse_wire_dtype_names_the_choices() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_every_worker_gets_the_same_bytes_within_one_ulp_of_the_exact_mean(wire_workers, dtype: str) -> None:
-    clients = wire_workers(3, wire_dtype=dtype)
+def test_every_worker_gets_the_same_bytes_within_one_ulp_of_the_exact_mean(workers, dtype: str) -> None:
+    clients = workers(3, client_options={"wire_dtype": dtype})
     wire = parse_wire_dtype(dtype)
     assert all(c.wire_dtype is wire for c in clients)
     rng = np.random.default_rng(3)
@@ -228,8 +197,8 @@ def test_workers_with_different_wire_dtypes_fail_the_step_naming_both(coordinato
             c.close()
 
 
-def test_a_value_beyond_float16_is_refused_before_sending_naming_key_and_element(wire_workers) -> None:
-    clients = wire_workers(2, wire_dtype="float16")
+def test_a_value_beyond_float16_is_refused_before_sending_naming_key_and_element(workers) -> None:
+    clients = workers(2, client_options={"wire_dtype": "float16"})
     bad = np.ones(10, np.float32)
     bad[7] = 70000.0
     with pytest.raises(
@@ -260,9 +229,9 @@ def test_a_float16_sum_that_overflows_fails_the_step_naming_the_key() -> None:
 
 @pytest.mark.parametrize("feedback", [True, False])
 def test_error_feedback_makes_the_sum_of_averages_track_the_sum_of_exact_means(
-    wire_workers, feedback: bool
+    workers, feedback: bool
 ) -> None:
-    clients = wire_workers(2, wire_dtype="bfloat16", error_feedback=feedback)
+    clients = workers(2, client_options={"wire_dtype": "bfloat16", "error_feedback": feedback})
     rng = np.random.default_rng(4)
     size, steps = 512, 24
     total_avg = np.zeros(size)

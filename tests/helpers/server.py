@@ -82,11 +82,14 @@ class ServerThread:
             raise TimeoutError("coordinator thread did not stop")
 
 
-def connect_all(address: str, n: int, timeouts: Timeouts = TEST_TIMEOUTS) -> list[WorkerClient]:
-    """N clients joined concurrently (Join waits for the whole world), sorted by worker id."""
+def connect_all(
+    address: str, n: int, timeouts: Timeouts = TEST_TIMEOUTS, **options: Any
+) -> list[WorkerClient]:
+    """N clients joined concurrently (Join waits for the whole world), sorted by worker id;
+    `options` go to every WorkerClient.connect (e.g. wire_dtype)."""
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = [
-            pool.submit(WorkerClient.connect, address, node_id=f"test-{i}", timeout=timeouts)
+            pool.submit(WorkerClient.connect, address, node_id=f"test-{i}", timeout=timeouts, **options)
             for i in range(n)
         ]
         clients = [f.result(timeout=timeouts.join + 5) for f in futures]
