@@ -267,13 +267,13 @@ def _train_rank(rank: int, backend: str, store_path: str, out_dir: str, die_at: 
         dist.destroy_process_group()
 
 
-def _run_ranks(tmp: Path, backend: str, die_at: int = -1) -> list[mp.process.BaseProcess]:
+def _spawn_and_join(
+    target: Callable[..., None], argss: list[tuple[Any, ...]]
+) -> list[mp.process.BaseProcess]:
+    """One spawned process per argument tuple, joined within RANK_TIMEOUT_S each; any still alive
+    then is killed, and the test fails."""
     ctx = mp.get_context("spawn")
-    tmp.mkdir()
-    procs = [
-        ctx.Process(target=_train_rank, args=(r, backend, str(tmp / "store"), str(tmp), die_at))
-        for r in range(2)
-    ]
+    procs = [ctx.Process(target=target, args=args) for args in argss]
     try:
         for p in procs:
             p.start()
@@ -286,6 +286,12 @@ def _run_ranks(tmp: Path, backend: str, die_at: int = -1) -> list[mp.process.Bas
                 p.join(10)
     assert not any(p.is_alive() for p in procs)
     return procs
+
+
+def _run_ranks(tmp: Path, backend: str, die_at: int = -1) -> list[mp.process.BaseProcess]:
+    tmp.mkdir()
+    argss = [(r, backend, str(tmp / "store"), str(tmp), die_at) for r in range(2)]
+    return _spawn_and_join(_train_rank, argss)
 
 
 def _results(tmp: Path) -> list[dict[str, Any]]:
@@ -409,21 +415,7 @@ def _collectives_rank(rank: int, store_path: str, out_dir: str) -> None:
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_collectives_match_torch_semantics_in_rank_order_on_every_rank(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_collectives_rank, args=(r, str(tmp_path / "store"), str(tmp_path)))
-        for r in range(WORLD)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(RANK_TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    _spawn_and_join(_collectives_rank, [(r, str(tmp_path / "store"), str(tmp_path)) for r in range(WORLD)])
     errors = {p.name: p.read_text() for p in tmp_path.glob("*.error")}
     assert not errors, errors
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
