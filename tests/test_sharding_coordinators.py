@@ -522,19 +522,26 @@ def test_two_shard_processes_and_two_synthetic_workers_through_the_cli(processes
             proxy.stop()
 
 
+def _synthetic_workers_past_step_2(processes: ProcessGroup, address: str) -> list[ManagedProcess]:
+    """Two `gradserver worker --job synthetic` processes given shard 0's address, once both
+    logged step 2 (the job is under way on every shard)."""
+    workers = [
+        processes.gradserver(
+            "worker", "--job", "synthetic", "--coordinator", address, "--steps", "100000",
+            *_SHAPE, name=f"worker-{i}",
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    for w in workers:
+        w.wait_for(r"step 2:", timeout=120)
+    return workers
+
+
 @pytest.mark.processes
 def test_a_killed_shard_process_ends_every_worker_naming_the_shard(processes: ProcessGroup) -> None:
     proxies, shards = _cli_shards(processes, 2, "--world-size", "2", "--heartbeat-timeout", "3")
     try:
-        workers = [
-            processes.gradserver(
-                "worker", "--job", "synthetic", "--coordinator", proxies[0].address, "--steps", "100000",
-                *_SHAPE, name=f"worker-{i}",
-            )
-            for i in range(2)
-        ]  # fmt: skip
-        for w in workers:
-            w.wait_for(r"step 2:", timeout=120)
+        workers = _synthetic_workers_past_step_2(processes, proxies[0].address)
         shards[1].kill()
         for w in workers:
             assert w.wait(60) != 0, w.output
@@ -655,15 +662,7 @@ def test_a_stopped_shard_process_fails_the_step_for_every_worker_naming_the_shar
     """SIGSTOP: the shard's connections stay open and it tells no one; shard 0 finds it silent."""
     proxies, shards = _cli_shards(processes, 2, "--world-size", "2", "--heartbeat-timeout", "3")
     try:
-        workers = [
-            processes.gradserver(
-                "worker", "--job", "synthetic", "--coordinator", proxies[0].address, "--steps", "100000",
-                *_SHAPE, name=f"worker-{i}",
-            )
-            for i in range(2)
-        ]  # fmt: skip
-        for w in workers:
-            w.wait_for(r"step 2:", timeout=120)
+        workers = _synthetic_workers_past_step_2(processes, proxies[0].address)
         shards[1].stop()
         for w in workers:
             assert w.wait(60) != 0, w.output
