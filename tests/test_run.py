@@ -13,10 +13,14 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from gradserver.train.launch import print_line
 
 from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
 
@@ -147,3 +151,40 @@ def test_bad_arguments_exit_2_with_one_line(processes: ProcessGroup, args: list[
     with _run(processes, *args) as proc:
         assert proc.wait(60) == 2, proc.output
         assert proc.lines[-1].startswith("gradserver run: ") and message in proc.lines[-1], proc.output
+
+
+class _YieldingStdout:
+    """A stdout that hands the GIL to another thread inside every write, as a pipe write may."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        time.sleep(0)
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_lines_relayed_from_many_threads_never_run_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CI once read '{"RANK": "0", ...}[rank 1] ENV {...}' as one line: `print` writes the text and
+    # the newline separately, so two relay threads interleaved.
+    out = _YieldingStdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    ranks, lines = 4, 300
+
+    def relay(rank: int) -> None:
+        for i in range(lines):
+            print_line(f"[rank {rank}] line {i}")
+
+    threads = [threading.Thread(target=relay, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    written = "".join(out.parts).splitlines()
+    expected = {f"[rank {r}] line {i}" for r in range(ranks) for i in range(lines)}
+    assert len(written) == ranks * lines and set(written) == expected

@@ -47,6 +47,15 @@ STOP_GRACE_S = 5.0
 _COORDINATOR_EXIT_S = 10.0
 # The line `gradserver` prints for an error of the hierarchy (cli/main.py).
 _ONE_LINE_ERROR = re.compile(r"^gradserver \w+: ")
+_STDOUT_LOCK = threading.Lock()
+
+
+def print_line(text: str) -> None:
+    """Writes one whole line to stdout. Several relay threads print at once, and `print` writes
+    the text and its newline separately, so two ranks' lines could otherwise run together."""
+    with _STDOUT_LOCK:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
 
 
 def register(commands: Any) -> None:
@@ -99,7 +108,7 @@ class _Progress:
             if self._bar is not None:
                 self._bar.write(text)
             else:
-                print(text, flush=True)
+                print_line(text)
 
     def _progress(self, entry: dict[str, Any]) -> None:
         if self._bar is None or entry.get("worker_id") != 0:
@@ -278,9 +287,8 @@ def _run_local(args: argparse.Namespace) -> int:
             train(
                 LocalBackend(hub, rank),
                 config,
-                lambda r: print(
-                    f"worker {rank} step {r.step}: loss {r.loss:.4f}, global loss {r.global_loss:.4f}",
-                    flush=True,
+                lambda r: print_line(
+                    f"worker {rank} step {r.step}: loss {r.loss:.4f}, global loss {r.global_loss:.4f}"
                 ),
             )
         except BaseException as exc:  # noqa: BLE001 - reported below, in this thread

@@ -40,7 +40,7 @@ from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
 from gradserver.worker.local_coordinator import coordinator_command
 
 from .cli import available_cores
-from .launch import STOP_GRACE_S, Child, await_coordinator, start_child, stop_children
+from .launch import STOP_GRACE_S, Child, await_coordinator, print_line, start_child, stop_children
 
 _START_TIMEOUT_S = 60.0
 _POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal
@@ -162,7 +162,7 @@ def _rank_env(rank: int, world: int, master_port: int, coordinator: str, token: 
 
 
 def _print(prefix: str, line: str) -> None:
-    print(f"{prefix} {line.rstrip()}", flush=True)
+    print_line(f"{prefix} {line.rstrip()}")
 
 
 def _supervise(
