@@ -83,6 +83,8 @@ log = logging.getLogger("gradserver.server")
 
 _STOP = object()
 _MONITOR_RESTARTS = 5  # consecutive monitor failures before the job fails loudly
+# A client's cancel fails a pending write a moment before the cancellation reaches the handler.
+_CANCEL_AFTER_FAILED_WRITE_S = 1.0
 
 
 class JobState(enum.Enum):
@@ -680,6 +682,10 @@ class GradientServer:
                 self.metrics.sent_bytes.inc(len(item))
             except Exception as exc:  # noqa: BLE001 - any failed write (e.g. ExecuteBatchError) means the peer is gone
                 log.info("writing to worker %d failed: %r", stream.member.worker_id, exc)
+                # Wait for that cancellation, if it is one, so the worker is reported as having
+                # cancelled its stream rather than as a failed write (both free its place); the
+                # handler cancels this task when it comes.
+                await asyncio.wait([stream.closed], timeout=_CANCEL_AFTER_FAILED_WRITE_S)
                 stream.end(
                     (
                         grpc.StatusCode.UNAVAILABLE,
