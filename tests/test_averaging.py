@@ -58,3 +58,40 @@ def test_opposite_infinities_are_caught() -> None:
     a, b = np.array([np.inf], "<f4"), np.array([-np.inf], "<f4")
     with pytest.raises(NonFiniteContribution):
         average_chunk([a.tobytes(), b.tobytes()])
+
+
+def _finite_float32_bits(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Random float32 values over every finite bit pattern: subnormals, zeros of both signs, the
+    largest values (whose sums overflow float32) and everything between."""
+    bits = rng.integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32)
+    exponent = (bits >> np.uint32(23)) & np.uint32(0xFF)
+    bits[exponent == 0xFF] &= np.uint32(0xFF7FFFFF)  # inf/NaN patterns -> the largest binade
+    return bits.view("<f4")
+
+
+@pytest.mark.parametrize("divide", [True, False])
+def test_two_contributions_give_the_float64_paths_bytes(divide: bool) -> None:
+    """The float32 path for two workers must give exactly the bytes of the float64 sum rounded
+    once, including subnormal results, cancellation, signed zeros and sums beyond float32."""
+    rng = np.random.default_rng(7)
+    size = 3 * 65536 + 123  # several blocks and a partial one
+    a = _finite_float32_bits(rng, size)
+    b = _finite_float32_bits(rng, size)
+    # Near-cancelling pairs, subnormal neighbours and values sharing a's binade.
+    b[:2000] = -a[:2000] * np.float32(1.0000001)
+    b[2000:4000] = np.float32(1e-45) * rng.integers(-8, 8, 2000).astype("<f4")
+    a[2000:4000] = np.float32(1.2e-38) * rng.standard_normal(2000).astype("<f4")
+    b[4000:6000] = np.nextafter(a[4000:6000], np.float32(np.inf))
+    exact = a.astype(np.float64) + b.astype(np.float64)
+    if divide:
+        want = (exact / 2).astype("<f4")
+    else:
+        # A SUM beyond float32 is refused, so compare only sums that fit.
+        fits = np.abs(exact) <= np.finfo(np.float32).max
+        a, b, exact = a[fits], b[fits], exact[fits]
+        with np.errstate(over="ignore"):
+            want = exact.astype("<f4")
+    assert not divide or (np.abs(exact) > np.finfo(np.float32).max).any(), "no overflowing sum tested"
+    for threads in (1, 3):
+        got = np.frombuffer(Averager(threads).average([a.tobytes(), b.tobytes()], divide=divide), "<f4")
+        assert got.tobytes() == want.tobytes()
