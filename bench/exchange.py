@@ -7,7 +7,7 @@
 
 For each N, the same worker processes' buffers are averaged by (a) a gradserver coordinator
 process and N WorkerClient processes, sending every block in reverse order and then the LM head,
-pipelined, and (b) N processes calling torch.distributed.all_reduce (gloo) on the same buffers and
+pipelined, each average written back into the buffer it was sent from (`into=`), and (b) N processes calling torch.distributed.all_reduce (gloo) on the same buffers and
 dividing by N. Each step starts after a barrier; a step's time is the slowest worker's. The
 table shows median step time, algorithmic bandwidth (gradient bytes per worker / step time), the
 ratio gradserver/gloo, and the coordinator's peak RSS (VmHWM). With `--transport shm` the workers
@@ -70,9 +70,10 @@ def _gradserver_worker(args: argparse.Namespace) -> dict[str, Any]:
         for step in range(args.warmup + args.steps):
             client.barrier(step)
             started = time.perf_counter()
+            # In place, as gloo's all_reduce: each average lands in the buffer it was sent from.
             for b in reversed(range(len(blocks))):
-                client.send_block_gradient(step, b, len(blocks), blocks[b], sizes)
-            client.send_non_block_gradient(step, "lm_head", lm_head)
+                client.send_block_gradient(step, b, len(blocks), blocks[b], sizes, into=blocks[b])
+            client.send_non_block_gradient(step, "lm_head", lm_head, into=lm_head)
             for _ in blocks:
                 client.receive_averaged_block()
             client.receive_averaged_non_block()

@@ -70,10 +70,13 @@ class Averager:
         *,
         divide: bool = True,
         dtype: DType = DType.FLOAT32,
+        out: memoryview | None = None,
     ) -> bytes | memoryview:
         """Mean of little-endian float32 buffers, given in worker-id order; with `divide` False
         their sum (collective SUM keys), rounded once the same way. A sum of finite values that
-        overflows float32 raises `SumOverflow`. 16-bit `dtype` payloads: see `_average_16`."""
+        overflows float32 raises `SumOverflow`. 16-bit `dtype` payloads: see `_average_16`.
+        A writable float32-sized `out` receives the result and is returned itself (one input
+        is returned as is, without touching `out`)."""
         if dtype is not DType.FLOAT32:
             return self._average_16(contributions, dtype, divide)
         arrays = [np.frombuffer(c, dtype=_F32) for c in contributions]
@@ -82,22 +85,22 @@ class Averager:
                 raise _locate_non_finite(arrays)
             return contributions[0]
         size = arrays[0].size
-        out = np.empty(size, dtype=_F32)
+        result = np.empty(size, dtype=_F32) if out is None else np.frombuffer(out, dtype=_F32)
         parts = min(self._threads, size // (2 * _BLOCK))
         if parts > 1:
             bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, "gradserver-reduce")
             jobs = [
-                self._pool.submit(self._sum_range, arrays, out, bounds[i], bounds[i + 1], divide)
+                self._pool.submit(self._sum_range, arrays, result, bounds[i], bounds[i + 1], divide)
                 for i in range(parts)
             ]
             finite = all([job.result() for job in jobs])
         else:
-            finite = self._sum_range(arrays, out, 0, size, divide, self._scratch)
+            finite = self._sum_range(arrays, result, 0, size, divide, self._scratch)
         if not finite:
             raise _locate_non_finite(arrays, overflow_possible=not divide)
-        return out.data
+        return result.data if out is None else out
 
     def _sum_range(
         self,
@@ -113,24 +116,33 @@ class Averager:
             scratch = getattr(self._local, "scratch", None)
             if scratch is None:
                 scratch = self._local.scratch = np.empty(_BLOCK, dtype=np.float64)
-        count = len(arrays)
         # inf - inf is expected input here (reported below), not a numerical accident to warn about.
         with np.errstate(invalid="ignore", over="ignore"):
-            for start in range(begin, end, _BLOCK):
-                stop = min(start + _BLOCK, end)
-                if count == 2:
-                    block = out[start:stop]
-                    np.add(arrays[0][start:stop], arrays[1][start:stop], out=block)
+            if len(arrays) == 2:
+                a, b = arrays
+                for start in range(begin, end, _BLOCK):
+                    block = out[start : min(start + _BLOCK, end)]
+                    np.add(a[start : start + block.size], b[start : start + block.size], out=block)
                     if divide:
                         np.multiply(block, np.float32(0.5), out=block)
-                    if np.isfinite(block).all():
-                        continue
+                if np.isfinite(out[begin:end]).all():
+                    return True
+                # An overflowing float32 sum (or a non-finite input): redo those blocks below.
+                starts = [
+                    s
+                    for s in range(begin, end, _BLOCK)
+                    if not np.isfinite(out[s : min(s + _BLOCK, end)]).all()
+                ]
+            else:
+                starts = list(range(begin, end, _BLOCK))
+            for start in starts:
+                stop = min(start + _BLOCK, end)
                 acc = scratch[: stop - start]
                 np.copyto(acc, arrays[0][start:stop])
                 for array in arrays[1:]:
                     np.add(acc, array[start:stop], out=acc)
                 if divide:
-                    np.divide(acc, count, out=out[start:stop], casting="same_kind")
+                    np.divide(acc, len(arrays), out=out[start:stop], casting="same_kind")
                 else:
                     np.copyto(out[start:stop], acc, casting="same_kind")
         return bool(np.isfinite(out[begin:end]).all())

@@ -117,7 +117,7 @@ class CoordinatorConfig:
     )
     reduce_threads: int = dataclasses.field(
         default=0,
-        metadata={"help": "threads that average one large chunk together (0: min(8, CPU count))"},
+        metadata={"help": "threads that average one large chunk together (0: half the CPUs, 1 to 8)"},
     )
     shm_arena_mib: float = dataclasses.field(
         default=256.0,

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
@@ -40,6 +41,7 @@ from gradserver.common.messages import (
     BarrierReleaseOut,
     ChunkHeader,
     ChunkIn,
+    DType,
     ErrorOut,
     KeyKind,
     ReduceOp,
@@ -112,6 +114,14 @@ class _Failure:
         return self.culprit_code if worker_id == self.culprit else self.code
 
 
+class OutputBuffers(Protocol):
+    """Where averages may be written straight away (the shared-memory output arena)."""
+
+    def take(self, nbytes: int) -> memoryview | None: ...
+
+    def give_back(self, view: memoryview) -> None: ...
+
+
 class ReductionTable:
     """All reductions of one job. Not thread-safe: the coordinator calls it from its event loop."""
 
@@ -142,6 +152,9 @@ class ReductionTable:
         self.step_timeout = step_timeout
         self._clock = clock
         self._averager = Averager(reduce_threads)
+        # Set by the coordinator while it offers shared memory: float32 averages are written
+        # into an output slot there, so publishing them copies nothing.
+        self.output_buffers: OutputBuffers | None = None
         self._pending: dict[tuple[KeyKind, int], _Slot] = {}
         self._barriers: dict[tuple[int, str], _Barrier] = {}
         self._last_step: dict[tuple[KeyKind, int], int] = {}
@@ -601,14 +614,16 @@ class ReductionTable:
     def _reduce(self, slot: _Slot, index: int) -> list[Outgoing]:
         parts = slot.chunks[index]
         contributors = sorted(slot.expected)
-        data = [parts[w] for w in contributors]
+        data = [d for d in (parts[w] for w in contributors) if d is not None]
+        out = None
+        if self.output_buffers is not None and slot.header.dtype is DType.FLOAT32 and len(data) > 1:
+            out = self.output_buffers.take(_nbytes(data[0]))
         try:
             averaged = self._averager.average(
-                [d for d in data if d is not None],
-                divide=slot.key.op is not ReduceOp.SUM,
-                dtype=slot.header.dtype,
+                data, divide=slot.key.op is not ReduceOp.SUM, dtype=slot.header.dtype, out=out
             )
         except SumOverflow as exc:
+            self._give_back(out)
             element = index * self.chunk_elements + exc.element
             what = "sum" if slot.key.op is ReduceOp.SUM else "average"
             return self._fail_step(
@@ -618,6 +633,7 @@ class ReductionTable:
                 key=slot.key,
             )
         except NonFiniteContribution as exc:
+            self._give_back(out)
             culprit = contributors[exc.position]
             element = index * self.chunk_elements + exc.element
             return self._fail_step(
@@ -633,7 +649,7 @@ class ReductionTable:
             self._buffered[w] -= _nbytes(part)
         slot.reduced += 1
         stats = self._global_stats(slot) if slot.key.kind is KeyKind.WHOLE_MODEL else None
-        out = [
+        outgoing = [
             Outgoing(
                 self.live_workers(),
                 AveragedChunkOut(
@@ -653,7 +669,11 @@ class ReductionTable:
             self.keys_reduced += 1
             if self._on_key_reduced is not None:
                 self._on_key_reduced(self._clock() - slot.opened)
-        return out
+        return outgoing
+
+    def _give_back(self, out: memoryview | None) -> None:
+        if out is not None and self.output_buffers is not None:
+            self.output_buffers.give_back(out)
 
     @staticmethod
     def _global_stats(slot: _Slot) -> SampleStats:

@@ -79,9 +79,12 @@ class ShmHub:
         self._out: mmap.mmap | None = None
         self._peers: dict[int, _Peer] = {}
         self._holders: dict[int, set[int]] = {}  # output slot offset -> workers yet to release it
+        # Slots handed to the averager to write into (`take`), keyed by the view's id.
+        self._reserved: dict[int, tuple[memoryview, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.shared_bytes = 0  # bytes of averages handed out through the output arena
         self.inline_fallbacks = 0  # averages sent inline to shm workers because no slot was free
+        self.averaged_in_place = 0  # bytes of averages the averager wrote straight into a slot
 
     async def start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="gradserver-shm-", dir=self._parent)
@@ -109,8 +112,11 @@ class ShmHub:
         if self._out_fd >= 0:
             os.close(self._out_fd)
             self._out_fd = -1
+        self._reserved.clear()
         if self._out is not None:
-            self._out.close()
+            # A view still alive (an average being encoded) keeps the mapping until it goes.
+            with contextlib.suppress(BufferError):
+                self._out.close()
             self._out = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -146,20 +152,57 @@ class ShmHub:
             )
         return dataclasses.replace(chunk, data=peer.view[ref.offset : ref.offset + ref.length], shm=None)
 
+    def take(self, nbytes: int) -> memoryview | None:
+        """A writable view of a free output slot for the averager to write an average into, so
+        that `publish` names it without copying; None when no worker uses shared memory, the
+        average is larger than a slot or no slot is free (the averager allocates then)."""
+        if not self._peers or self._out is None or nbytes > self._slots.slot_bytes:
+            return None
+        offset = self._slots.take()
+        if offset is None:
+            return None
+        view = memoryview(self._out)[offset : offset + nbytes]
+        self._reserved[id(view)] = (view, offset)
+        return view
+
+    @property
+    def free_output_slots(self) -> int:
+        return self._slots.free_slots
+
+    def give_back(self, view: memoryview) -> None:
+        """Frees a slot from `take` that holds no average after all (the step failed)."""
+        entry = self._reserved.pop(id(view), None)
+        if entry is not None and entry[0] is view:
+            self._slots.free(entry[1])
+
     def publish(
         self, event: AveragedChunkOut, to: tuple[int, ...]
     ) -> list[tuple[AveragedChunkOut, tuple[int, ...]]]:
-        """Splits one average's recipients: shared-memory ones get a reference into a fresh
-        output slot holding the bytes, the others (or everyone, when no slot is free) inline."""
+        """Splits one average's recipients: shared-memory ones get a reference into an output
+        slot holding the bytes (the one the averager wrote into, or a fresh one it is copied
+        to), the others (or everyone, when no slot is free) inline."""
         readers = tuple(w for w in to if w in self._peers)
+        reserved = self._reserved.pop(id(event.data), None)
+        if reserved is not None and reserved[0] is not event.data:
+            self._reserved[id(event.data)] = reserved  # another object under a reused id
+            reserved = None
         if not readers or self._out is None:
+            if reserved is not None:
+                # Encoded inline before anything else can write the slot (the caller encodes
+                # at once, on this thread), so it is free again already.
+                self._slots.free(reserved[1])
             return [(event, to)]
         data = memoryview(event.data).cast("B")
-        offset = self._slots.take() if len(data) <= self._slots.slot_bytes else None
-        if offset is None:
-            self.inline_fallbacks += 1
-            return [(event, to)]
-        self._out[offset : offset + len(data)] = data
+        if reserved is not None:
+            offset = reserved[1]
+            self.averaged_in_place += len(data)
+        else:
+            free = self._slots.take() if len(data) <= self._slots.slot_bytes else None
+            if free is None:
+                self.inline_fallbacks += 1
+                return [(event, to)]
+            offset = free
+            self._out[offset : offset + len(data)] = data
         self._holders[offset] = set(readers)
         self.shared_bytes += len(data)
         ref = ShmRef("out", offset, len(data))

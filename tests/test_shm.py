@@ -18,7 +18,7 @@ import pytest
 from gradserver.common import compute_block_sizes
 from gradserver.common import shm as shm_support
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
+from gradserver.common.errors import FailedPreconditionError, GradServerError, InvalidArgumentError
 from gradserver.common.messages import ReduceOp
 from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
@@ -85,6 +85,33 @@ def _workload(c: CollectiveClient) -> list[bytes]:
     return out
 
 
+def _workload_in_place(c: CollectiveClient) -> list[bytes]:
+    """`_workload` as an in-place allreduce: every gradient is sent from a gradient_buffer with
+    `into=` that buffer, and each receive must hand back that very memory."""
+    w, out = c.worker_id, []
+    for step in range(2):
+        sizes = [sum(SIZES)] * 3 + [9000, 5000, 4097]
+        tags = [2, 1, 0, 50, 60, 70]
+        sent = [c.gradient_buffer(size) for size in sizes]
+        for buf, tag, size in zip(sent, tags, sizes, strict=True):
+            buf[:] = _data(w, 100 * step + tag, size)
+        for block, buf in zip(reversed(range(3)), sent, strict=False):
+            c.send_block_gradient(step, block, 3, buf, SIZES, into=buf)
+        c.send_non_block_gradient(step, NonBlockComponent.LM_HEAD, sent[3], into=sent[3])
+        c.send_gradients(step, sent[4], loss=1.0 + w, correct=w, total=4, into=sent[4])
+        c.send_collective(step, 7, sent[5], ReduceOp.SUM, into=sent[5])
+        got = [c.receive_averaged_block().gradients for _ in range(3)]
+        got += [
+            c.receive_averaged_non_block().gradients,
+            c.receive_averaged().gradients,
+            c.receive_collective(),
+        ]
+        for array, buf in zip(got, sent, strict=True):
+            assert np.shares_memory(array, buf)
+        out += [array.tobytes() for array in got]
+    return out
+
+
 def _reference(world: int) -> list[bytes]:
     """float64 sum in worker-id order, divided by the contributors (not for SUM), rounded once."""
 
@@ -141,6 +168,79 @@ def test_averages_are_bit_identical_to_the_numpy_reference_on_every_transport(
     moved = server.call(lambda s: s.metrics.shm_bytes._value.get())
     assert (moved > 0) == ("shm" in transports)
     assert _dev_shm() == before
+
+
+@pytest.mark.parametrize("transports", [("grpc", "grpc"), ("shm", "shm"), ("shm", "grpc")])
+def test_an_in_place_allreduce_writes_the_same_bytes_into_the_senders_buffer(
+    shm_coordinator, transports
+) -> None:
+    """into= the sent buffer (as gloo's all_reduce): chunk i's average overwrites chunk i only
+    after every worker's chunk i was read, so the bytes are those of the separate-result path."""
+    server = shm_coordinator(world_size=2)
+    results = _run(server, transports, _workload_in_place)
+    assert results[0] == results[1] == _reference(2)
+
+
+def test_into_that_cannot_take_the_average_is_refused_by_name(shm_coordinator) -> None:
+    server = shm_coordinator(world_size=1)
+    (c,) = _connect(server.address, ["grpc"])
+    try:
+        grads = np.ones(100, np.float32)
+        bad = {
+            "dtype float64": np.zeros(100),
+            "C-contiguous, writable": np.zeros(200, np.float32)[::2],
+            "holds 99 elements": np.zeros(99, np.float32),
+            "numpy array or a CPU torch tensor": [0.0] * 100,
+        }
+        frozen = np.zeros(100, np.float32)
+        frozen.flags.writeable = False
+        bad["C-contiguous, writable "] = frozen
+        for message, into in bad.items():
+            with pytest.raises(InvalidArgumentError, match=message.strip()) as info:
+                c.send_non_block_gradient(0, NonBlockComponent.LM_HEAD, grads, into=into)
+            assert "step 0" in str(info.value) and "lm_head" in str(info.value).lower()
+        # Nothing was registered by the refusals: the same key goes through afterwards.
+        c.send_non_block_gradient(0, NonBlockComponent.LM_HEAD, grads, into=grads)
+        assert c.receive_averaged_non_block().gradients is not None
+        assert grads.tolist() == [1.0] * 100
+    finally:
+        c.close()
+
+
+def test_averages_are_written_into_the_output_arena_and_a_failed_one_gives_its_slot_back(
+    shm_coordinator,
+) -> None:
+    """The averager writes straight into an output slot (no copy when it is published); a
+    reduction that fails (a NaN) returns the slot it took, so none is lost for the job."""
+    server = shm_coordinator(world_size=2)
+    slots = server.call(lambda s: s.shm.free_output_slots if s.shm else -1)
+
+    def work(c: CollectiveClient) -> tuple[list[bytes], str]:
+        out = _workload(c)
+        bad = _data(c.worker_id, 9, 5000)
+        if c.worker_id == 1:
+            bad[123] = np.nan
+        c.send_non_block_gradient(2, NonBlockComponent.LM_HEAD, bad)
+        try:
+            c.receive_averaged_non_block()
+        except GradServerError as exc:
+            return out, str(exc)
+        return out, "no error"
+
+    clients = _connect(server.address, ["shm", "shm"])
+    try:
+        results = run_each(clients, work)
+        for out, error in results:
+            assert out == _reference(2)
+            assert "worker 1 sent a non-finite value" in error and "step 2" in error, error
+        assert server.call(lambda s: s.shm.averaged_in_place if s.shm else 0) > 0
+        _poll(
+            lambda: server.call(lambda s: s.shm.free_output_slots if s.shm else -1) == slots,
+            "every slot free",
+        )
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_small_arenas_reuse_slots_and_fall_back_inline_with_the_same_bytes(shm_coordinator) -> None:

@@ -46,11 +46,14 @@ class CollectiveClient(WorkerClient):
             rank=rank,
         )
 
-    def send_collective(self, sequence: int, group: int, array: np.ndarray, op: ReduceOp) -> None:
-        """Contributes `array` (1-D float32) to operation `sequence` of `group`."""
+    def send_collective(
+        self, sequence: int, group: int, array: np.ndarray, op: ReduceOp, *, into: np.ndarray | None = None
+    ) -> None:
+        """Contributes `array` (1-D float32) to operation `sequence` of `group`; with `into`
+        (it may be `array`) the result is written there (see `send_block_gradient`)."""
         self._check_step(sequence)
         key = TensorKey.collective(sequence, group, op)
-        self._send_tensor(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), ())
+        self._send_tensor(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), (), into=into)
 
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:
         """The result of the oldest collective this rank sent and has not received yet."""

@@ -178,9 +178,15 @@ class ShardedExchange:
         return {i: n for i, n in counts.items() if n}
 
     def expect(
-        self, key: TensorKey, component_sizes: tuple[int, ...], total: int, dtype: DType = DType.FLOAT32
+        self,
+        key: TensorKey,
+        component_sizes: tuple[int, ...],
+        total: int,
+        dtype: DType = DType.FLOAT32,
+        *,
+        array: np.ndarray | None = None,
     ) -> None:
-        array = np.empty(total, dtype=np.float32)
+        array = np.empty(total, dtype=np.float32) if array is None else array
         try:
             for index, owned in self._owners(key, total).items():
                 self._streams[index].expect(key, component_sizes, total, dtype, array=array, num_chunks=owned)

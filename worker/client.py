@@ -58,7 +58,7 @@ from ._exchange import ExchangeStream, PendingResult
 from ._sharded import ShardedExchange, ShardLink, join_other_shards
 from ._wire_encoder import WireEncoder
 from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
-from .tensors import as_float32_array
+from .tensors import as_float32_array, as_result_buffer
 from .transports.shm import ShmChannel
 
 log = logging.getLogger("gradserver.worker")
@@ -377,8 +377,16 @@ class WorkerClient:
         num_blocks: int,
         gradients: Any,
         component_sizes: tuple[int, ...] | list[int],
+        *,
+        into: Any = None,
     ) -> None:
-        """Contributes one block's flat gradient (9 components in protocol order)."""
+        """Contributes one block's flat gradient (9 components in protocol order).
+
+        With `into` (a C-contiguous float32 numpy array or CPU tensor of the gradient's size; it
+        may be `gradients` itself, for an in-place allreduce as gloo does) the average is written
+        there chunk by chunk as it arrives, and the receive returns that array: no result array
+        is allocated. Leave it alone until the receive returns; after a failed step its contents
+        are unspecified. The other `send_*` methods take `into` too."""
         self._check_step(step)
         if not 0 <= block_idx < num_blocks:
             raise InvalidArgumentError(
@@ -400,7 +408,7 @@ class WorkerClient:
                 step=step,
                 key=str(key),
             )
-        self._send_tensor(key, array, sizes)
+        self._send_tensor(key, array, sizes, into=into)
 
     def receive_averaged_block(self, timeout: float | None = None) -> AveragedBlock:
         """The average of the oldest block this worker sent and has not received yet."""
@@ -417,12 +425,12 @@ class WorkerClient:
     # --- non-block gradients ------------------------------------------------------------------
 
     def send_non_block_gradient(
-        self, step: int, component: int | str | NonBlockComponent, gradients: Any
+        self, step: int, component: int | str | NonBlockComponent, gradients: Any, *, into: Any = None
     ) -> None:
         """Contributes the LM head (0), final norm (1) or embedding (2) gradient."""
         self._check_step(step)
         key = TensorKey.non_block(step, parse_non_block_component(component))
-        self._send_tensor(key, as_float32_array(gradients, what=str(key)), ())
+        self._send_tensor(key, as_float32_array(gradients, what=str(key)), (), into=into)
 
     def receive_averaged_non_block(self, timeout: float | None = None) -> AveragedNonBlock:
         key, result = self._receive(KeyKind.NON_BLOCK, timeout)
@@ -435,7 +443,9 @@ class WorkerClient:
 
     # --- whole-model gradients ----------------------------------------------------------------
 
-    def send_gradients(self, step: int, gradients: Any, loss: float, correct: int, total: int) -> None:
+    def send_gradients(
+        self, step: int, gradients: Any, loss: float, correct: int, total: int, *, into: Any = None
+    ) -> None:
         """Contributes a whole-model gradient with this worker's loss and sample counts."""
         self._check_step(step)
         key = TensorKey.whole_model(step)
@@ -447,7 +457,7 @@ class WorkerClient:
                 key=str(key),
             )
         stats = SampleStats(float(loss), int(correct), int(total))
-        self._send_tensor(key, as_float32_array(gradients, what=str(key)), (), stats)
+        self._send_tensor(key, as_float32_array(gradients, what=str(key)), (), stats, into=into)
 
     def receive_averaged(self, timeout: float | None = None) -> AveragedGradients:
         key, result = self._receive(KeyKind.WHOLE_MODEL, timeout)
@@ -533,6 +543,8 @@ class WorkerClient:
         array: np.ndarray,
         sizes: tuple[int, ...],
         stats: SampleStats | None = None,
+        *,
+        into: Any = None,
     ) -> None:
         limit = self._accepted.max_tensor_elements
         if array.size > limit:
@@ -541,10 +553,11 @@ class WorkerClient:
                 step=key.step,
                 key=str(key),
             )
+        result = None if into is None else as_result_buffer(into, int(array.size), what=str(key))
         self._stream.raise_if_broken()
         payload = self._encoder.encode(key, array)
         header = ChunkHeader(self._encoder.dtype, int(array.size), sizes)
-        self._stream.expect(key, sizes, int(array.size), self._encoder.dtype)
+        self._stream.expect(key, sizes, int(array.size), self._encoder.dtype, array=result)
         try:
             # Chunks cut at the same element offsets whatever the dtype: the coordinator's chunk
             # size is in float32 elements, so a 16-bit chunk carries half the bytes.

@@ -43,3 +43,27 @@ def as_float32_array(gradients: Any, *, what: str) -> np.ndarray:
     if array.dtype.byteorder == ">":
         array = array.astype(_F32)
     return np.ascontiguousarray(array).reshape(-1)
+
+
+def as_result_buffer(into: Any, num_elements: int, *, what: str) -> np.ndarray:
+    """A 1-D float32 view of `into` (a numpy array or CPU torch tensor) that averages are written
+    straight into; refused, naming `what`, when writing there would not reach the caller's memory
+    (another dtype or byte order, not contiguous, read-only, on a GPU) or the size differs."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(into, torch.Tensor):
+        if into.device.type != "cpu":
+            raise InvalidArgumentError(f"{what}: into= must be in host memory, got a tensor on {into.device}")
+        if into.dtype != torch.float32:
+            raise InvalidArgumentError(f"{what}: into= has dtype {into.dtype}; it must be float32")
+        into = into.detach().numpy()
+    if not isinstance(into, np.ndarray):
+        raise InvalidArgumentError(
+            f"{what}: into= must be a numpy array or a CPU torch tensor, got {type(into).__name__}"
+        )
+    if into.dtype != _F32:
+        raise InvalidArgumentError(f"{what}: into= has dtype {into.dtype}; it must be little-endian float32")
+    if not into.flags.c_contiguous or not into.flags.writeable:
+        raise InvalidArgumentError(f"{what}: into= must be a C-contiguous, writable array")
+    if into.size != num_elements:
+        raise InvalidArgumentError(f"{what}: into= holds {into.size} elements, the gradient {num_elements}")
+    return into.reshape(-1)
