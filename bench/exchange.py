@@ -7,8 +7,9 @@
 
 For each N, the same worker processes' buffers are averaged by (a) a gradserver coordinator
 process and N WorkerClient processes, sending every block in reverse order and then the LM head,
-pipelined, each average written back into the buffer it was sent from (`into=`), and (b) N processes calling torch.distributed.all_reduce (gloo) on the same buffers and
-dividing by N. Each step starts after a barrier; a step's time is the slowest worker's. The
+pipelined, each average written back into the buffer it was sent from (`into=`, in place as
+gloo does), and (b) N processes calling torch.distributed.all_reduce (gloo) on the same buffers
+and dividing by N. Each step starts after a barrier; a step's time is the slowest worker's. The
 table shows median step time, algorithmic bandwidth (gradient bytes per worker / step time), the
 ratio gradserver/gloo, and the coordinator's peak RSS (VmHWM). With `--transport shm` the workers
 use the same-host shared-memory path (with `--zero-copy` their buffers are `gradient_buffer`s, so

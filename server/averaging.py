@@ -138,8 +138,9 @@ class Averager:
             for start in starts:
                 stop = min(start + _BLOCK, end)
                 acc = scratch[: stop - start]
-                np.copyto(acc, arrays[0][start:stop])
-                for array in arrays[1:]:
+                # The first two widened and added in one pass (the same float64 operations).
+                np.add(arrays[0][start:stop], arrays[1][start:stop], out=acc, dtype=np.float64)
+                for array in arrays[2:]:
                     np.add(acc, array[start:stop], out=acc)
                 if divide:
                     np.divide(acc, len(arrays), out=out[start:stop], casting="same_kind")

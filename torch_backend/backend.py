@@ -82,7 +82,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         plan = plan_reduction("allreduce", op, [t.dtype for t in tensors], self.size())
 
         def run(sequence: int) -> None:
-            _scatter_into(tensors, self._reduce(sequence, _flatten(tensors), plan))
+            _scatter_into(tensors, self._reduce(sequence, _flatten(tensors), plan, in_place=True))
 
         return self._submit("allreduce", run, tensors, tensors)
 
@@ -180,8 +180,10 @@ class ProcessGroupGradServer(dist.ProcessGroup):
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _exchange(self, sequence: int, payload: np.ndarray, op: ReduceOp) -> np.ndarray:
-        self._client.send_collective(sequence, _DEFAULT_GROUP, payload, op)
+    def _exchange(
+        self, sequence: int, payload: np.ndarray, op: ReduceOp, *, into: np.ndarray | None = None
+    ) -> np.ndarray:
+        self._client.send_collective(sequence, _DEFAULT_GROUP, payload, op, into=into)
         return self._client.receive_collective(self._timeout_s)
 
     def _gather_bytes(self, sequence: int, mine: np.ndarray) -> np.ndarray:
@@ -194,10 +196,16 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         gathered = self._exchange(sequence, payload, ReduceOp.SUM).astype(np.uint8)
         return gathered.reshape(size, mine.size) if mine.size else np.zeros((size, 0), np.uint8)
 
-    def _reduce(self, sequence: int, flat: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """`flat` (a 1-D host tensor) reduced over the group as `plan` says, in its dtype."""
+    def _reduce(
+        self, sequence: int, flat: torch.Tensor, plan: Plan, *, in_place: bool = False
+    ) -> torch.Tensor:
+        """`flat` (a 1-D host tensor) reduced over the group as `plan` says, in its dtype. With
+        `in_place` (an allreduce, whose tensors take the result anyway) a float32 result is
+        written into `flat` itself, which may be the caller's tensor: no result is allocated."""
         if plan.route == "coordinator":
-            return torch.from_numpy(self._exchange(sequence, flat.numpy(), plan.wire_op))
+            payload = flat.numpy()
+            into = payload if in_place and payload.flags.writeable else None
+            return torch.from_numpy(self._exchange(sequence, payload, plan.wire_op, into=into))
         if plan.route == "widened":
             widened = self._exchange(sequence, flat.float().numpy(), plan.wire_op)
             return torch.from_numpy(widened).to(flat.dtype)
@@ -307,7 +315,10 @@ def _scatter_into(tensors: Sequence[torch.Tensor], result: torch.Tensor) -> None
     offset = 0
     for tensor in tensors:
         n = tensor.numel()
-        tensor.copy_(result[offset : offset + n].reshape(tensor.shape))
+        piece = result[offset : offset + n]
+        # An in-place allreduce of one contiguous host tensor already left the result there.
+        if not (tensor.is_contiguous() and n and tensor.data_ptr() == piece.data_ptr()):
+            tensor.copy_(piece.reshape(tensor.shape))
         offset += n
 
 
