@@ -31,6 +31,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -41,6 +42,43 @@ from gradserver.common.messages import AveragedChunkOut, ChunkIn, ShmRef
 from .membership import Member
 
 log = logging.getLogger("gradserver.server.shm")
+
+_DIR_PREFIX = "gradserver-shm-"
+_STALE_AFTER_S = 60.0  # a directory this old whose socket nobody listens on is a dead one's
+
+
+def remove_stale_dirs(parent: str | None, now: float | None = None) -> list[str]:
+    """Removes the socket directories of coordinators that were killed (SIGKILL leaves them):
+    ours (same uid), older than a minute, whose socket refuses connections. Returns them."""
+    parent = parent or tempfile.gettempdir()
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not entry.is_dir(follow_symlinks=False) or info.st_uid != os.getuid():
+                continue
+            if now - info.st_mtime < _STALE_AFTER_S:
+                continue
+            path = os.path.join(entry.path, "coordinator.sock")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(path)
+            continue  # somebody listens: a live coordinator
+        except (ConnectionRefusedError, FileNotFoundError):
+            pass
+        except OSError:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
 
 Authenticate = Callable[[int, int, int], Member]
 
@@ -87,7 +125,9 @@ class ShmHub:
         self.averaged_in_place = 0  # bytes of averages the averager wrote straight into a slot
 
     async def start(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="gradserver-shm-", dir=self._parent)
+        for path in remove_stale_dirs(self._parent):
+            log.info("removed %s, left by a coordinator that was killed", path)
+        self._dir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=self._parent)
         os.chmod(self._dir, 0o700)
         self.path = os.path.join(self._dir, "coordinator.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -13,6 +13,7 @@ import pytest
 
 from gradserver.common import shm as shm_support
 from gradserver.common.errors import AbortedError, UnavailableError
+from gradserver.server.shm import remove_stale_dirs
 from gradserver.worker import WorkerClient
 
 from .helpers.server import TEST_TIMEOUTS
@@ -114,3 +115,15 @@ def test_row_s2_a_killed_coordinator_ends_shm_workers_without_a_hang(processes, 
     gc.collect()
     assert _memfd_mappings() == []  # nothing of the dead coordinator's memory is held here
     assert _dev_shm() == before
+    # SIGKILL left the (empty) socket directory; the next coordinator removes it once it is old
+    # enough that it cannot be a coordinator still starting, and leaves a live one's alone.
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith("gradserver-shm-")]
+    assert remove_stale_dirs(str(tmp_path)) == []  # too recent
+    hour_ago = time.time() - 3600
+    os.utime(left, (hour_ago, hour_ago))
+    processes.coordinator("--world-size", "1", "--shm-dir", str(tmp_path))
+    assert not left.exists()
+    (live,) = [p for p in tmp_path.iterdir() if p.name.startswith("gradserver-shm-")]
+    os.utime(live, (hour_ago, hour_ago))
+    assert remove_stale_dirs(str(tmp_path)) == []
+    assert live.exists()
