@@ -405,6 +405,41 @@ def _collectives_rank(rank: int, store_path: str, out_dir: str) -> None:
         received = [torch.zeros(2, dtype=torch.int64) for _ in range(WORLD)]
         dist.all_to_all(received, [torch.tensor([100 * rank + j, -j]) for j in range(WORLD)])
         results["alltoall"] = received
+        # The single-tensor forms (FSDP's) and the rooted ones.
+        gathered = torch.zeros(WORLD, 3)
+        dist.all_gather_into_tensor(gathered, torch.tensor([rank, 10.0 * rank, -1.0]))
+        results["all_gather_into_tensor"] = gathered
+        shard = torch.zeros(2, dtype=torch.float64)
+        dist.reduce_scatter_tensor(shard, torch.arange(2.0 * WORLD, dtype=torch.float64) * (rank + 1))
+        results["reduce_scatter_tensor"] = shard
+        exchanged = torch.zeros(WORLD, 2, dtype=torch.int32)
+        dist.all_to_all_single(
+            exchanged, torch.tensor([[100 * rank + j, j] for j in range(WORLD)], dtype=torch.int32)
+        )
+        results["all_to_all_single"] = exchanged
+        try:
+            dist.all_to_all_single(
+                torch.zeros(WORLD + 1), torch.zeros(WORLD + 1), [2] + [1] * (WORLD - 1), None
+            )
+        except NotImplementedError as exc:
+            results["uneven"] = str(exc)
+        reduced = torch.tensor([1.5 * (rank + 1)])
+        dist.reduce(reduced, dst=1, op=dist.ReduceOp.MAX)
+        results["reduce"] = reduced
+        gather_list = [torch.zeros(2, dtype=torch.int64) for _ in range(WORLD)] if rank == 0 else None
+        dist.gather(torch.tensor([rank, -rank]), gather_list, dst=0)
+        results["gather"] = gather_list
+        scattered_piece = torch.zeros(3)
+        pieces = [torch.full((3,), 7.0 + r) for r in range(WORLD)] if rank == 1 else None
+        dist.scatter(scattered_piece, pieces, src=1)
+        results["scatter"] = scattered_piece
+        try:
+            if rank == 0:
+                dist.send(torch.ones(1), dst=1)
+            else:
+                dist.recv(torch.ones(1), src=0)
+        except NotImplementedError as exc:
+            results["p2p"] = str(exc)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     except Exception as exc:
         (Path(out_dir) / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
@@ -431,6 +466,18 @@ def test_collectives_match_torch_semantics_in_rank_order_on_every_rank(tmp_path:
         assert [t.tolist() for t in results[rank]["alltoall"]] == [
             [100 * r + rank, -rank] for r in range(WORLD)
         ]
+        got = results[rank]
+        assert got["all_gather_into_tensor"].tolist() == [[r, 10.0 * r, -1.0] for r in range(WORLD)]
+        base = torch.arange(2.0 * WORLD, dtype=torch.float64)[2 * rank : 2 * rank + 2]
+        assert torch.equal(got["reduce_scatter_tensor"], base * sum(r + 1 for r in range(WORLD)))
+        assert got["all_to_all_single"].tolist() == [[100 * r + rank, rank] for r in range(WORLD)]
+        assert "uneven" in got["uneven"] and "all_to_all_single" in got["uneven"]
+        # The root holds the reduction; the other ranks' tensors are untouched.
+        assert got["reduce"].tolist() == ([1.5 * WORLD] if rank == 1 else [1.5 * (rank + 1)])
+        if rank == 0:
+            assert [t.tolist() for t in got["gather"]] == [[r, -r] for r in range(WORLD)]
+        assert got["scatter"].tolist() == [7.0 + rank] * 3
+        assert "point-to-point" in got["p2p"], got.get("p2p")
 
 
 SINGLE_RANK_SCRIPT = """

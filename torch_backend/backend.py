@@ -158,6 +158,97 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         flat_outputs = [t for outputs in output_tensors for t in outputs]
         return self._submit("allgather", run, flat_outputs, [*input_tensors, *flat_outputs])
 
+    # --- the single-tensor and rooted forms, built on the collectives above -------------------
+    # torch.distributed calls these by name on the group object (FSDP uses the first two).
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        """`all_gather_into_tensor`: `output` holds every rank's `input`, in rank order."""
+        pieces = _equal_pieces("all_gather_into_tensor", output, self.size(), like=input)
+        return self.allgather([pieces], [input], opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        """`reduce_scatter_tensor`: rank r gets the reduction of every rank's piece r of `input`."""
+        pieces = _equal_pieces("reduce_scatter_tensor", input, self.size(), like=output)
+        return self.reduce_scatter([output], [pieces], opts)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        """Equal splits along dim 0 (what the split sizes may also say); uneven ones are refused."""
+        size = self.size()
+        for name, splits, tensor in (
+            ("output", output_split_sizes, output),
+            ("input", input_split_sizes, input),
+        ):
+            if splits and (len(splits) != size or len(set(splits)) > 1 or sum(splits) != tensor.shape[0]):
+                raise NotImplementedError(
+                    f"gradserver all_to_all_single: {name}_split_sizes {list(splits)} are uneven; "
+                    f"only equal splits of dim 0 are supported (a group of {size})"
+                )
+        return self.alltoall(
+            _equal_pieces("all_to_all_single", output, size), _equal_pieces("all_to_all_single", input, size)
+        )
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """An allreduce whose result the root keeps; the other ranks' tensors are left as they were."""
+        root = _root("reduce", opts, self.size())
+        targets = tensors if self.rank() == root else [t.clone() for t in tensors]
+        return self.allreduce(targets, opts.reduceOp)
+
+    def gather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """An allgather whose result only the root keeps."""
+        size, root = self.size(), _root("gather", opts, self.size())
+        if len(input_tensors) != 1:
+            raise ValueError(f"gradserver gather: expected one input tensor, got {len(input_tensors)}")
+        if self.rank() == root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != size:
+                raise ValueError(f"gradserver gather: the root needs a gather_list of {size} tensors")
+            outputs = output_tensors[0]
+        else:
+            outputs = [torch.empty_like(input_tensors[0]) for _ in range(size)]
+        return self.allgather([outputs], input_tensors)
+
+    def scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> dist.Work:
+        """The root's list broadcast; each rank keeps its own piece."""
+        size, rank, root = self.size(), self.rank(), _root("scatter", opts, self.size())
+        if len(output_tensors) != 1:
+            raise ValueError(f"gradserver scatter: expected one output tensor, got {len(output_tensors)}")
+        (output,) = output_tensors
+        if rank == root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != size:
+                raise ValueError(f"gradserver scatter: the root needs a scatter_list of {size} tensors")
+            if any(t.shape != output.shape or t.dtype != output.dtype for t in input_tensors[0]):
+                raise ValueError("gradserver scatter: every scatter_list tensor must match the output tensor")
+        pieces = list(input_tensors[0]) if rank == root else [torch.empty_like(output) for _ in range(size)]
+
+        def run(sequence: int) -> None:
+            data = np.concatenate([_bytes_of(t) for t in pieces])
+            payload = data.astype(np.float32) if rank == root else np.zeros(data.size, np.float32)
+            result = self._exchange(sequence, payload, ReduceOp.SUM).astype(np.uint8)
+            nbytes = output.numel() * output.element_size()
+            _write_bytes_into([output], result[rank * nbytes : (rank + 1) * nbytes])
+
+        return self._submit("scatter", run, [output], [output, *pieces])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        raise NotImplementedError(
+            "gradserver supports collectives only: point-to-point send is not supported"
+        )
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        raise NotImplementedError(
+            "gradserver supports collectives only: point-to-point recv is not supported"
+        )
+
     def barrier(self, opts: Any = None) -> dist.Work:
         def run(sequence: int) -> None:
             self._exchange(sequence, np.zeros(0, np.float32), ReduceOp.SUM)
@@ -279,6 +370,34 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's raw bytes (a copy on the host)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
+
+
+def _root(what: str, opts: Any, size: int) -> int:
+    root = int(opts.rootRank)
+    if not 0 <= root < size:
+        raise ValueError(f"gradserver {what}: root rank {root} is out of range for a group of {size}")
+    return root
+
+
+def _equal_pieces(
+    what: str, tensor: torch.Tensor, size: int, like: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """`tensor` cut into `size` equal views along dim 0 (each the shape and dtype of `like`, when
+    given), so a collective writing the pieces writes `tensor`."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"gradserver {what}: the tensors must be contiguous")
+    if like is not None:
+        if tensor.numel() != like.numel() * size or tensor.dtype != like.dtype:
+            raise ValueError(
+                f"gradserver {what}: a {tensor.dtype} tensor of {tensor.numel()} elements cannot hold "
+                f"{size} pieces of {like.numel()} {like.dtype} elements"
+            )
+        return [piece.view(like.shape) for piece in tensor.reshape(-1).chunk(size)]
+    if tensor.dim() == 0 or tensor.shape[0] % size:
+        raise ValueError(
+            f"gradserver {what}: dim 0 of shape {tuple(tensor.shape)} does not split into {size} equal pieces"
+        )
+    return list(tensor.chunk(size))
 
 
 def _write_bytes_into(tensors: Sequence[torch.Tensor], data: np.ndarray) -> None:
