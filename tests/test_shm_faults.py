@@ -60,6 +60,20 @@ def _memfd_mappings() -> list[str]:
         return [line for line in maps if "memfd:gradserver" in line]
 
 
+def _assert_nothing_mapped(within: float = 10.0) -> None:
+    """No gradserver memory is mapped in this process once the clients' last references go: a
+    mapping is released when the last array viewing it is collected, which a helper thread of a
+    closed client may still hold for a moment on a loaded machine (bounded here)."""
+    deadline = time.monotonic() + within
+    while True:
+        gc.collect()
+        left = _memfd_mappings()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert left == [], f"still mapped after {within:g} s: {left}"
+
+
 def test_row_s1_a_worker_killed_while_writing_its_arena_fails_the_step_naming_it(
     processes, coordinator, tmp_path
 ) -> None:
@@ -112,8 +126,7 @@ def test_row_s2_a_killed_coordinator_ends_shm_workers_without_a_hang(processes, 
     finally:
         client.close()
     del client
-    gc.collect()
-    assert _memfd_mappings() == []  # nothing of the dead coordinator's memory is held here
+    _assert_nothing_mapped()  # nothing of the dead coordinator's memory is held here
     assert _dev_shm() == before
     # SIGKILL left the (empty) socket directory; the next coordinator removes it once it is old
     # enough that it cannot be a coordinator still starting, and leaves a live one's alone.
