@@ -82,17 +82,15 @@ from .streams import WorkerStream
 log = logging.getLogger("gradserver.server")
 
 _STOP = object()
+_MONITOR_RESTARTS = 5  # consecutive monitor failures before the job fails loudly
+# A client's cancel fails a pending write a moment before the cancellation reaches the handler.
+_CANCEL_AFTER_FAILED_WRITE_S = 1.0
 
 
 def _auto_reduce_threads() -> int:
     """Half the cores, 1 to 8: the other half copies the averages out on the workers' side (on
     2 cores, splitting over both made a two-worker shared-memory step slower: 0.19 s -> 0.25 s)."""
     return max(1, min(8, (os.cpu_count() or 1) // 2))
-
-
-_MONITOR_RESTARTS = 5  # consecutive monitor failures before the job fails loudly
-# A client's cancel fails a pending write a moment before the cancellation reaches the handler.
-_CANCEL_AFTER_FAILED_WRITE_S = 1.0
 
 
 class JobState(enum.Enum):

@@ -134,10 +134,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             raise ValueError(f"broadcast: root rank {root} is out of range for a group of {self.size()}")
 
         def run(sequence: int) -> None:
-            data = np.concatenate([_bytes_of(t) for t in tensors]) if tensors else np.zeros(0, np.uint8)
-            payload = data.astype(np.float32) if self.rank() == root else np.zeros(data.size, np.float32)
-            result = self._exchange(sequence, payload, ReduceOp.SUM)
-            _write_bytes_into(tensors, result.astype(np.uint8))
+            _write_bytes_into(tensors, self._broadcast_bytes(sequence, tensors, root))
 
         return self._submit("broadcast", run, tensors, tensors)
 
@@ -231,9 +228,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         pieces = list(input_tensors[0]) if rank == root else [torch.empty_like(output) for _ in range(size)]
 
         def run(sequence: int) -> None:
-            data = np.concatenate([_bytes_of(t) for t in pieces])
-            payload = data.astype(np.float32) if rank == root else np.zeros(data.size, np.float32)
-            result = self._exchange(sequence, payload, ReduceOp.SUM).astype(np.uint8)
+            result = self._broadcast_bytes(sequence, pieces, root)
             nbytes = output.numel() * output.element_size()
             _write_bytes_into([output], result[rank * nbytes : (rank + 1) * nbytes])
 
@@ -276,6 +271,13 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     ) -> np.ndarray:
         self._client.send_collective(sequence, _DEFAULT_GROUP, payload, op, into=into)
         return self._client.receive_collective(self._timeout_s)
+
+    def _broadcast_bytes(self, sequence: int, tensors: Sequence[torch.Tensor], root: int) -> np.ndarray:
+        """The root's bytes of `tensors` (uint8) on every rank: the root sends them as float32,
+        the others zeros of the same length (their tensors' sizes), and the SUM is the root's."""
+        data = np.concatenate([_bytes_of(t) for t in tensors]) if tensors else np.zeros(0, np.uint8)
+        payload = data.astype(np.float32) if self.rank() == root else np.zeros(data.size, np.float32)
+        return self._exchange(sequence, payload, ReduceOp.SUM).astype(np.uint8)
 
     def _gather_bytes(self, sequence: int, mine: np.ndarray) -> np.ndarray:
         """Every rank's `mine` (uint8, one length on every rank) as rows, in rank order: each rank
