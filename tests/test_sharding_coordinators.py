@@ -331,6 +331,11 @@ def _whole_model(client: WorkerClient, step: int, size: int = 8 * CHUNK_ELEMENTS
     client.send_gradients(step, data, loss=1.0, correct=1, total=2)
 
 
+def _fail_step_on(server: ServerThread, step: int, why: str) -> None:
+    """Fails `step` on that shard's coordinator as its own table would (ABORTED, `why`)."""
+    server.call(lambda g: g._deliver(g._table.fail_step(step, why, grpc.StatusCode.ABORTED)))
+
+
 def _averaged_step(client: WorkerClient, step: int) -> bytes:
     _whole_model(client, step)
     return client.receive_averaged().gradients.tobytes()
@@ -582,9 +587,7 @@ def test_shards_reach_each_other_with_the_auth_token_and_refuse_notices_without_
     clients.append(client)
     assert _averaged_step(client, 0) == _reference_average(1, 0)
     with log_waiter() as logs:
-        shards.servers[1].call(
-            lambda g: g._deliver(g._table.fail_step(7, "a failure for the test", grpc.StatusCode.ABORTED))
-        )
+        _fail_step_on(shards.servers[1], 7, "a failure for the test")
         logs.wait_for(re.escape(f"{shards.shard_map.describe(1)} reports: a failure for the test"))
     with grpc.insecure_channel(shards.address) as channel:
         notify = channel.unary_unary(NOTIFY_METHOD)
@@ -626,9 +629,7 @@ def test_shards_speak_tls_to_workers_and_to_each_other(
     clients.append(client)
     assert _averaged_step(client, 0) == _reference_average(1, 0)
     with log_waiter() as logs:
-        shards.servers[0].call(
-            lambda g: g._deliver(g._table.fail_step(9, "a failure over TLS", grpc.StatusCode.ABORTED))
-        )
+        _fail_step_on(shards.servers[0], 9, "a failure over TLS")
         logs.wait_for(re.escape(f"{shards.shard_map.describe(0)} reports: a failure over TLS"))
 
 
@@ -636,16 +637,12 @@ def test_a_new_job_on_the_same_shards_tells_its_step_failures_again(
     sharded: Callable[..., Shards], clients: list[WorkerClient]
 ) -> None:
     shards = sharded(2, world_size=1)
-
-    def fail_step_3(why: str) -> Callable[[GradientServer], None]:
-        return lambda g: g._deliver(g._table.fail_step(3, why, grpc.StatusCode.ABORTED))
-
     with log_waiter() as logs:
         for job in ("first", "second"):
             client = WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS)
             clients.append(client)
             assert _averaged_step(client, 0) == _reference_average(1, 0)
-            shards.servers[1].call(fail_step_3(f"the {job} job's step 3 failed"))
+            _fail_step_on(shards.servers[1], 3, f"the {job} job's step 3 failed")
             logs.wait_for(re.escape(f"reports: the {job} job's step 3 failed"))
             client.close()
             # Every worker left: each shard resets its job, and the next job counts from step 0.

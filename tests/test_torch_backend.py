@@ -510,10 +510,10 @@ print("ok")
 """
 
 
-@pytest.mark.processes
-def test_init_process_group_gradserver_works_without_importing_gradserver(tmp_path: Path) -> None:
+def _script_lines(script: str, tmp_path: Path) -> list[str]:
+    """Runs `script` (one process, its store under tmp_path); it must exit 0 and end with 'ok'."""
     result = subprocess.run(
-        [sys.executable, "-c", SINGLE_RANK_SCRIPT, str(tmp_path / "store")],
+        [sys.executable, "-c", script, str(tmp_path / "store")],
         capture_output=True,
         text=True,
         timeout=120,
@@ -521,6 +521,12 @@ def test_init_process_group_gradserver_works_without_importing_gradserver(tmp_pa
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[-1] == "ok", result.stdout
+    return lines
+
+
+@pytest.mark.processes
+def test_init_process_group_gradserver_works_without_importing_gradserver(tmp_path: Path) -> None:
+    lines = _script_lines(SINGLE_RANK_SCRIPT, tmp_path)
     assert lines[0].startswith("NotImplementedError: gradserver allreduce supports SUM, AVG, PRODUCT")
     assert lines[0].endswith("not PREMUL_SUM")
     assert lines[1].startswith(
@@ -587,13 +593,5 @@ print("ok")
 @pytest.mark.processes
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_are_copied_on_the_callers_stream(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", CUDA_SCRIPT, str(tmp_path / "store")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[-1] == "ok", result.stdout
-    assert "the tensors of one call must be on one device" in lines[0], result.stdout
+    lines = _script_lines(CUDA_SCRIPT, tmp_path)
+    assert "the tensors of one call must be on one device" in lines[0], lines
