@@ -500,6 +500,17 @@ for bad, kwargs in [(torch.ones(2), {"op": premul}), (torch.ones(2), {"op": dist
         dist.all_reduce(bad, **kwargs)
     except (NotImplementedError, TypeError) as exc:
         print(f"{type(exc).__name__}: {exc}")
+bad_shapes = [
+    lambda: dist.all_gather_into_tensor(torch.zeros(3), torch.ones(2)),
+    lambda: dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(4, 2).t()),
+    lambda: dist.gather(torch.ones(2), [torch.zeros(2), torch.zeros(2)], dst=0),
+    lambda: dist.scatter(torch.zeros(2), [torch.zeros(3)], src=0),
+]
+for call in bad_shapes:
+    try:
+        call()
+    except ValueError as exc:
+        print(f"ValueError: {exc}")
 sub = dist.new_group([0])  # a subgroup: its own embedded coordinator
 y = torch.tensor([1.5])
 dist.all_reduce(y, group=sub)
@@ -532,6 +543,13 @@ def test_init_process_group_gradserver_works_without_importing_gradserver(tmp_pa
     assert lines[1].startswith(
         "TypeError: gradserver allreduce: dtype torch.float32 with BAND is not supported"
     )
+    assert lines[2:6] == [
+        "ValueError: gradserver all_gather_into_tensor: a torch.float32 tensor of 3 elements cannot "
+        "hold 1 pieces of 2 torch.float32 elements",
+        "ValueError: gradserver reduce_scatter_tensor: the tensors must be contiguous",
+        "ValueError: gradserver gather: the root needs a gather_list of 1 tensors",
+        "ValueError: gradserver scatter: every scatter_list tensor must match the output tensor",
+    ], lines
 
 
 @pytest.mark.processes
