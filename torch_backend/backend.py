@@ -3,7 +3,10 @@ gradserver coordinator.
 
 Every collective is one generic collective key of the coordinator (see docs/PROTOCOL.md): the
 group's operations are numbered in issue order and run one after another on one background
-thread per group; each call returns a `Work` at once. Reductions are the coordinator's where it
+thread per group; each call returns a `Work` at once, completed from other threads (so a future's
+callback may issue and wait for the next collective, as DDP comm hooks do). A failed collective
+fails the Work's future as C++ sees it (DDP raises a RuntimeError with the message, never a crash),
+and `wait()` raises the library's own error. Reductions are the coordinator's where it
 can (float64 sums in rank order rounded once to float32, so SUM and AVG are bit-identical on
 every rank and independent of arrival order), else an allgather and a reduction in rank order on
 every rank: `_reductions` says which op and dtype goes which way. Broadcast and allgather move the
@@ -18,7 +21,9 @@ makes every other rank's pending and later Work fail with the coordinator's erro
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
+import functools
 import itertools
 import logging
 import os
@@ -30,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradserver.common.errors import GradServerError, InvalidArgumentError
+from gradserver.common.errors import DeadlineExceededError, GradServerError, InvalidArgumentError
 from gradserver.common.messages import ReduceOp
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
@@ -47,6 +52,7 @@ _DEFAULT_GROUP = 0
 _groups = itertools.count()
 _external_lock = threading.Lock()
 _external_groups: list[str] = []  # the address of the one group joined to GRADSERVER_COORDINATOR
+_COMPLETION_THREADS = 64  # the most callbacks that may block at once (one per DDP bucket in flight)
 
 
 class ProcessGroupGradServer(dist.ProcessGroup):
@@ -64,12 +70,37 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         self._coordinator = coordinator
         self._timeout_s = timeout_s
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradserver-pg")
+        # Works are completed on other threads than the one that runs the collectives: torch runs
+        # a future's callbacks on the thread that completes it, and a callback that issues a
+        # collective and waits for it (DDP comm hooks such as PowerSGD) would otherwise wait for
+        # the very thread it blocks. One blocked callback holds one thread; more start as needed.
+        self._completions = concurrent.futures.ThreadPoolExecutor(
+            _COMPLETION_THREADS, thread_name_prefix="gradserver-pg-done"
+        )
+        self._pending: dict[int, _CollectiveWork] = {}
         self._sequence = itertools.count()
         self._issue = threading.Lock()
         self._closed = False
+        self._group_name = ""
+        self._group_desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    # torch keeps a group's name and description in its C++ backends, which a Python group does
+    # not have: without these, DeviceMesh (FSDP2, DTensor) fails with "ProcessGroup name not set".
+    # (torch's own test_c10d_pypg.py overrides them the same way.)
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
 
     # --- collectives ------------------------------------------------------------------------
 
@@ -168,6 +199,28 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         pieces = _equal_pieces("reduce_scatter_tensor", input, self.size(), like=output)
         return self.reduce_scatter([output], [pieces], opts)
 
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """`all_gather_into_tensor` of several tensors at once (functional collectives, FSDP2)."""
+        _check_pairs("all_gather_into_tensor_coalesced", outputs, inputs)
+        pieces = [
+            _equal_pieces("all_gather_into_tensor_coalesced", output, self.size(), like=input)
+            for output, input in zip(outputs, inputs, strict=True)
+        ]
+        return self.allgather(pieces, inputs, opts)
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """`reduce_scatter_tensor` of several tensors at once (functional collectives, FSDP2)."""
+        _check_pairs("reduce_scatter_tensor_coalesced", outputs, inputs)
+        pieces = [
+            _equal_pieces("reduce_scatter_tensor_coalesced", input, self.size(), like=output)
+            for output, input in zip(outputs, inputs, strict=True)
+        ]
+        return self.reduce_scatter(outputs, pieces, opts)
+
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -256,8 +309,17 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         """Leaves the coordinator and stops the embedded one (rank 0). Safe to call twice."""
         if self._closed:
             return
-        self._closed = True
+        with self._issue:
+            self._closed = True
         self._executor.shutdown(wait=True, cancel_futures=True)
+        # Operations cancelled before they ran: their Works must still end, or a waiter would hang.
+        # (Those that ran are being completed by the completion threads.)
+        for sequence, work in list(self._pending.items()):
+            if not work.started:
+                self._finish(
+                    sequence, work, RuntimeError(f"{work.name}: the process group was shut down first")
+                )
+        self._completions.shutdown(wait=False)
         try:
             self._client.close()
         finally:
@@ -296,15 +358,15 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         `in_place` (an allreduce, whose tensors take the result anyway) a float32 result is
         written into `flat` itself, which may be the caller's tensor: no result is allocated."""
         if plan.route == "coordinator":
-            payload = flat.numpy()
-            into = payload if in_place and payload.flags.writeable else None
+            payload = _host_view(flat)
+            into = payload if in_place else None
             return torch.from_numpy(self._exchange(sequence, payload, plan.wire_op, into=into))
         if plan.route == "widened":
             widened = self._exchange(sequence, flat.float().numpy(), plan.wire_op)
             return torch.from_numpy(widened).to(flat.dtype)
         if plan.route == "limbs":
             return torch.from_numpy(
-                from_limbs(self._exchange(sequence, to_limbs(flat.numpy()), ReduceOp.SUM))
+                from_limbs(self._exchange(sequence, to_limbs(_host_view(flat)), ReduceOp.SUM))
             )
         rows = self._gather_bytes(sequence, _bytes_of(flat))
         parts = [torch.from_numpy(row.copy()).view(flat.dtype) for row in rows]
@@ -323,8 +385,10 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             if self._closed:
                 raise RuntimeError(f"gradserver {what}: this process group was shut down")
             sequence = next(self._sequence)
-            self._executor.submit(self._run, what, sequence, run, result, future, order)
-        return _FutureWork(future)
+            work = _CollectiveWork(f"rank {self.rank()}: gradserver {what} (operation {sequence})", future)
+            self._pending[sequence] = work
+            self._executor.submit(self._run, what, sequence, run, result, work, order)
+        return work
 
     def _run(
         self,
@@ -332,46 +396,134 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         sequence: int,
         run: Callable[[int], None],
         result: list[torch.Tensor],
-        future: torch.futures.Future[list[torch.Tensor]],
+        work: _CollectiveWork,
         order: StreamOrder,
     ) -> None:
+        work.started = True
+        outcome: list[torch.Tensor] | Exception
         try:
             with order.on_caller_stream():
                 run(sequence)
-                future.set_result(result)
+            outcome = result
         except GradServerError as exc:
             message = f"rank {self.rank()}: gradserver {what} (operation {sequence}) failed: {exc.message}"
-            error = type(exc)(message, step=exc.step, key=exc.key, worker_id=exc.worker_id)
-            future.set_exception(error)  # type: ignore[arg-type]  # the stubs mistype it
+            outcome = type(exc)(message, step=exc.step, key=exc.key, worker_id=exc.worker_id)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work, not the thread
-            future.set_exception(exc)  # type: ignore[arg-type]
+            outcome = exc if isinstance(exc, Exception) else RuntimeError(f"{work.name} failed: {exc!r}")
+        try:
+            self._completions.submit(self._finish, sequence, work, outcome, order)
+        except RuntimeError:  # shut down meanwhile: complete it here, nobody can chain on it now
+            self._finish(sequence, work, outcome, order)
+
+    def _finish(
+        self,
+        sequence: int,
+        work: _CollectiveWork,
+        outcome: list[torch.Tensor] | Exception,
+        order: StreamOrder | None = None,
+    ) -> None:
+        """Completes `work` (once): callbacks chained on its future run here, on the caller's
+        stream for CUDA tensors."""
+        if self._pending.pop(sequence, None) is None:
+            return
+        with order.on_caller_stream() if order is not None else contextlib.nullcontext():
+            if isinstance(outcome, Exception):
+                work.fail(outcome)
+            else:
+                work.complete(outcome)
 
 
-class _FutureWork(dist.Work):
-    """A Work whose wait() and get_future() raise the collective's error. (torch 2.13's
-    `_create_work_from_future` returns a Work whose wait and future swallow it: a lost rank
-    would pass unnoticed and leave tensors unreduced.)"""
+class _CollectiveWork(dist.Work):
+    """The Work of one collective: `wait()` raises the collective's own error (the library's
+    exception, naming the lost rank), and `get_future()` is a future that C++ sees as failed.
 
-    def __init__(self, future: torch.futures.Future[list[torch.Tensor]]) -> None:
+    Why two futures: torch's Python `Future.set_exception` completes the C++ future *successfully*
+    with the exception object as its value (an unwrap function re-raises it only for Python
+    callers). DDP's reducer reads that value in C++ as a list of tensors, finds none and indexes
+    past the end: every surviving rank segfaulted when a collective failed during backward. The
+    future handed out is therefore `then`-chained on the result: a callback that raises marks the
+    chained future as failed in C++, so DDP raises a RuntimeError carrying the message.
+    (torch 2.13's `_create_work_from_future` is no alternative: its wait and future swallow the
+    error, so a lost rank would pass unnoticed and leave tensors unreduced.)"""
+
+    def __init__(self, name: str, result: torch.futures.Future[list[torch.Tensor]]) -> None:
         super().__init__()
-        self._future = future
+        self.name = name
+        self.started = False  # set by the group's thread when the collective begins
+        self._result = result
+        self._done = threading.Event()
+        self._error: Exception | None = None
+        result.add_done_callback(lambda _: self._done.set())
+        self._future = result.then(self._value_or_raise)
+
+    def complete(self, tensors: list[torch.Tensor]) -> None:
+        self._result.set_result(tensors)
+
+    def fail(self, error: Exception) -> None:
+        self._error = error
+        self._result.set_exception(error)  # type: ignore[arg-type]  # the stubs mistype it
+
+    def _value_or_raise(self, result: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
+        if self._error is not None:
+            # A fresh exception without the worker thread's traceback: C++ keeps only its text,
+            # which then ends with one frame instead of the whole collective's stack.
+            raise type(self._error)(*self._error.args).with_traceback(None)
+        return result.value()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        # The collective itself is bounded (the coordinator's step timeout, the receive timeout).
-        self._future.wait()
+        """Waits for the collective (bounded by the coordinator's step timeout and the receive
+        timeout) or, given a positive `timeout`, at most that long: then DeadlineExceededError,
+        and the collective goes on in the background, as with torch's own backends."""
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if seconds > 0 and not self._done.wait(seconds):
+            raise DeadlineExceededError(
+                f"{self.name} did not complete within the {seconds:g} s given to wait()"
+            )
+        self._result.wait()  # raises the collective's error
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._done.is_set()
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         return self._future
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's raw bytes (a copy on the host)."""
+    """The tensor's raw bytes on the host: a view of its memory when it is a contiguous host
+    tensor (read it within the collective), else of a copy."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
+    return _host_view(flat.view(torch.uint8))
+
+
+def _host_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array over the memory of `tensor` (contiguous, on the host), for the duration of one
+    collective. Not `Tensor.numpy()`: that marks the storage as not resizable for good, and the
+    caller's tensor must stay as it was (`resize_` works after a collective, as with gloo). The
+    view must not outlive the collective, which holds the tensor meanwhile."""
+    dtype = _numpy_dtype(tensor.dtype)
+    if not tensor.numel():
+        return np.zeros(0, dtype)
+    return np.asarray(_TensorMemory(tensor, dtype))
+
+
+class _TensorMemory:
+    """Exposes a contiguous host tensor's memory to numpy; the array's `base` keeps the tensor."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: np.dtype[Any]) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "data": (tensor.data_ptr(), False),
+            "shape": (tensor.numel(),),
+            "typestr": dtype.str,
+            "version": 3,
+        }
+
+
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    """The numpy dtype of a torch dtype (TypeError for those numpy lacks, e.g. bfloat16)."""
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def _root(what: str, opts: Any, size: int) -> int:
@@ -400,6 +552,11 @@ def _equal_pieces(
             f"gradserver {what}: dim 0 of shape {tuple(tensor.shape)} does not split into {size} equal pieces"
         )
     return list(tensor.chunk(size))
+
+
+def _check_pairs(what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    if len(outputs) != len(inputs):
+        raise ValueError(f"gradserver {what}: {len(outputs)} output tensors for {len(inputs)} inputs")
 
 
 def _write_bytes_into(tensors: Sequence[torch.Tensor], data: np.ndarray) -> None:

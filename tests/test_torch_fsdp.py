@@ -1,0 +1,111 @@
+"""FSDP2 and DTensor on the gradserver backend: they start (a DeviceMesh needs the group's name)
+and train exactly as with gloo.
+
+Two real ranks per backend (spawned processes, file:// rendezvous): `fully_shard` on every layer
+and the model, AdamW, `clip_grad_norm_` (a SUM allreduce of DTensor norms), 10 steps, then
+`full_tensor()` (a functional all-gather) of every parameter. With two ranks every reduction has
+two inputs, which gradserver sums exactly as gloo does, so losses and parameters are bit-equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
+
+STEPS = 10
+RANK_TIMEOUT_S = 180.0
+
+
+def _fsdp_rank(rank: int, backend: str, store_path: str, out_dir: str) -> None:
+    from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import gradserver.torch  # noqa: F401 - registers "gradserver"
+
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=2)
+    out = Path(out_dir)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 32),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32, 4),
+        )
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        losses, norms = [], []
+        for step in range(STEPS):
+            generator = torch.Generator().manual_seed(100 + 10 * step + rank)
+            x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+            loss = ((model(x) - y) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).full_tensor())
+            optimizer.step()
+            losses.append(loss.detach())
+        params = {name: p.full_tensor() for name, p in model.named_parameters()}
+        # DTensor and functional collectives directly.
+        source = torch.arange(12.0).reshape(4, 3) if rank == 0 else torch.zeros(4, 3)
+        replicated = distribute_tensor(source, mesh, [Replicate()]).to_local()
+        summed = functional_all_reduce(torch.full((5,), float(rank + 1)), "sum", mesh)
+        torch.save(
+            {
+                "losses": torch.stack(losses),
+                "norms": torch.stack(norms),
+                "params": params,
+                "replicated": replicated,
+                "summed": summed.wait() if hasattr(summed, "wait") else summed,
+            },
+            out / f"rank{rank}.pt",
+        )
+    except Exception as exc:
+        (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp: Path, backend: str) -> list[dict[str, object]]:
+    tmp.mkdir()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_fsdp_rank, args=(r, backend, str(tmp / "store"), str(tmp))) for r in range(2)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(RANK_TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    errors = {p.name: p.read_text() for p in tmp.glob("*.error")}
+    assert not errors, errors
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+
+
+def test_fsdp2_and_dtensor_train_exactly_as_with_gloo(tmp_path: Path) -> None:
+    ours, gloo = _run(tmp_path / "gradserver", "gradserver"), _run(tmp_path / "gloo", "gloo")
+    for rank in range(2):
+        for name in ("losses", "norms"):
+            torch.testing.assert_close(ours[rank][name], gloo[rank][name], rtol=0, atol=0)
+        torch.testing.assert_close(ours[rank]["params"], gloo[rank]["params"], rtol=0, atol=0)
+        torch.testing.assert_close(ours[rank]["params"], ours[0]["params"], rtol=0, atol=0)
+        torch.testing.assert_close(ours[rank]["replicated"], torch.arange(12.0).reshape(4, 3), rtol=0, atol=0)
+        torch.testing.assert_close(ours[rank]["summed"], torch.full((5,), 3.0), rtol=0, atol=0)
+    assert not torch.equal(ours[0]["losses"][0], ours[0]["losses"][-1])
