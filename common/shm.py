@@ -20,7 +20,9 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import shutil
 import socket
+import stat
 import struct
 
 NONCE_BYTES = 16
@@ -28,11 +30,37 @@ HELLO = struct.Struct("<IQQ")
 REPLY = struct.Struct("<BH")
 RELEASE = struct.Struct("<Q")
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# The coordinator's socket lives alone in a 0700 directory of this name in the temp dir.
+SOCKET_DIR_PREFIX = "gradserver-shm-"
+SOCKET_NAME = "coordinator.sock"
 
 
 def supported() -> bool:
     """Whether this platform has what the path needs (Linux memfd and fd passing)."""
     return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED")
+
+
+def remove_if_abandoned(socket_path: str) -> bool:
+    """Removes the socket directory of a coordinator that is gone (a SIGKILLed one cannot remove
+    it itself): only a gradserver socket directory of this uid whose socket refuses connections.
+    True if it was removed. A live coordinator's socket accepts, and its directory is kept."""
+    directory = os.path.dirname(socket_path)
+    if not os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):
+        return False
+    try:
+        info = os.lstat(directory)
+        if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            probe.connect(socket_path)
+        return False  # somebody listens
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass
+    except OSError:
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return not os.path.exists(directory)
 
 
 def create_arena(size: int, name: str) -> tuple[int, mmap.mmap]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -24,6 +26,8 @@ from gradserver.common.security import TlsFiles
 from .binding import AddressInUseError
 from .config import CoordinatorConfig
 from .coordinator import GradientServer
+
+log = logging.getLogger("gradserver.server.cli")
 
 
 def register(commands: Any) -> None:
@@ -92,5 +96,24 @@ async def serve(config: CoordinatorConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop, f"received {sig.name}")
+    watch = asyncio.create_task(_stop_when_parent_exits(server)) if config.exit_with_parent else None
     await server.wait_for_termination()
+    if watch is not None:
+        watch.cancel()
     return server.exit_code
+
+
+_PARENT_POLL_S = 0.25
+
+
+async def _stop_when_parent_exits(server: GradientServer) -> None:
+    """--exit-with-parent: a coordinator that a process started for itself (the torch backend's
+    rank 0) must not outlive it, SIGKILL included. An orphan is re-parented, so its parent pid
+    changes."""
+    parent = os.getppid()
+    while True:
+        if os.getppid() != parent or parent == 1:
+            log.warning("its parent process (pid %d) exited: stopping", parent)
+            server.request_stop(f"stopped: the coordinator's parent process (pid {parent}) exited")
+            return
+        await asyncio.sleep(_PARENT_POLL_S)

@@ -72,6 +72,17 @@ class CoordinatorConfig:
     port_file: str = dataclasses.field(
         default="", metadata={"help": "write the bound port to this file once serving"}
     )
+    events_file: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "append the job's verdicts (a worker lost and why, the job's end) to this file as "
+            "JSON lines, for a supervising process"
+        },
+    )
+    exit_with_parent: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "stop (gracefully) when the process that started this one exits"},
+    )
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
     log_format: str = dataclasses.field(
         default="text", metadata={"help": "text or json (one object per line)"}

@@ -71,6 +71,7 @@ from gradserver.common.security import peer_identity
 from .auth import TokenInterceptor, peer_host
 from .binding import bind_port, write_port_file
 from .config import CoordinatorConfig
+from .events import EventLog
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
 from .outgoing import Outgoing
@@ -142,6 +143,7 @@ class GradientServer:
         self.state = JobState.WAITING
         self.failure: str | None = None
         self._departures: list[str] = []  # why each worker of this job left, for the failure line
+        self.events = EventLog(config.events_file)
         self._had_loss = False
         self._limit_logged = False
         self._rejoin_timer: asyncio.TimerHandle | None = None
@@ -298,6 +300,7 @@ class GradientServer:
         if self.shm is not None:
             await self.shm.stop()
         self.metrics.close()
+        self.events.close()
         self._stopped.set()
         log.info("coordinator stopped")
 
@@ -308,6 +311,8 @@ class GradientServer:
             return
         old, self.state = self.state, new
         self.metrics.job_state.state(new.value)
+        if new in (JobState.FINISHED, JobState.FAILED):
+            self.events.write("job_ended", state=new.value, reason=why)
         if new is JobState.FAILED:
             self.failure = why
             log.error("job failed: %s", why)
@@ -512,7 +517,7 @@ class GradientServer:
         else:
             why = "disconnected (its stream ended without a goodbye)"
         if self._membership.remove(member, why, expected=expected):
-            self._worker_gone(member.worker_id, why, lost=not expected)
+            self._worker_gone(member, why, lost=not expected)
 
     async def _finish_writer(self, stream: WorkerStream, writer: asyncio.Task[None], *, drain: bool) -> None:
         """Lets the writer send what is queued (bounded by drain_timeout; not at all for a
@@ -530,11 +535,14 @@ class GradientServer:
             return None
         return peer_identity(context.auth_context())
 
-    def _worker_gone(self, worker_id: int, reason: str, *, lost: bool) -> None:
+    def _worker_gone(self, member: Member, reason: str, *, lost: bool) -> None:
         assert self._membership is not None
+        worker_id = member.worker_id
         self.metrics.workers_joined.set(self._membership.joined)
         if lost:
             self.metrics.workers_lost.inc()
+            # Before the others are told (below), so a supervisor finds it when they exit.
+            self.events.write("worker_lost", worker=worker_id, node=member.node_id, reason=reason)
         self._departures.append(f"worker {worker_id} {reason}")
         if lost and self._shard is not None:
             self._shard.worker_lost(worker_id, reason, self._table.unsettled_steps())
@@ -825,7 +833,7 @@ class GradientServer:
         assert self._membership is not None
         if not self._membership.remove(member, reason):
             return
-        self._worker_gone(member.worker_id, reason, lost=True)
+        self._worker_gone(member, reason, lost=True)
         stream = self._streams.get(member.worker_id)
         if stream is not None:
             stream.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))

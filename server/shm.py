@@ -43,13 +43,14 @@ from .membership import Member
 
 log = logging.getLogger("gradserver.server.shm")
 
-_DIR_PREFIX = "gradserver-shm-"
+_DIR_PREFIX = shm.SOCKET_DIR_PREFIX
 _STALE_AFTER_S = 60.0  # a directory this old whose socket nobody listens on is a dead one's
 
 
 def remove_stale_dirs(parent: str | None, now: float | None = None) -> list[str]:
-    """Removes the socket directories of coordinators that were killed (SIGKILL leaves them):
-    ours (same uid), older than a minute, whose socket refuses connections. Returns them."""
+    """Removes the socket directories of coordinators that were killed (SIGKILL leaves them, and
+    no worker of theirs was there to remove it): ours (same uid), older than a minute (a younger
+    one may not listen yet), whose socket refuses connections. Returns them."""
     parent = parent or tempfile.gettempdir()
     now = time.time() if now is None else now
     try:
@@ -61,22 +62,12 @@ def remove_stale_dirs(parent: str | None, now: float | None = None) -> list[str]
         if not entry.name.startswith(_DIR_PREFIX):
             continue
         try:
-            info = entry.stat(follow_symlinks=False)
-            if not entry.is_dir(follow_symlinks=False) or info.st_uid != os.getuid():
+            if now - entry.stat(follow_symlinks=False).st_mtime < _STALE_AFTER_S:
                 continue
-            if now - info.st_mtime < _STALE_AFTER_S:
-                continue
-            path = os.path.join(entry.path, "coordinator.sock")
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.settimeout(1.0)
-                probe.connect(path)
-            continue  # somebody listens: a live coordinator
-        except (ConnectionRefusedError, FileNotFoundError):
-            pass
         except OSError:
             continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(entry.path)
+        if shm.remove_if_abandoned(os.path.join(entry.path, shm.SOCKET_NAME)):
+            removed.append(entry.path)
     return removed
 
 
@@ -129,7 +120,7 @@ class ShmHub:
             log.info("removed %s, left by a coordinator that was killed", path)
         self._dir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=self._parent)
         os.chmod(self._dir, 0o700)
-        self.path = os.path.join(self._dir, "coordinator.sock")
+        self.path = os.path.join(self._dir, shm.SOCKET_NAME)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.path)
         listener.listen(64)

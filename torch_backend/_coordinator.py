@@ -3,7 +3,9 @@
 The embedded coordinator is the `gradserver coordinator` command in a child process of rank 0
 (so its event loop never competes with training for rank 0's GIL, and the client library stays
 independent of the server package), bound to 127.0.0.1 port 0. Rank 0 publishes its address in
-the torch Store that `init_process_group` set up; the other ranks read it from there.
+the torch Store that `init_process_group` set up; the other ranks read it from there. The child
+watches its parent (`--exit-with-parent`), so a SIGKILLed rank 0 leaves no coordinator behind, and
+the port file's directory goes as soon as the port is read.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class Store(Protocol):
 
 class EmbeddedCoordinator:
     """A `gradserver coordinator` child process for one process group, stopped by `stop()` or at
-    exit."""
+    exit; it stops by itself when this process exits (`--exit-with-parent`)."""
 
     def __init__(self, world_size: int, timeout_s: float, start_timeout_s: float = 60.0) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="gradserver-pg-")
@@ -46,6 +48,8 @@ class EmbeddedCoordinator:
             f"{timeout_s:g}",
             "--log-level",
             os.environ.get("GRADSERVER_LOG_LEVEL", "WARNING"),
+            # It must not outlive this rank, SIGKILL included.
+            "--exit-with-parent",
         )
         self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         atexit.register(self.stop)
@@ -54,6 +58,10 @@ class EmbeddedCoordinator:
         except BaseException:
             self.stop()
             raise
+        finally:
+            # The port file is only the readiness handshake: gone now, nothing is left behind
+            # even if this rank is SIGKILLed later.
+            self._dir.cleanup()
         if port is None:
             self.stop()
             raise UnavailableError(

@@ -35,7 +35,7 @@ from typing import Any
 
 from gradserver.common.config import config_from_sources
 from gradserver.common.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
-from gradserver.worker.local_coordinator import coordinator_command, wait_for_port
+from gradserver.worker.local_coordinator import LostWorker, coordinator_command, lost_workers, wait_for_port
 
 from .cli import available_cores
 from .extra import require_training_extra
@@ -47,6 +47,11 @@ STOP_GRACE_S = 5.0
 _COORDINATOR_EXIT_S = 10.0
 # The line `gradserver` prints for an error of the hierarchy (cli/main.py).
 _ONE_LINE_ERROR = re.compile(r"^gradserver \w+: ")
+# torch.distributed (torchrun's error handler) prefixes every line a rank prints on a failure.
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+# How long a failed child's verdict waits for the coordinator's (a survivor can exit a moment
+# before the coordinator's line is read).
+_VERDICT_WAIT_S = 1.0
 _STDOUT_LOCK = threading.Lock()
 
 
@@ -171,7 +176,9 @@ class Child:
 
 def error_line(lines: list[str]) -> str:
     """A process's error from the end of its output: the exception line of its last traceback,
-    else the one line `gradserver` prints for a GradServerError, else ''."""
+    else the one line `gradserver` prints for a GradServerError, else ''. torch's `[rankN]: `
+    prefix is read through."""
+    lines = [_RANK_PREFIX.sub("", line) for line in lines]
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].startswith("Traceback (most recent call last):"):
             for line in lines[i + 1 :]:
@@ -358,10 +365,15 @@ def _supervise(
             continue  # done with its steps; the workers finish (or fail) on their own
         running.discard(child)
         if child.proc.returncode != 0:
-            return child.failure()
+            return verdict(child, tmp / "events", _node_name) if coordinator is not None else child.failure()
     if coordinator is not None:
         return _end_coordinator(coordinator)
     return ""
+
+
+def _node_name(lost: LostWorker) -> str:
+    """launch's name of a worker: its node id (local-0, ...), which is also its child's name."""
+    return lost.node
 
 
 def _end_coordinator(coordinator: Child) -> str:
@@ -385,7 +397,7 @@ def _start_coordinator(
     args: argparse.Namespace, progress: _Progress, tmp: Path, deadline: float
 ) -> tuple[Child, str]:
     port_file = tmp / "port"
-    options = ["--max-steps", str(args.steps), "--log-level", "WARNING"]
+    options = ["--max-steps", str(args.steps), "--log-level", "WARNING", "--events-file", str(tmp / "events")]
     coordinator = start_child(
         coordinator_command(args.workers, port_file, *options), "coordinator", progress.line
     )
@@ -416,12 +428,24 @@ def next_exit(exits: queue.Queue[Child], deadline: float, timeout: float) -> Chi
         raise DeadlineExceededError(f"the run did not finish within --timeout {timeout:g} s") from None
 
 
+def verdict(child: Child, events: Path, name: Callable[[LostWorker], str]) -> str:
+    """The last line for a job that `child` ended by failing: when the coordinator had lost
+    another worker first (`events`, its --events-file), that worker named by `name` and why, then
+    the child's failure; else the child's failure alone."""
+    failure = child.failure()
+    lost = lost_workers(events, wait_s=_VERDICT_WAIT_S)
+    if not lost or name(lost[0]) == child.name:
+        return failure
+    return f"{name(lost[0])} was lost ({lost[0].reason}); {failure}"
+
+
 def stop_children(children: list[Child]) -> None:
     """SIGTERM to every process still running, SIGKILL to those alive after a grace period."""
     alive = [c for c in children if c.proc.poll() is None]
     for child in alive:
         with contextlib.suppress(ProcessLookupError):
             child.proc.terminate()
+            child.proc.send_signal(signal.SIGCONT)  # a stopped process takes the SIGTERM now
     grace_end = time.monotonic() + STOP_GRACE_S
     for child in alive:
         try:

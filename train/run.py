@@ -8,9 +8,16 @@ a free port for the torch Store), GRADSERVER_COORDINATOR (so `init_process_group
 joins it), GRADSERVER_AUTH_TOKEN from --token-file, and OMP_NUM_THREADS = cores // N unless set.
 Each rank's output is relayed with a prefix ([rank 0], ...). SIGINT and SIGTERM are forwarded to
 every rank; run then stops what is left and exits 128 + the signal. The first rank that exits
-non-zero (or is killed) ends the run: the others and the coordinator are stopped (SIGTERM, then
-SIGKILL after a grace period) and run exits with that rank's code, naming it. Exit 0 when every
-rank exited 0 and the coordinator was stopped. Every process group of the script uses this one
+non-zero (or is killed) ends the run: the other ranks get 5 s to end by themselves (a lost rank
+fails their collectives, and each prints its own error), then they and the coordinator are
+stopped (SIGTERM, then SIGKILL after a grace period). The last line says why, from the
+coordinator's verdict (its --events-file) rather than from whichever rank exited first:
+`run: rank 1 was lost (lost: no message for 10.0 s ...); rank 0 exited with code 1: <its error>`,
+or `run: rank 1 was killed by SIGKILL`, or `run: rank 1 exited with code 3: RuntimeError: boom`
+(the exception line of its traceback, torch's `[rank1]: ` prefix read through).
+Exit codes: 0 when every rank exited 0 and the coordinator was stopped; the failing rank's code
+(128 + N for a rank killed by signal N); 1 when the coordinator failed or ended first; 128 + N
+when run itself got signal N; 2 for bad arguments. Every process group of the script uses this one
 coordinator, so `dist.new_group` subgroups are refused (they need the embedded coordinator of
 plain torchrun). The coordinator takes its other settings from the environment as always
 (GRADSERVER_STEP_TIMEOUT, GRADSERVER_JOIN_TIMEOUT, ...).
@@ -37,14 +44,18 @@ from types import FrameType
 from typing import Any
 
 from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
-from gradserver.worker.local_coordinator import coordinator_command
+from gradserver.worker.local_coordinator import LostWorker, coordinator_command, lost_workers
 
 from .cli import available_cores
-from .launch import STOP_GRACE_S, Child, await_coordinator, print_line, start_child, stop_children
+from .launch import STOP_GRACE_S, Child, await_coordinator, print_line, start_child, stop_children, verdict
 
 _START_TIMEOUT_S = 60.0
 _POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
+# After the first failure the other ranks get this long to end on their own (a lost rank or
+# coordinator fails their next collective within moments, and each prints its own error) before
+# they are stopped.
+SURVIVOR_GRACE_S = 5.0
 
 
 def register(commands: Any) -> None:
@@ -177,7 +188,8 @@ def _supervise(
     caller stops whatever still runs."""
     deadline = time.monotonic() + (args.timeout or float("inf"))
     port_file = tmp / "port"
-    options = ["--log-level", "WARNING"]
+    events = tmp / "events"
+    options = ["--log-level", "WARNING", "--events-file", str(events)]
     if args.heartbeat_timeout:
         options += ["--heartbeat-timeout", f"{args.heartbeat_timeout:g}"]
     # The token reaches the coordinator through its environment, never its argv (ps shows that).
@@ -201,11 +213,16 @@ def _supervise(
         ranks.append(start_child(command, f"rank {rank}", _print, threads, env))
         children.append(ranks[-1])
         ranks[-1].watch(exits)
-    return _watch(coordinator, ranks, exits, deadline, received)
+    return _watch(coordinator, ranks, exits, deadline, received, events)
 
 
 def _watch(
-    coordinator: Child, ranks: list[Child], exits: queue.Queue[Child], deadline: float, received: list[int]
+    coordinator: Child,
+    ranks: list[Child],
+    exits: queue.Queue[Child],
+    deadline: float,
+    received: list[int],
+    events: Path,
 ) -> tuple[int, str]:
     running = set(ranks)
     while running:
@@ -222,12 +239,30 @@ def _watch(
         code = child.proc.returncode
         if child is coordinator:
             child.finish_output()
+            _let_survivors_end(running)
             return 1, f"the {child.failure()}" if code else "the coordinator ended before the ranks"
         running.discard(child)
         if code != 0:
             child.finish_output()
-            return (code if code > 0 else 128 - code), child.failure()
+            line = verdict(child, events, _rank_name)
+            lost = {_rank_name(w) for w in lost_workers(events)}
+            _let_survivors_end({c for c in running if c.name not in lost})
+            return (code if code > 0 else 128 - code), line
     return _end_coordinator(coordinator, len(ranks))
+
+
+def _rank_name(lost: LostWorker) -> str:
+    """Under the torch backend a rank joins as worker id = its rank."""
+    return f"rank {lost.worker}"
+
+
+def _let_survivors_end(running: set[Child]) -> None:
+    """Gives the ranks still running SURVIVOR_GRACE_S to exit by themselves, so that each prints
+    its own error; the caller stops those that do not."""
+    end = time.monotonic() + SURVIVOR_GRACE_S
+    for child in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(max(0.0, end - time.monotonic()))
 
 
 def _after_signal(ranks: list[Child], signum: int) -> tuple[int, str]:

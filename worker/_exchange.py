@@ -391,6 +391,8 @@ class ExchangeStream:
             if self._closing and code is grpc.StatusCode.CANCELLED:
                 self._break(UnavailableError("the client was closed"))
             elif code is grpc.StatusCode.UNAVAILABLE:
+                if self._shm is not None:
+                    self._shm.coordinator_lost()
                 self._break(UnavailableError(f"lost the connection to the coordinator: {details}"))
             else:
                 self._break(error_from_status(code, details))

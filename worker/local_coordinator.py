@@ -10,6 +10,8 @@ coordinator is a separate process started by its command.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -65,4 +67,32 @@ def wait_for_port(process: subprocess.Popen[Any], port_file: Path, timeout_s: fl
             raise DeadlineExceededError(
                 f"the coordinator (pid {process.pid}) did not listen within {timeout_s:g} s"
             )
+        time.sleep(_POLL_S)
+
+
+@dataclasses.dataclass(frozen=True)
+class LostWorker:
+    """A coordinator's verdict on one worker (`--events-file`, see gradserver.server.events)."""
+
+    worker: int
+    node: str
+    reason: str
+
+
+def lost_workers(events_file: Path, wait_s: float = 0.0) -> list[LostWorker]:
+    """The workers the coordinator declared lost, in order, from its events file; waits up to
+    `wait_s` for a first one (a survivor may exit a moment before the line is read)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        with contextlib.suppress(OSError):
+            for line in events_file.read_text(encoding="utf-8").splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    event = json.loads(line)
+                    if event.get("event") == "worker_lost":
+                        found.append(
+                            LostWorker(int(event["worker"]), str(event["node"]), str(event["reason"]))
+                        )
+        if found or time.monotonic() >= deadline:
+            return found
         time.sleep(_POLL_S)

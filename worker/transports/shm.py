@@ -47,7 +47,13 @@ class ShmChannel:
     """A registered input arena, the mapped output arena and the socket to the coordinator."""
 
     def __init__(
-        self, sock: socket.socket, arena_fd: int, arena: mmap.mmap, out: mmap.mmap, slot_bytes: int
+        self,
+        sock: socket.socket,
+        arena_fd: int,
+        arena: mmap.mmap,
+        out: mmap.mmap,
+        slot_bytes: int,
+        socket_path: str = "",
     ) -> None:
         self._sock = sock
         self._arena_fd = arena_fd
@@ -61,6 +67,14 @@ class ShmChannel:
         self._held: dict[tuple[TensorKey, int], int] = {}  # (key, offset) -> slot byte offset
         self._send_lock = threading.Lock()
         self._closed = False
+        # The coordinator writes nothing after the handshake: the socket ends only when it closes
+        # the connection or dies. A SIGKILLed coordinator cannot remove its socket directory, so
+        # whoever of its workers notices first does.
+        self._socket_path = socket_path
+        self._watch = threading.Thread(
+            target=self._watch_coordinator, name="gradserver-shm-watch", daemon=True
+        )
+        self._watch.start()
         self.staged_bytes = 0  # copied into the arena
         self.zero_copy_bytes = 0  # sent from a gradient buffer where it lies
         self.inline_fallbacks = 0
@@ -107,7 +121,7 @@ class ShmChannel:
                 raise InternalError(str(exc)) from None
             finally:
                 os.close(fds[0])
-            return cls(sock, fd, arena, out, slot_bytes)
+            return cls(sock, fd, arena, out, slot_bytes, accepted.shm_socket)
         except OSError as exc:
             sock.close()
             if fd >= 0:
@@ -205,13 +219,51 @@ class ShmChannel:
             if not self._closed:
                 self._sock.sendall(shm.RELEASE.pack(ref.offset))
 
+    def _watch_coordinator(self) -> None:
+        while True:
+            try:
+                if not self._sock.recv(4096):
+                    break  # the coordinator closed it, or died
+            except TimeoutError:
+                continue  # the socket's own timeout: nothing to read, keep watching
+            except ConnectionError:
+                break  # reset: the coordinator died with releases it had not read
+            except OSError:
+                return  # closed by this side
+        if not self._closed:
+            self._remove_if_abandoned()
+
+    def coordinator_lost(self) -> None:
+        """The gRPC stream says the coordinator is gone: remove its socket directory if so, before
+        the caller hears of it (a process that exits on that error may never run the watcher)."""
+        self._remove_if_abandoned()
+
+    def _remove_if_abandoned(self) -> None:
+        if self._socket_path and shm.remove_if_abandoned(self._socket_path):
+            log.info("removed %s, left by a coordinator that is gone", os.path.dirname(self._socket_path))
+
+    def _coordinator_closed(self) -> bool:
+        """Whether the coordinator closed its end (an EOF is waiting), without blocking."""
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True  # reset, or already closed: a probe decides
+
     def close(self) -> None:
+        # Checked before this side closes: the watcher may not have run since the coordinator died.
+        gone = self._coordinator_closed()
         with self._send_lock:
             self._closed = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the watcher
             self._sock.close()
         with self._cond:
             self._held.clear()
             self._cond.notify_all()
+        if gone:
+            self._remove_if_abandoned()
         os.close(self._arena_fd)
         # Mappings still viewed by arrays (gradient buffers, results) are unmapped when those go.
         for mapping in (self._arena, self._out):
