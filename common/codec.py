@@ -81,7 +81,11 @@ def _key_to_pb(key: TensorKey) -> pb.TensorKey:
     if key.kind is KeyKind.COLLECTIVE:
         return pb.TensorKey(
             step=key.step,
-            collective=pb.CollectiveKey(group=key.index, op=int(key.op)),  # type: ignore[arg-type]
+            collective=pb.CollectiveKey(
+                group=key.index,
+                op=int(key.op),  # type: ignore[arg-type]
+                propagate_non_finite=key.propagate_non_finite,
+            ),
         )
     return pb.TensorKey(step=key.step, whole_model=pb.WholeModelKey())
 
@@ -123,7 +127,9 @@ def _key_from_pb(msg: pb.TensorKey, *, who: str, limits: WireLimits | None) -> T
                 f"{msg.collective.op} (known: {names})",
                 step=msg.step,
             ) from None
-        return TensorKey.collective(msg.step, msg.collective.group, op)
+        return TensorKey.collective(
+            msg.step, msg.collective.group, op, propagate_non_finite=msg.collective.propagate_non_finite
+        )
     raise InvalidArgumentError(f"{who}, step {msg.step}: key names no tensor kind", step=msg.step)
 
 

@@ -51,6 +51,9 @@ class TensorKey:
     num_blocks: int = dataclasses.field(default=0, compare=False)
     # Collective keys only; like num_blocks, checked across workers but not part of the identity.
     op: ReduceOp = dataclasses.field(default=ReduceOp.AVG, compare=False)
+    # Collective keys only: NaN/Inf in, or a float32 overflow, give NaN/Inf out (torch's
+    # semantics) instead of failing the step.
+    propagate_non_finite: bool = dataclasses.field(default=False, compare=False)
 
     @classmethod
     def block(cls, step: int, block_idx: int, num_blocks: int) -> TensorKey:
@@ -65,9 +68,11 @@ class TensorKey:
         return cls(step, KeyKind.WHOLE_MODEL, 0)
 
     @classmethod
-    def collective(cls, sequence: int, group: int, op: ReduceOp = ReduceOp.AVG) -> TensorKey:
+    def collective(
+        cls, sequence: int, group: int, op: ReduceOp = ReduceOp.AVG, *, propagate_non_finite: bool = False
+    ) -> TensorKey:
         """Operation `sequence` of process group `group`: the sequence number is the step."""
-        return cls(sequence, KeyKind.COLLECTIVE, group, op=op)
+        return cls(sequence, KeyKind.COLLECTIVE, group, op=op, propagate_non_finite=propagate_non_finite)
 
     @property
     def slot(self) -> tuple[KeyKind, int]:

@@ -71,17 +71,20 @@ class Averager:
         divide: bool = True,
         dtype: DType = DType.FLOAT32,
         out: memoryview | None = None,
+        finite_only: bool = True,
     ) -> bytes | memoryview:
         """Mean of little-endian float32 buffers, given in worker-id order; with `divide` False
         their sum (collective SUM keys), rounded once the same way. A sum of finite values that
-        overflows float32 raises `SumOverflow`. 16-bit `dtype` payloads: see `_average_16`.
+        overflows float32 raises `SumOverflow`, a non-finite input `NonFiniteContribution`;
+        without `finite_only` both are results (the float64 sum rounded once: Inf, NaN), as
+        torch.distributed gives them. 16-bit `dtype` payloads: see `_average_16`.
         A writable float32-sized `out` receives the result and is returned itself (one input
         is returned as is, without touching `out`)."""
         if dtype is not DType.FLOAT32:
-            return self._average_16(contributions, dtype, divide)
+            return self._average_16(contributions, dtype, divide, finite_only)
         arrays = [np.frombuffer(c, dtype=_F32) for c in contributions]
         if len(arrays) == 1:
-            if not np.isfinite(arrays[0]).all():
+            if finite_only and not np.isfinite(arrays[0]).all():
                 raise _locate_non_finite(arrays)
             return contributions[0]
         size = arrays[0].size
@@ -98,7 +101,7 @@ class Averager:
             finite = all([job.result() for job in jobs])
         else:
             finite = self._sum_range(arrays, result, 0, size, divide, self._scratch)
-        if not finite:
+        if not finite and finite_only:
             raise _locate_non_finite(arrays, overflow_possible=not divide)
         return result.data if out is None else out
 
@@ -149,13 +152,17 @@ class Averager:
         return bool(np.isfinite(out[begin:end]).all())
 
     def _average_16(
-        self, contributions: Sequence[bytes | memoryview], dtype: DType, divide: bool
+        self,
+        contributions: Sequence[bytes | memoryview],
+        dtype: DType,
+        divide: bool,
+        finite_only: bool = True,
     ) -> bytes | memoryview:
         """The same float64 mean of 16-bit payloads, rounded once to `dtype` (not float32), so
         the bytes returned are what every worker gets. A finite sum beyond the dtype's range (a
         SUM key, or a mean rounding past the largest value) raises `SumOverflow`."""
         out, finite = reduce_16(contributions, dtype, divide=divide, scratch=self._scratch)
-        if not finite.all():
+        if finite_only and not finite.all():
             bad = first_non_finite(contributions, dtype)
             if bad is not None:
                 raise NonFiniteContribution(*bad)

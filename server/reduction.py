@@ -599,6 +599,11 @@ class ReductionTable:
             )
         if chunk.key.op != slot.key.op:
             return f"worker {w} sent {chunk.key}, but {other} is {slot.key.op.name}"
+        if chunk.key.propagate_non_finite != slot.key.propagate_non_finite:
+            return (
+                f"worker {w} sent {chunk.key} with propagate_non_finite {chunk.key.propagate_non_finite}, "
+                f"but {other} has {slot.key.propagate_non_finite}"
+            )
         if got.component_sizes != ref.component_sizes:
             return (
                 f"worker {w} sent {chunk.key} with component_sizes {list(got.component_sizes)}, "
@@ -620,7 +625,11 @@ class ReductionTable:
             out = self.output_buffers.take(_nbytes(data[0]))
         try:
             averaged = self._averager.average(
-                data, divide=slot.key.op is not ReduceOp.SUM, dtype=slot.header.dtype, out=out
+                data,
+                divide=slot.key.op is not ReduceOp.SUM,
+                dtype=slot.header.dtype,
+                out=out,
+                finite_only=not slot.key.propagate_non_finite,
             )
         except SumOverflow as exc:
             self._give_back(out)

@@ -47,12 +47,20 @@ class CollectiveClient(WorkerClient):
         )
 
     def send_collective(
-        self, sequence: int, group: int, array: np.ndarray, op: ReduceOp, *, into: np.ndarray | None = None
+        self,
+        sequence: int,
+        group: int,
+        array: np.ndarray,
+        op: ReduceOp,
+        *,
+        into: np.ndarray | None = None,
+        propagate_non_finite: bool = False,
     ) -> None:
         """Contributes `array` (1-D float32) to operation `sequence` of `group`; with `into`
-        (it may be `array`) the result is written there (see `send_block_gradient`)."""
+        (it may be `array`) the result is written there (see `send_block_gradient`). With
+        `propagate_non_finite` a NaN or Inf (or a float32 overflow) is a result, not an error."""
         self._check_step(sequence)
-        key = TensorKey.collective(sequence, group, op)
+        key = TensorKey.collective(sequence, group, op, propagate_non_finite=propagate_non_finite)
         self._send_tensor(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), (), into=into)
 
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:

@@ -52,6 +52,8 @@ _DEFAULT_GROUP = 0
 _groups = itertools.count()
 _external_lock = threading.Lock()
 _external_groups: list[str] = []  # the address of the one group joined to GRADSERVER_COORDINATOR
+# Opt-in: collectives refuse NaN/Inf (naming the rank and element) instead of passing them on.
+ENV_CHECK_FINITE = "GRADSERVER_TORCH_CHECK_FINITE"
 _COMPLETION_THREADS = 64  # the most callbacks that may block at once (one per DDP bucket in flight)
 
 
@@ -63,12 +65,17 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         client: CollectiveClient,
         coordinator: EmbeddedCoordinator | None = None,
         timeout_s: float | None = None,
+        check_finite: bool = False,
     ) -> None:
         # C++ reads the rank and size given here (the stubs only know the store overload).
         super().__init__(client.worker_id, client.total_workers)  # type: ignore[call-arg]
         self._client = client
         self._coordinator = coordinator
         self._timeout_s = timeout_s
+        # torch.distributed semantics unless asked: NaN/Inf pass through a collective as with gloo
+        # (GradScaler relies on every rank seeing the Inf); with the check, they fail it, naming
+        # the rank and the element.
+        self._check_finite = check_finite
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradserver-pg")
         # Works are completed on other threads than the one that runs the collectives: torch runs
         # a future's callbacks on the thread that completes it, and a callback that issues a
@@ -331,7 +338,9 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     def _exchange(
         self, sequence: int, payload: np.ndarray, op: ReduceOp, *, into: np.ndarray | None = None
     ) -> np.ndarray:
-        self._client.send_collective(sequence, _DEFAULT_GROUP, payload, op, into=into)
+        self._client.send_collective(
+            sequence, _DEFAULT_GROUP, payload, op, into=into, propagate_non_finite=not self._check_finite
+        )
         return self._client.receive_collective(self._timeout_s)
 
     def _broadcast_bytes(self, sequence: int, tensors: Sequence[torch.Tensor], root: int) -> np.ndarray:
@@ -638,4 +647,5 @@ def create_process_group(
             embedded.stop()
         raise
     log.info("rank %d of %d joined the gradserver coordinator at %s", rank, size, address)
-    return ProcessGroupGradServer(client, embedded, timeout_s)
+    check_finite = os.environ.get(ENV_CHECK_FINITE, "").strip().lower() in ("1", "true", "yes")
+    return ProcessGroupGradServer(client, embedded, timeout_s, check_finite)

@@ -149,12 +149,14 @@ class WholeModelKey(_message.Message):
     def __init__(self) -> None: ...
 
 class CollectiveKey(_message.Message):
-    __slots__ = ("group", "op")
+    __slots__ = ("group", "op", "propagate_non_finite")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
+    PROPAGATE_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     group: int
     op: ReduceOp
-    def __init__(self, group: _Optional[int] = ..., op: _Optional[_Union[ReduceOp, str]] = ...) -> None: ...
+    propagate_non_finite: bool
+    def __init__(self, group: _Optional[int] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., propagate_non_finite: _Optional[bool] = ...) -> None: ...
 
 class SharedMemoryRef(_message.Message):
     __slots__ = ("name", "offset", "length")
