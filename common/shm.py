@@ -113,6 +113,19 @@ def same_network_namespace(pid: int) -> bool:
         return False
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has). Without /proc it answers
+    no; callers confirm by probing before they act on it."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True
+    return state not in ("Z", "X")
+
+
 def recv_exact(sock: socket.socket, size: int, fds: int = 0) -> tuple[bytes, list[int]]:
     """Reads exactly `size` bytes (and up to `fds` descriptors with the first piece); EOF raises
     ConnectionError. The socket's timeout bounds each read."""

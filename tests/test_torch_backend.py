@@ -43,6 +43,7 @@ from gradserver.torch._collective import CollectiveClient
 
 from .helpers.logwait import log_waiter
 from .helpers.processes import ROOT
+from .helpers.ranks import rank_results, spawn_and_join
 from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
 
 CHUNK = 4
@@ -197,7 +198,6 @@ def test_join_refuses_an_out_of_range_or_duplicate_rank(coordinator: Callable[..
 # --- the torch.distributed backend, two real processes ---------------------------------------------
 
 STEPS = 20
-RANK_TIMEOUT_S = 240.0
 
 
 class _SmallCnn(torch.nn.Module):
@@ -267,37 +267,14 @@ def _train_rank(rank: int, backend: str, store_path: str, out_dir: str, die_at: 
         dist.destroy_process_group()
 
 
-def _spawn_and_join(
-    target: Callable[..., None], argss: list[tuple[Any, ...]]
-) -> list[mp.process.BaseProcess]:
-    """One spawned process per argument tuple, joined within RANK_TIMEOUT_S each; any still alive
-    then is killed, and the test fails."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args) for args in argss]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(RANK_TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    assert not any(p.is_alive() for p in procs)
-    return procs
-
-
 def _run_ranks(tmp: Path, backend: str, die_at: int = -1) -> list[mp.process.BaseProcess]:
     tmp.mkdir()
     argss = [(r, backend, str(tmp / "store"), str(tmp), die_at) for r in range(2)]
-    return _spawn_and_join(_train_rank, argss)
+    return spawn_and_join(_train_rank, argss)
 
 
 def _results(tmp: Path) -> list[dict[str, Any]]:
-    errors = {p.name: p.read_text() for p in tmp.glob("*.error")}
-    assert not errors, errors
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+    return rank_results(tmp, 2)
 
 
 @pytest.mark.processes
@@ -450,7 +427,7 @@ def _collectives_rank(rank: int, store_path: str, out_dir: str) -> None:
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_collectives_match_torch_semantics_in_rank_order_on_every_rank(tmp_path: Path) -> None:
-    _spawn_and_join(_collectives_rank, [(r, str(tmp_path / "store"), str(tmp_path)) for r in range(WORLD)])
+    spawn_and_join(_collectives_rank, [(r, str(tmp_path / "store"), str(tmp_path)) for r in range(WORLD)])
     errors = {p.name: p.read_text() for p in tmp_path.glob("*.error")}
     assert not errors, errors
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .helpers.ranks import rank_results, spawn_and_join
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
@@ -118,23 +119,10 @@ def _run(
     tmp: Path, backend: str, target: Callable[..., None] = _fsdp_rank, *extra: object
 ) -> list[dict[str, Any]]:
     tmp.mkdir()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=target, args=(r, backend, str(tmp / "store"), str(tmp), *extra)) for r in range(2)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(RANK_TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    errors = {p.name: p.read_text() for p in tmp.glob("*.error")}
-    assert not errors, errors
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+    spawn_and_join(
+        target, [(r, backend, str(tmp / "store"), str(tmp), *extra) for r in range(2)], RANK_TIMEOUT_S
+    )
+    return rank_results(tmp, 2)
 
 
 def test_fsdp2_and_dtensor_train_exactly_as_with_gloo(tmp_path: Path) -> None:

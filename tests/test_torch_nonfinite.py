@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gradserver.common.messages import (
     AveragedChunkOut,
@@ -29,6 +28,8 @@ from gradserver.common.messages import (
     TensorKey,
 )
 from gradserver.server.reduction import ReductionTable
+
+from .helpers.ranks import rank_errors, rank_results, spawn_and_join
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -160,24 +161,11 @@ def _gradscaler(rank: int) -> dict[str, Any]:
 
 def _run(tmp: Path, backend: str, check: bool = False) -> list[dict[str, Any]]:
     tmp.mkdir()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_rank, args=(r, backend, str(tmp / "store"), str(tmp), check)) for r in range(2)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(240)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    errors = {p.name: p.read_text() for p in tmp.glob("*.error")}
+    spawn_and_join(_rank, [(r, backend, str(tmp / "store"), str(tmp), check) for r in range(2)])
+    errors = rank_errors(tmp)
     if errors:
         return [{"error": errors.get(f"rank{r}.error", "")} for r in range(2)]
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+    return rank_results(tmp, 2)
 
 
 @pytest.mark.processes

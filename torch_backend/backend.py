@@ -210,22 +210,14 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         """`all_gather_into_tensor` of several tensors at once (functional collectives, FSDP2)."""
-        _check_pairs("all_gather_into_tensor_coalesced", outputs, inputs)
-        pieces = [
-            _equal_pieces("all_gather_into_tensor_coalesced", output, self.size(), like=input)
-            for output, input in zip(outputs, inputs, strict=True)
-        ]
+        pieces = _pieces_of_each("all_gather_into_tensor_coalesced", outputs, inputs, self.size())
         return self.allgather(pieces, inputs, opts)
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         """`reduce_scatter_tensor` of several tensors at once (functional collectives, FSDP2)."""
-        _check_pairs("reduce_scatter_tensor_coalesced", outputs, inputs)
-        pieces = [
-            _equal_pieces("reduce_scatter_tensor_coalesced", input, self.size(), like=output)
-            for output, input in zip(outputs, inputs, strict=True)
-        ]
+        pieces = _pieces_of_each("reduce_scatter_tensor_coalesced", inputs, outputs, self.size())
         return self.reduce_scatter(outputs, pieces, opts)
 
     def all_to_all_single(
@@ -563,9 +555,13 @@ def _equal_pieces(
     return list(tensor.chunk(size))
 
 
-def _check_pairs(what: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
-    if len(outputs) != len(inputs):
-        raise ValueError(f"gradserver {what}: {len(outputs)} output tensors for {len(inputs)} inputs")
+def _pieces_of_each(
+    what: str, tensors: Sequence[torch.Tensor], likes: Sequence[torch.Tensor], size: int
+) -> list[list[torch.Tensor]]:
+    """Each of `tensors` cut into `size` pieces shaped like its partner in `likes`."""
+    if len(tensors) != len(likes):
+        raise ValueError(f"gradserver {what}: {len(tensors)} tensors for {len(likes)} partners")
+    return [_equal_pieces(what, tensor, size, like=like) for tensor, like in zip(tensors, likes, strict=True)]
 
 
 def _write_bytes_into(tensors: Sequence[torch.Tensor], data: np.ndarray) -> None:

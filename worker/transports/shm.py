@@ -54,6 +54,7 @@ class ShmChannel:
         out: mmap.mmap,
         slot_bytes: int,
         socket_path: str = "",
+        coordinator_pid: int = 0,
     ) -> None:
         self._sock = sock
         self._arena_fd = arena_fd
@@ -71,6 +72,7 @@ class ShmChannel:
         # the connection or dies. A SIGKILLed coordinator cannot remove its socket directory, so
         # whoever of its workers notices first does.
         self._socket_path = socket_path
+        self._coordinator_pid = coordinator_pid
         self._watch = threading.Thread(
             target=self._watch_coordinator, name="gradserver-shm-watch", daemon=True
         )
@@ -121,7 +123,8 @@ class ShmChannel:
                 raise InternalError(str(exc)) from None
             finally:
                 os.close(fds[0])
-            return cls(sock, fd, arena, out, slot_bytes, accepted.shm_socket)
+            coordinator_pid, _ = shm.peer_credentials(sock)
+            return cls(sock, fd, arena, out, slot_bytes, accepted.shm_socket, coordinator_pid)
         except OSError as exc:
             sock.close()
             if fd >= 0:
@@ -239,7 +242,11 @@ class ShmChannel:
         self._remove_if_abandoned()
 
     def _remove_if_abandoned(self) -> None:
-        if self._socket_path and shm.remove_if_abandoned(self._socket_path):
+        # A live coordinator (the common case: it only dropped this worker, or the network did)
+        # keeps its directory, and is not even probed.
+        if not self._socket_path or (self._coordinator_pid and shm.process_alive(self._coordinator_pid)):
+            return
+        if shm.remove_if_abandoned(self._socket_path):
             log.info("removed %s, left by a coordinator that is gone", os.path.dirname(self._socket_path))
 
     def _coordinator_closed(self) -> bool:
