@@ -202,6 +202,8 @@ class GradientServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         await self._start_shm()
+        # Where its leftovers would be, for a supervisor that has to SIGKILL it.
+        self.events.write("serving", port=self.port, shm_socket=self.shm.path if self.shm is not None else "")
         self._start_monitor()
         if self._shard is not None:
             shard = self._shard
@@ -516,6 +518,10 @@ class GradientServer:
             why = status[1]
         else:
             why = "disconnected (its stream ended without a goodbye)"
+        if self._stopping is not None and not expected:
+            # Most likely the shutdown's doing (the worker gave up on hearing it): say so, rather
+            # than blame the worker alone to the others.
+            why += " while the coordinator is shutting down"
         if self._membership.remove(member, why, expected=expected):
             self._worker_gone(member, why, lost=not expected)
 

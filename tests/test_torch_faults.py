@@ -225,6 +225,7 @@ def _under_run(processes: ProcessGroup, tmp: Path, mode: str, fault: str, target
         for pid in pids.values():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        print(run.output)  # shown when the test fails
 
 
 def _assert_nothing_left(tmp: Path, before_tmp: set[str], before_shm: set[str], pids: list[int]) -> None:

@@ -35,7 +35,13 @@ from typing import Any
 
 from gradserver.common.config import config_from_sources
 from gradserver.common.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
-from gradserver.worker.local_coordinator import LostWorker, coordinator_command, lost_workers, wait_for_port
+from gradserver.worker.local_coordinator import (
+    LostWorker,
+    coordinator_command,
+    lost_workers,
+    remove_leftovers,
+    wait_for_port,
+)
 
 from .cli import available_cores
 from .extra import require_training_extra
@@ -320,6 +326,7 @@ def _run_processes(args: argparse.Namespace, extra: list[str], progress: _Progre
             failure = _supervise(args, extra, progress, Path(tmp), deadline, children)
         finally:
             stop_children(children)
+            remove_leftovers(Path(tmp) / "events")
     for child in children:
         child.finish_output()
     if failure:

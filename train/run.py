@@ -44,7 +44,12 @@ from types import FrameType
 from typing import Any
 
 from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
-from gradserver.worker.local_coordinator import LostWorker, coordinator_command, lost_workers
+from gradserver.worker.local_coordinator import (
+    LostWorker,
+    coordinator_command,
+    lost_workers,
+    remove_leftovers,
+)
 
 from .cli import available_cores
 from .launch import STOP_GRACE_S, Child, await_coordinator, print_line, start_child, stop_children, verdict
@@ -99,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             code, message = _supervise(args, command, token, Path(tmp), children, received)
         finally:
             stop_children(children)
+            remove_leftovers(Path(tmp) / "events")
     for child in children:
         child.finish_output()
     # Last, after the other processes' final lines: the one line that says how the run ended.

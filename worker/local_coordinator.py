@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradserver.common import shm
 from gradserver.common.errors import DeadlineExceededError
 
 _POLL_S = 0.05
@@ -96,3 +97,14 @@ def lost_workers(events_file: Path, wait_s: float = 0.0) -> list[LostWorker]:
         if found or time.monotonic() >= deadline:
             return found
         time.sleep(_POLL_S)
+
+
+def remove_leftovers(events_file: Path) -> None:
+    """After a coordinator with this events file has exited: removes its shared-memory socket
+    directory if it could not (SIGKILL) and none of its workers did."""
+    with contextlib.suppress(OSError):
+        for line in events_file.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                event = json.loads(line)
+                if event.get("event") == "serving" and event.get("shm_socket"):
+                    shm.remove_if_abandoned(str(event["shm_socket"]))
