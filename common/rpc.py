@@ -31,6 +31,11 @@ KEEPALIVE_TIME_MS = 5_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 
 
+# How far beyond --max-message-mib gRPC still delivers a message, so the coordinator can refuse it
+# with a reason; beyond this gRPC cuts the stream itself.
+OVERSIZE_SLACK = 4
+
+
 def server_options(max_message_bytes: int, heartbeat_timeout_s: float = 10.0) -> list[tuple[str, int]]:
     """Options for the coordinator: message limits, exclusive port, permission for workers'
     keepalive, and its own keepalive: a backstop for the one state in which heartbeats cannot be
@@ -42,7 +47,10 @@ def server_options(max_message_bytes: int, heartbeat_timeout_s: float = 10.0) ->
     timeout = max(1, int(heartbeat_timeout_s * 1000))
     half, twice = max(1, timeout // 2), 2 * timeout
     return [
-        ("grpc.max_receive_message_length", max_message_bytes),
+        # gRPC would end the stream of a message above the limit in a way the server sees only as
+        # a cancellation; the coordinator checks the limit itself (naming the worker and size)
+        # and lets gRPC cut only what is far beyond it.
+        ("grpc.max_receive_message_length", max_message_bytes * OVERSIZE_SLACK),
         ("grpc.max_send_message_length", max_message_bytes),
         # Exclusive port: a second coordinator on a bound address fails to start instead of
         # sharing the port's connections with the first.

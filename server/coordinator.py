@@ -629,6 +629,15 @@ class GradientServer:
                 return
             self.metrics.received_bytes.inc(len(raw))
             stream.member.last_seen = time.monotonic()
+            if len(raw) > self.config.max_message_bytes:
+                stream.end(
+                    (
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"sent a message of {len(raw)} bytes, above the --max-message-mib "
+                        f"limit of {self.config.max_message_bytes} bytes",
+                    )
+                )
+                return
             try:
                 event = codec.decode_worker_message(raw, self._limits)
                 if self._handle(stream, event):

@@ -8,6 +8,7 @@ hostile worker would and sees the coordinator's answers directly.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -31,6 +32,7 @@ from gradserver.common.messages import (
 )
 from gradserver.worker import WorkerClient
 
+from .helpers.logwait import log_waiter
 from .helpers.raw import RawWorker, join
 from .helpers.server import TEST_TIMEOUTS, ServerThread
 
@@ -234,9 +236,22 @@ def test_limits_are_checked_before_any_large_allocation(pair) -> None:
     next_step_works(client, raw, 2)
 
 
-def test_a_message_above_the_transport_limit_is_resource_exhausted(pair) -> None:
+def test_a_message_above_the_transport_limit_is_resource_exhausted_naming_its_size(pair) -> None:
+    """The others hear the reason too (it used to reach them as 'its stream was cancelled')."""
     _, raw, _ = pair
-    raw.send_raw(b"\x0a" + b"\x00" * (2 * 2**20))
+    with log_waiter() as logs:
+        raw.send_raw(b"\x0a" + b"\x00" * (2 * 2**20))
+        event = raw.recv(10)
+        assert isinstance(event, grpc.RpcError)
+        assert event.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        limit = rf"sent a message of 2097153 bytes, above the --max-message-mib limit of {2**20} bytes"
+        assert re.search(limit, event.details() or ""), event.details()
+        logs.wait_for(rf"worker {raw.worker_id} \(node 'raw'\) {limit}", timeout=10)
+
+
+def test_a_message_far_above_the_limit_is_cut_by_grpc(pair) -> None:
+    _, raw, _ = pair
+    raw.send_raw(b"\x0a" + b"\x00" * (5 * 2**20))
     event = raw.recv(10)
     assert isinstance(event, grpc.RpcError)
     assert event.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
