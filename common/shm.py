@@ -30,9 +30,11 @@ HELLO = struct.Struct("<IQQ")
 REPLY = struct.Struct("<BH")
 RELEASE = struct.Struct("<Q")
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-# The coordinator's socket lives alone in a 0700 directory of this name in the temp dir.
+# The coordinator's socket lives alone in a 0700 directory of this name in the temp dir, followed
+# by the coordinator's pid (`socket_dir_prefix`), so that what a dead one left can be told at once.
 SOCKET_DIR_PREFIX = "gradserver-shm-"
-SOCKET_NAME = "coordinator.sock"
+# Short: a socket's whole path must fit in 107 bytes, and the directory's name carries a pid.
+SOCKET_NAME = "sock"
 
 
 def supported() -> bool:
@@ -40,10 +42,44 @@ def supported() -> bool:
     return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED")
 
 
+def socket_dir_prefix(pid: int) -> str:
+    """The name prefix of the socket directory of the coordinator with process id `pid`."""
+    return f"{SOCKET_DIR_PREFIX}{pid}-"
+
+
+def socket_dir_pid(name: str) -> int | None:
+    """The coordinator pid a socket directory's name carries; None for any other name, and for
+    the names of older versions (a random suffix, no pid)."""
+    if not name.startswith(SOCKET_DIR_PREFIX):
+        return None
+    pid, dash, _ = name[len(SOCKET_DIR_PREFIX) :].partition("-")
+    return int(pid) if dash and pid.isdigit() else None
+
+
+def remove_dirs_of(pid: int, parent: str) -> list[str]:
+    """Removes the socket directories that coordinator `pid` left in `parent` (a SIGKILLed one
+    cannot remove its own), once it is gone: only when no process `pid` is alive, and then each
+    only as `remove_if_abandoned` would (this uid's, its socket refusing connections: a live
+    coordinator of another pid namespace may carry the same number). Returns those removed."""
+    if process_alive(pid):
+        return []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    prefix = socket_dir_prefix(pid)
+    return [
+        os.path.join(parent, name)
+        for name in names
+        if name.startswith(prefix) and remove_if_abandoned(os.path.join(parent, name, SOCKET_NAME))
+    ]
+
+
 def remove_if_abandoned(socket_path: str) -> bool:
     """Removes the socket directory of a coordinator that is gone (a SIGKILLed one cannot remove
-    it itself): only a gradserver socket directory of this uid whose socket refuses connections.
-    True if it was removed. A live coordinator's socket accepts, and its directory is kept."""
+    it itself): only a gradserver socket directory of this uid whose socket refuses connections,
+    as does any other socket in it (older versions named theirs otherwise). True if it was
+    removed. A live coordinator's socket accepts, and its directory is kept."""
     directory = os.path.dirname(socket_path)
     if not os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):
         return False
@@ -51,16 +87,27 @@ def remove_if_abandoned(socket_path: str) -> bool:
         info = os.lstat(directory)
         if info.st_uid != os.getuid() or not stat.S_ISDIR(info.st_mode):
             return False
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.settimeout(1.0)
-            probe.connect(socket_path)
-        return False  # somebody listens
-    except (ConnectionRefusedError, FileNotFoundError):
-        pass
+        with os.scandir(directory) as entries:
+            others = [e.path for e in entries if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode)]
     except OSError:
+        return False
+    if any(_may_listen(path) for path in {socket_path, *others}):
         return False
     shutil.rmtree(directory, ignore_errors=True)
     return not os.path.exists(directory)
+
+
+def _may_listen(socket_path: str) -> bool:
+    """False only when nobody can listen on `socket_path`: it refuses connections, or is gone."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            probe.connect(socket_path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # cannot tell: kept
+    return True
 
 
 def create_arena(size: int, name: str) -> tuple[int, mmap.mmap]:

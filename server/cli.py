@@ -78,15 +78,17 @@ def run_health(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Read first: the sooner, the smaller the window in which a parent that dies goes unnoticed.
+    parent = os.getppid()
     config: CoordinatorConfig = config_from_sources(CoordinatorConfig, args)
     if args.print_config:
         print(describe_config(config, args))
         return 0
     configure_logging(config.log_level, "coordinator", config.log_format)
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, parent))
 
 
-async def serve(config: CoordinatorConfig) -> int:
+async def serve(config: CoordinatorConfig, parent: int | None = None) -> int:
     server = GradientServer(config)
     try:
         await server.start()
@@ -96,7 +98,10 @@ async def serve(config: CoordinatorConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop, f"received {sig.name}")
-    watch = asyncio.create_task(_stop_when_parent_exits(server)) if config.exit_with_parent else None
+    watch = None
+    if config.exit_with_parent:
+        parent = os.getppid() if parent is None else parent
+        watch = asyncio.create_task(_stop_when_parent_exits(server, parent))
     await server.wait_for_termination()
     if watch is not None:
         watch.cancel()
@@ -106,13 +111,13 @@ async def serve(config: CoordinatorConfig) -> int:
 _PARENT_POLL_S = 0.25
 
 
-async def _stop_when_parent_exits(server: GradientServer) -> None:
+async def _stop_when_parent_exits(server: GradientServer, parent: int) -> None:
     """--exit-with-parent: a coordinator that a process started for itself (the torch backend's
-    rank 0) must not outlive it, SIGKILL included. An orphan is re-parented, so its parent pid
-    changes."""
-    parent = os.getppid()
+    rank 0) must not outlive it, SIGKILL included. An orphan is re-parented (to init or a
+    subreaper), so its parent pid changes. A parent that is pid 1 itself (a container's main
+    process) is watched like any other."""
     while True:
-        if os.getppid() != parent or parent == 1:
+        if os.getppid() != parent:
             log.warning("its parent process (pid %d) exited: stopping", parent)
             server.request_stop(f"stopped: the coordinator's parent process (pid {parent}) exited")
             return

@@ -548,7 +548,8 @@ class GradientServer:
         if lost:
             self.metrics.workers_lost.inc()
             # Before the others are told (below), so a supervisor finds it when they exit.
-            self.events.write("worker_lost", worker=worker_id, node=member.node_id, reason=reason)
+            step = min(self._table.pending_steps(), default=None)
+            self.events.write("worker_lost", worker=worker_id, node=member.node_id, reason=reason, step=step)
         self._departures.append(f"worker {worker_id} {reason}")
         if lost and self._shard is not None:
             self._shard.worker_lost(worker_id, reason, self._table.unsettled_steps())

@@ -4,8 +4,13 @@
 coordinator and must say, when a job fails, which worker was lost and why: they read this file
 instead of parsing the coordinator's log. One object per line, appended and flushed:
 
-    {"event": "worker_lost", "worker": 1, "node": "host/pid12/rank1", "reason": "lost: no message ..."}
+    {"event": "serving", "port": 40123, "shm_socket": "/tmp/gradserver-shm-4711-k2v9x1y2/sock"}
+    {"event": "worker_lost", "worker": 1, "node": "host/pid12/rank1", "reason": "lost: no message ...",
+     "step": 25}
     {"event": "job_ended", "state": "failed", "reason": "..."}
+
+`step` is the lowest step in flight when the worker was lost (the torch backend's operation
+number), null when none was.
 
 A worker_lost line is written before the other workers are told their step failed, so a
 supervisor that sees a survivor exit already finds the verdict. A failed write is logged once and

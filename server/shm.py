@@ -1,10 +1,11 @@
 """The coordinator's side of the same-host fast path: its Unix socket, the workers' input arenas
 and the output arena (docs/PROTOCOL.md and docs/ARCHITECTURE.md, "Shared memory").
 
-`ShmHub.start` makes a 0700 directory with a listening AF_UNIX socket and a random nonce; both go
-to every joiner in JoinResponse. A worker that reaches the socket proves it is on this host and
-can open this directory; the nonce (sent first) proves to the worker that it reached the
-coordinator that answered its Join; SO_PEERCRED's uid and the member token from Join prove who
+`ShmHub.start` makes a 0700 directory (gradserver-shm-PID-*, so what a SIGKILLed coordinator left
+is known as such) with a listening AF_UNIX socket and a random nonce; both go to every joiner in
+JoinResponse. A worker that reaches the socket proves it is on this host and can open this
+directory; the nonce (sent first) proves to the worker that it reached the coordinator that
+answered its Join; SO_PEERCRED's uid and the member token from Join prove who
 the worker is. The worker passes its sealed input arena, which is mapped read-only here, and gets
 a read-only descriptor of the output arena.
 
@@ -49,26 +50,33 @@ _STALE_AFTER_S = 60.0  # a directory this old whose socket nobody listens on is 
 
 def remove_stale_dirs(parent: str | None, now: float | None = None) -> list[str]:
     """Removes the socket directories of coordinators that were killed (SIGKILL leaves them, and
-    no worker of theirs was there to remove it): ours (same uid), older than a minute (a younger
-    one may not listen yet), whose socket refuses connections. Returns them."""
+    no worker of theirs was there to remove it): ours (same uid), whose socket refuses
+    connections, and either named by a pid that is gone or (an older version's name, or a pid
+    now alive, perhaps reused) older than a minute (a younger one may not listen yet). Returns
+    them."""
     parent = parent or tempfile.gettempdir()
     now = time.time() if now is None else now
     try:
         entries = list(os.scandir(parent))
     except OSError:
         return []
-    removed = []
-    for entry in entries:
-        if not entry.name.startswith(_DIR_PREFIX):
-            continue
-        try:
-            if now - entry.stat(follow_symlinks=False).st_mtime < _STALE_AFTER_S:
-                continue
-        except OSError:
-            continue
-        if shm.remove_if_abandoned(os.path.join(entry.path, shm.SOCKET_NAME)):
-            removed.append(entry.path)
-    return removed
+    return [
+        entry.path
+        for entry in entries
+        if entry.name.startswith(_DIR_PREFIX)
+        and _dead_or_old(entry, now)
+        and shm.remove_if_abandoned(os.path.join(entry.path, shm.SOCKET_NAME))
+    ]
+
+
+def _dead_or_old(entry: os.DirEntry[str], now: float) -> bool:
+    pid = shm.socket_dir_pid(entry.name)
+    if pid is not None and not shm.process_alive(pid):
+        return True
+    try:
+        return now - entry.stat(follow_symlinks=False).st_mtime >= _STALE_AFTER_S
+    except OSError:
+        return False
 
 
 Authenticate = Callable[[int, int, int], Member]
@@ -118,7 +126,7 @@ class ShmHub:
     async def start(self) -> None:
         for path in remove_stale_dirs(self._parent):
             log.info("removed %s, left by a coordinator that was killed", path)
-        self._dir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=self._parent)
+        self._dir = tempfile.mkdtemp(prefix=shm.socket_dir_prefix(os.getpid()), dir=self._parent)
         os.chmod(self._dir, 0o700)
         self.path = os.path.join(self._dir, shm.SOCKET_NAME)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

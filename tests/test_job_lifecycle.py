@@ -24,7 +24,9 @@ pytestmark = pytest.mark.processes
 _STARTED = re.compile(r"started (\S+) \(pid (\d+)\)")
 
 
-def _launch(processes: ProcessGroup, out: Path, *args: str, steps: int) -> ManagedProcess:
+def _launch(
+    processes: ProcessGroup, out: Path, *args: str, steps: int, env: dict[str, str | None] | None = None
+) -> ManagedProcess:
     return processes.gradserver(
         "launch",
         "--workers",
@@ -40,6 +42,7 @@ def _launch(processes: ProcessGroup, out: Path, *args: str, steps: int) -> Manag
         "--no-progress",
         *args,
         name="launch",
+        env=env,
     )
 
 
@@ -98,6 +101,35 @@ def test_launch_ends_when_a_worker_is_killed(processes: ProcessGroup, tmp_path: 
     assert elapsed < 60, f"launch took {elapsed:.0f} s after the kill:\n{launch.output}"
     assert _last_line(launch) == "launch: local-1 was killed by SIGKILL", launch.output
     assert not [name for name, pid in pids.items() if pid_alive(pid)]
+
+
+def test_launch_names_the_worker_the_coordinator_lost_not_the_survivor_that_exited(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """local-1 is stopped: the coordinator evicts it after the heartbeat timeout and fails
+    local-0's step, so local-0 is the first to exit; the last line must name local-1."""
+    heartbeat = 2.0
+    env: dict[str, str | None] = {"GRADSERVER_HEARTBEAT_TIMEOUT": f"{heartbeat:g}"}
+    launch = _launch(processes, tmp_path, "--timeout", "300", steps=100_000, env=env)
+    launch.wait_for(r"^\[local-\d\] .*worker \d+ step 2:", timeout=180)
+    pids = _children(launch)
+    assert set(pids) == {"coordinator", "local-0", "local-1"}, pids
+    try:
+        os.kill(pids["local-1"], signal.SIGSTOP)
+        started = time.monotonic()
+        code = launch.wait(120)
+        elapsed = time.monotonic() - started
+        assert code == 1, launch.output
+        assert re.fullmatch(
+            r"launch: local-1 was lost at step \d+ \(.+\); local-0 exited with code 1: .+", _last_line(launch)
+        ), launch.output
+        # The stopped worker is sent SIGCONT with its SIGTERM: it takes no grace period.
+        assert elapsed < 2.5 * heartbeat + 30, f"launch took {elapsed:.0f} s after the stop:\n{launch.output}"
+        assert not [name for name, pid in pids.items() if pid_alive(pid)]
+    finally:
+        for pid in pids.values():
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 # --- workers that must agree ----------------------------------------------------------------------

@@ -113,6 +113,8 @@ def test_row_s2_a_killed_coordinator_ends_shm_workers_without_a_hang(processes, 
         data = np.arange(SIZE, dtype=np.float32)
         client.send_non_block_gradient(0, 0, data)
         assert np.array_equal(client.receive_averaged_non_block().gradients, data)
+        # Its socket directory carries its pid, so that what it leaves is known as a dead one's.
+        assert [p for p in tmp_path.iterdir() if p.name.startswith(f"gradserver-shm-{proc.proc.pid}-")]
         proc.kill()
         started = time.monotonic()
 

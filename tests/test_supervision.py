@@ -5,20 +5,24 @@ not outlive it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
+from gradserver.server.shm import remove_stale_dirs
 from gradserver.train.launch import Child, error_line, start_child, verdict
-from gradserver.worker.local_coordinator import LostWorker
+from gradserver.worker.local_coordinator import LostWorker, remove_shm_dirs
 
-from .helpers.processes import ProcessGroup, descendants, pid_alive
+from .helpers.processes import ManagedProcess, ProcessGroup, descendants, pid_alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,24 +53,36 @@ def test_the_verdict_names_the_worker_the_coordinator_lost_before_the_survivor_t
     tmp_path: Path,
 ) -> None:
     events = tmp_path / "events"
-    lost = {"event": "worker_lost", "worker": 1, "node": "local-1", "reason": "lost: no message for 2.0 s"}
+    lost = {
+        "event": "worker_lost",
+        "worker": 1,
+        "node": "local-1",
+        "reason": "lost: no message for 2.0 s",
+        "step": 25,
+    }
     events.write_text(json.dumps({"event": "job_ended", "state": "failed", "reason": "x"}) + "\n")
     with events.open("a") as out:
         out.write(json.dumps(lost) + "\n")
     survivor = _failed_child("rank 0")
-    line = verdict(survivor, events, lambda w: f"rank {w.worker}")
+    culprit, line = verdict(survivor, events, lambda w: f"rank {w.worker}", unit="operation")
+    assert culprit is survivor
     assert line == (
-        "rank 1 was lost (lost: no message for 2.0 s); "
+        "rank 1 was lost at operation 25 (lost: no message for 2.0 s); "
         "rank 0 exited with code 1: RuntimeError: my collective failed"
     )
     # The lost one itself exiting first: its own ending says it; no verdict at all: the child's.
-    assert verdict(_failed_child("rank 1"), events, lambda w: f"rank {w.worker}").startswith(
-        "rank 1 exited with code 1"
+    lost_one = _failed_child("rank 1")
+    assert verdict(lost_one, events, lambda w: f"rank {w.worker}")[1].startswith("rank 1 exited with code 1")
+    # The lost one had already ended by itself (crashed, killed) when a survivor's exit is read:
+    # its ending, not 'lost', and its code.
+    assert verdict(survivor, events, lambda w: f"rank {w.worker}", [survivor, lost_one]) == (
+        lost_one,
+        "rank 1 exited with code 1: RuntimeError: my collective failed",
     )
     started = time.monotonic()
-    assert verdict(survivor, tmp_path / "none", lambda w: "?").startswith("rank 0 exited")
+    assert verdict(survivor, tmp_path / "none", lambda w: "?")[1].startswith("rank 0 exited")
     assert time.monotonic() - started < 5  # waits a moment for a verdict, no more
-    assert LostWorker(1, "local-1", "x").node == "local-1"
+    assert LostWorker(1, "local-1", "x").step is None
 
 
 RANK_SCRIPT = """
@@ -124,3 +140,158 @@ def test_a_sigkilled_rank_0_takes_its_embedded_coordinator_along_and_leaves_noth
         assert not [p.name for p in tmp.iterdir() if p.name.startswith("gradserver")]
     finally:
         processes.close()
+
+
+STARTED = re.compile(r"started (coordinator|rank \d+) \(pid (\d+)\)")
+
+
+def _started(proc: ManagedProcess) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in map(STARTED.search, proc.lines) if m}
+
+
+def _kill_all(pids: Iterable[int]) -> None:
+    """Ends what a failed test left (a stopped process takes SIGKILL too)."""
+    for pid in pids:
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _shm_dirs(parent: Path, pid: int | None = None) -> list[str]:
+    prefix = "gradserver-shm-" if pid is None else f"gradserver-shm-{pid}-"
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(prefix))
+
+
+# Rank 1 fails: with a plain traceback (no torch), or under torch, which prefixes every line of a
+# failing rank's output with "[rank1]: ". Rank 0 ends at once (its part is done).
+PLAIN_FAILURE = """
+import os
+if os.environ["RANK"] == "1":
+    raise RuntimeError("boom")
+"""
+TORCH_FAILURE = """
+import torch, torch.distributed as dist
+dist.init_process_group("gradserver")
+dist.all_reduce(torch.ones(2))
+if dist.get_rank() == 1:
+    raise RuntimeError("boom")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("script", [PLAIN_FAILURE, TORCH_FAILURE], ids=["plain", "torch-rank-prefix"])
+def test_run_ends_with_the_exception_line_of_the_rank_that_raised(
+    processes: ProcessGroup, tmp_path: Path, script: str
+) -> None:
+    path = tmp_path / "rank.py"
+    path.write_text(script)
+    run = processes.gradserver("run", "--workers", "2", "--", sys.executable, str(path), name="run")
+    try:
+        assert run.wait(90) == 1, run.output
+        if script is TORCH_FAILURE:
+            assert "[rank 1] [rank1]: RuntimeError: boom" in run.lines, run.output
+        assert run.lines[-1] == "run: rank 1 exited with code 1: RuntimeError: boom", run.output
+        assert not [pid for pid in _started(run).values() if pid_alive(pid)]
+    finally:
+        _kill_all(_started(run).values())
+
+
+@pytest.mark.processes
+def test_run_names_the_rank_the_coordinator_lost_not_the_survivor_that_exited(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """Rank 1 is stopped: the coordinator evicts it after the heartbeat timeout and fails rank
+    0's collective, so rank 0 is the first to exit; the last line must name rank 1."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    heartbeat = 2.0
+    run = processes.gradserver(
+        "run",
+        "--workers",
+        "2",
+        "--heartbeat-timeout",
+        f"{heartbeat:g}",
+        "--",
+        sys.executable,
+        str(script),
+        name="run",
+    )
+    try:
+        run.wait_for(r"^\[rank 0\] STEP 3$", timeout=90)
+        os.kill(_started(run)["rank 1"], signal.SIGSTOP)
+        stopped = time.monotonic()
+        # Eviction within 2.5 heartbeat timeouts, the survivor's exit, then stopping the rest
+        # (the stopped rank is sent SIGCONT with its SIGTERM, so it takes no grace period).
+        code = run.wait(2.5 * heartbeat + 20)
+        elapsed = time.monotonic() - stopped
+        assert code == 1, run.output
+        last = run.lines[-1]
+        # The reason is the coordinator's (no message for ..., or a keepalive's verdict while
+        # it held the stopped rank's stream back); the operation is the collective in flight.
+        assert re.fullmatch(
+            r"run: rank 1 was lost at operation \d+ \(.+\); rank 0 exited with code 1: .+", last
+        ), run.output
+        assert elapsed < 2.5 * heartbeat + 15, f"run took {elapsed:.1f} s after the stop:\n{run.output}"
+        assert not [pid for pid in _started(run).values() if pid_alive(pid)], run.output
+    finally:
+        _kill_all(_started(run).values())
+
+
+@pytest.mark.processes
+def test_a_coordinator_sigkilled_under_run_leaves_no_socket_directory(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """The rank never uses the coordinator, so no worker of it removes the directory: run must."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    wait = "import threading; print('READY', flush=True); threading.Event().wait(120)"
+    run = processes.gradserver(
+        "run", "--workers", "1", "--", sys.executable, "-c", wait, name="run", env={"TMPDIR": str(tmp)}
+    )
+    try:
+        run.wait_for(r"^\[rank 0\] READY$", timeout=60)
+        coordinator = _started(run)["coordinator"]
+        assert _shm_dirs(tmp, coordinator), sorted(p.name for p in tmp.iterdir())
+        os.kill(coordinator, signal.SIGKILL)
+        assert run.wait(60) == 1, run.output
+        assert run.lines[-1] == "run: the coordinator was killed by SIGKILL", run.output
+        assert _shm_dirs(tmp) == []
+    finally:
+        _kill_all(_started(run).values())
+
+
+@pytest.mark.processes
+def test_a_dead_coordinators_socket_directory_is_known_by_its_pid_and_removed_at_once(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    live, _ = processes.coordinator("--world-size", "1", "--shm-dir", str(tmp_path))
+    dead, _ = processes.coordinator("--world-size", "1", "--shm-dir", str(tmp_path))
+    (dead_dir,) = _shm_dirs(tmp_path, dead.proc.pid)
+    assert _shm_dirs(tmp_path, live.proc.pid)
+    dead.kill()
+    dead.wait(30)
+    # Another coordinator on that directory needs no minute to know it for a dead one's.
+    assert remove_stale_dirs(str(tmp_path)) == [str(tmp_path / dead_dir)]
+    (tmp_path / dead_dir).mkdir(mode=0o700)  # as if left again
+    assert remove_shm_dirs(live.proc.pid, str(tmp_path)) is None  # alive: kept
+    remove_shm_dirs(dead.proc.pid, str(tmp_path))
+    assert _shm_dirs(tmp_path) == _shm_dirs(tmp_path, live.proc.pid) != []
+
+
+@pytest.mark.processes
+def test_an_embedded_coordinator_that_was_sigkilled_leaves_no_socket_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gradserver.torch._coordinator import EmbeddedCoordinator
+
+    monkeypatch.setenv("GRADSERVER_SHM_DIR", str(tmp_path))
+    embedded = EmbeddedCoordinator(1, 30.0)
+    try:
+        pid = embedded._process.pid
+        assert _shm_dirs(tmp_path, pid)
+        os.kill(pid, signal.SIGKILL)
+        embedded._process.wait(30)
+    finally:
+        embedded.stop()
+    assert _shm_dirs(tmp_path) == []

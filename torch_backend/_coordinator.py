@@ -5,7 +5,8 @@ The embedded coordinator is the `gradserver coordinator` command in a child proc
 independent of the server package), bound to 127.0.0.1 port 0. Rank 0 publishes its address in
 the torch Store that `init_process_group` set up; the other ranks read it from there. The child
 watches its parent (`--exit-with-parent`), so a SIGKILLed rank 0 leaves no coordinator behind, and
-the port file's directory goes as soon as the port is read.
+the port file's directory goes as soon as the port is read; `stop` removes the shared-memory socket
+directory of a child that was SIGKILLed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gradserver.common.errors import UnavailableError
-from gradserver.worker.local_coordinator import coordinator_command, wait_for_port
+from gradserver.worker.local_coordinator import coordinator_command, remove_shm_dirs, wait_for_port
 
 ENV_COORDINATOR = "GRADSERVER_COORDINATOR"
 STORE_KEY = "gradserver/coordinator"
@@ -52,6 +53,7 @@ class EmbeddedCoordinator:
             "--exit-with-parent",
         )
         self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        self._cleaned = False
         atexit.register(self.stop)
         try:
             port = wait_for_port(self._process, port_file, start_timeout_s)
@@ -71,7 +73,8 @@ class EmbeddedCoordinator:
         self.address = f"127.0.0.1:{port}"
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ends the child (SIGTERM, then SIGKILL after `timeout_s`). Safe to call more than once."""
+        """Ends the child (SIGTERM, then SIGKILL after `timeout_s`) and removes what it could not
+        (its shared-memory socket directory, when it was SIGKILLed). Safe to call more than once."""
         if self._process.poll() is None:
             self._process.terminate()
             try:
@@ -80,6 +83,9 @@ class EmbeddedCoordinator:
                 self._process.kill()
                 self._process.wait(timeout_s)
         self._dir.cleanup()
+        if not self._cleaned:
+            self._cleaned = True
+            remove_shm_dirs(self._process.pid)
 
 
 def coordinator_for(

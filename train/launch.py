@@ -11,7 +11,10 @@ DIR/loss.png.
 The workers' arguments are checked before anything starts (exit 2, one line). Launch ends when
 the job ends: the first worker (or the coordinator) that exits non-zero or is killed stops every
 other process (SIGTERM, then SIGKILL after a grace period) and launch exits 1 with one line that
-names it and its error. `--timeout` is only a last resort for a job that stops making progress.
+names it and its error. When the coordinator had lost another worker first (one stopped, hung or
+cut off, whose step then failed for the others), the line names that one, from the coordinator's
+--events-file: `launch: local-1 was lost at step 12 (lost: no message for 10.2 s ...); local-0
+exited with code 1: ...`. `--timeout` is only a last resort for a job that stops making progress.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from gradserver.common.errors import DeadlineExceededError, FailedPreconditionEr
 from gradserver.worker.local_coordinator import (
     LostWorker,
     coordinator_command,
+    job_failure,
     lost_workers,
     remove_leftovers,
     wait_for_port,
@@ -326,7 +330,7 @@ def _run_processes(args: argparse.Namespace, extra: list[str], progress: _Progre
             failure = _supervise(args, extra, progress, Path(tmp), deadline, children)
         finally:
             stop_children(children)
-            remove_leftovers(Path(tmp) / "events")
+            remove_leftovers(Path(tmp) / "events", coordinator_pid(children))
     for child in children:
         child.finish_output()
     if failure:
@@ -368,13 +372,15 @@ def _supervise(
         child = next_exit(exits, deadline, args.timeout)
         if child is coordinator:
             if child.proc.returncode != 0:
-                return child.failure()
+                return coordinator_failure(child, tmp / "events")
             continue  # done with its steps; the workers finish (or fail) on their own
         running.discard(child)
         if child.proc.returncode != 0:
-            return verdict(child, tmp / "events", _node_name) if coordinator is not None else child.failure()
+            if coordinator is None:
+                return child.failure()
+            return verdict(child, tmp / "events", _node_name, workers)[1]
     if coordinator is not None:
-        return _end_coordinator(coordinator)
+        return _end_coordinator(coordinator, tmp / "events")
     return ""
 
 
@@ -383,7 +389,7 @@ def _node_name(lost: LostWorker) -> str:
     return lost.node
 
 
-def _end_coordinator(coordinator: Child) -> str:
+def _end_coordinator(coordinator: Child, events: Path) -> str:
     """Every worker is done: the coordinator exits by itself once its job finished (--max-steps
     is the absolute last step, so resumed jobs end too); if it has not after a short wait (the
     workers left early), it is asked to stop."""
@@ -397,7 +403,7 @@ def _end_coordinator(coordinator: Child) -> str:
             return f"coordinator did not stop within {STOP_GRACE_S:g} s of SIGTERM"
         if code == -signal.SIGTERM:
             return ""
-    return coordinator.failure() if code != 0 else ""
+    return coordinator_failure(coordinator, events) if code != 0 else ""
 
 
 def _start_coordinator(
@@ -435,15 +441,41 @@ def next_exit(exits: queue.Queue[Child], deadline: float, timeout: float) -> Chi
         raise DeadlineExceededError(f"the run did not finish within --timeout {timeout:g} s") from None
 
 
-def verdict(child: Child, events: Path, name: Callable[[LostWorker], str]) -> str:
-    """The last line for a job that `child` ended by failing: when the coordinator had lost
-    another worker first (`events`, its --events-file), that worker named by `name` and why, then
-    the child's failure; else the child's failure alone."""
-    failure = child.failure()
+def verdict(
+    child: Child,
+    events: Path,
+    name: Callable[[LostWorker], str],
+    others: Iterable[Child] = (),
+    unit: str = "step",
+) -> tuple[Child, str]:
+    """The process that ended the job and the last line, for a job that `child` ended by failing.
+    When the coordinator had lost another worker first (`events`, its --events-file), that
+    worker, named by `name` and found among `others`: if it has exited by itself (crashed, was
+    killed), its own ending; else (stopped, hung, cut off) `NAME was lost at <unit> N (why);
+    <child's failure>`. Without such a verdict, the child's failure alone."""
     lost = lost_workers(events, wait_s=_VERDICT_WAIT_S)
     if not lost or name(lost[0]) == child.name:
-        return failure
-    return f"{name(lost[0])} was lost ({lost[0].reason}); {failure}"
+        return child, child.failure()
+    first = lost[0]
+    culprit = next((c for c in others if c.name == name(first)), None)
+    if culprit is not None and culprit.proc.poll() not in (None, 0):
+        culprit.finish_output()
+        return culprit, culprit.failure()
+    at = f" at {unit} {first.step}" if first.step is not None else ""
+    return child, f"{name(first)} was lost{at} ({first.reason}); {child.failure()}"
+
+
+def coordinator_failure(coordinator: Child, events: Path) -> str:
+    """How the coordinator ended, with its job's failure from `events` when its output has no
+    error line of its own."""
+    failure = coordinator.failure()
+    why = job_failure(events)
+    return f"{failure}: job failed: {why}" if why and not error_line(list(coordinator.tail)) else failure
+
+
+def coordinator_pid(children: list[Child]) -> int | None:
+    """The pid of the coordinator among `children`; None when none was started."""
+    return next((c.proc.pid for c in children if c.name == "coordinator"), None)
 
 
 def stop_children(children: list[Child]) -> None:

@@ -12,15 +12,18 @@ non-zero (or is killed) ends the run: the other ranks get 5 s to end by themselv
 fails their collectives, and each prints its own error), then they and the coordinator are
 stopped (SIGTERM, then SIGKILL after a grace period). The last line says why, from the
 coordinator's verdict (its --events-file) rather than from whichever rank exited first:
-`run: rank 1 was lost (lost: no message for 10.0 s ...); rank 0 exited with code 1: <its error>`,
-or `run: rank 1 was killed by SIGKILL`, or `run: rank 1 exited with code 3: RuntimeError: boom`
-(the exception line of its traceback, torch's `[rank1]: ` prefix read through).
+`run: rank 1 was lost at operation 25 (lost: no message for 10.0 s ...); rank 0 exited with code
+1: <its error>` for a rank the coordinator lost while it still ran (stopped, hung, cut off; the
+operation is its collective's sequence number), or `run: rank 1 was killed by SIGKILL`, or
+`run: rank 1 exited with code 3: RuntimeError: boom` for a rank that ended itself (the exception
+line of its traceback, torch's `[rank1]: ` prefix read through).
 Exit codes: 0 when every rank exited 0 and the coordinator was stopped; the failing rank's code
-(128 + N for a rank killed by signal N); 1 when the coordinator failed or ended first; 128 + N
-when run itself got signal N; 2 for bad arguments. Every process group of the script uses this one
-coordinator, so `dist.new_group` subgroups are refused (they need the embedded coordinator of
-plain torchrun). The coordinator takes its other settings from the environment as always
-(GRADSERVER_STEP_TIMEOUT, GRADSERVER_JOIN_TIMEOUT, ...).
+(128 + N for a rank killed by signal N; for a lost rank, which has none, the first survivor's);
+1 when the coordinator failed or ended first; 128 + N when run itself got signal N; 2 for bad
+arguments. Every process group of the script uses this one coordinator, so `dist.new_group`
+subgroups are refused (they need the embedded coordinator of plain torchrun). The coordinator
+takes its other settings from the environment as always (GRADSERVER_STEP_TIMEOUT,
+GRADSERVER_JOIN_TIMEOUT, ...).
 
 It lives in the training application beside `gradserver launch` because it is the same kind of
 job supervision (and reuses launch's helpers); it starts the user's command and never imports
@@ -52,7 +55,17 @@ from gradserver.worker.local_coordinator import (
 )
 
 from .cli import available_cores
-from .launch import STOP_GRACE_S, Child, await_coordinator, print_line, start_child, stop_children, verdict
+from .launch import (
+    STOP_GRACE_S,
+    Child,
+    await_coordinator,
+    coordinator_failure,
+    coordinator_pid,
+    print_line,
+    start_child,
+    stop_children,
+    verdict,
+)
 
 _START_TIMEOUT_S = 60.0
 _POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal
@@ -104,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             code, message = _supervise(args, command, token, Path(tmp), children, received)
         finally:
             stop_children(children)
-            remove_leftovers(Path(tmp) / "events")
+            remove_leftovers(Path(tmp) / "events", coordinator_pid(children))
     for child in children:
         child.finish_output()
     # Last, after the other processes' final lines: the one line that says how the run ended.
@@ -246,13 +259,16 @@ def _watch(
         if child is coordinator:
             child.finish_output()
             _let_survivors_end(running)
-            return 1, f"the {child.failure()}" if code else "the coordinator ended before the ranks"
+            if code:
+                return 1, f"the {coordinator_failure(child, events)}"
+            return 1, "the coordinator ended before the ranks"
         running.discard(child)
         if code != 0:
             child.finish_output()
-            line = verdict(child, events, _rank_name)
+            culprit, line = verdict(child, events, _rank_name, ranks, unit="operation")
             lost = {_rank_name(w) for w in lost_workers(events)}
             _let_survivors_end({c for c in running if c.name not in lost})
+            code = culprit.proc.returncode
             return (code if code > 0 else 128 - code), line
     return _end_coordinator(coordinator, len(ranks))
 

@@ -3,7 +3,9 @@
 One helper for everything that starts its own coordinator: `gradserver launch` and `gradserver
 run` (gradserver.train) and the torch backend's embedded coordinator (gradserver.torch). The child
 binds 127.0.0.1 (port 0: any free port) and writes the port it got to a file once it serves; that
-file is the only readiness signal it gives. Torch-free, and it imports nothing of the server: the
+file is the only readiness signal it gives. Afterwards: the coordinator's verdicts (its
+--events-file: which worker it lost and why) and the removal of what a SIGKILLed one left (its
+shared-memory socket directory). Torch-free, and it imports nothing of the server: the
 coordinator is a separate process started by its command.
 """
 
@@ -15,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,11 +76,39 @@ def wait_for_port(process: subprocess.Popen[Any], port_file: Path, timeout_s: fl
 
 @dataclasses.dataclass(frozen=True)
 class LostWorker:
-    """A coordinator's verdict on one worker (`--events-file`, see gradserver.server.events)."""
+    """A coordinator's verdict on one worker (`--events-file`, see gradserver.server.events):
+    `step` is the lowest step (the torch backend's operation number) in flight when it was lost,
+    None when none was."""
 
     worker: int
     node: str
     reason: str
+    step: int | None = None
+
+
+def _events(events_file: Path) -> list[dict[str, Any]]:
+    """The events file's objects; a missing file, or a line cut short, is skipped."""
+    found = []
+    with contextlib.suppress(OSError):
+        for line in events_file.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    found.append(event)
+    return found
+
+
+def _lost(event: dict[str, Any]) -> LostWorker | None:
+    try:
+        step = event.get("step")
+        return LostWorker(
+            int(event["worker"]),
+            str(event["node"]),
+            str(event["reason"]),
+            step if isinstance(step, int) else None,
+        )
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def lost_workers(events_file: Path, wait_s: float = 0.0) -> list[LostWorker]:
@@ -85,26 +116,36 @@ def lost_workers(events_file: Path, wait_s: float = 0.0) -> list[LostWorker]:
     `wait_s` for a first one (a survivor may exit a moment before the line is read)."""
     deadline = time.monotonic() + wait_s
     while True:
-        found = []
-        with contextlib.suppress(OSError):
-            for line in events_file.read_text(encoding="utf-8").splitlines():
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    event = json.loads(line)
-                    if event.get("event") == "worker_lost":
-                        found.append(
-                            LostWorker(int(event["worker"]), str(event["node"]), str(event["reason"]))
-                        )
+        lost = [_lost(e) for e in _events(events_file) if e.get("event") == "worker_lost"]
+        found = [w for w in lost if w is not None]
         if found or time.monotonic() >= deadline:
             return found
         time.sleep(_POLL_S)
 
 
-def remove_leftovers(events_file: Path) -> None:
-    """After a coordinator with this events file has exited: removes its shared-memory socket
-    directory if it could not (SIGKILL) and none of its workers did."""
-    with contextlib.suppress(OSError):
-        for line in events_file.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError, AttributeError):
-                event = json.loads(line)
-                if event.get("event") == "serving" and event.get("shm_socket"):
-                    shm.remove_if_abandoned(str(event["shm_socket"]))
+def job_failure(events_file: Path) -> str:
+    """Why the coordinator's job failed, from its events file; '' when it did not say."""
+    for event in _events(events_file):
+        if event.get("event") == "job_ended" and event.get("state") == "failed":
+            return str(event.get("reason", ""))
+    return ""
+
+
+def remove_shm_dirs(pid: int, *parents: str) -> None:
+    """After coordinator `pid` has exited: removes the shared-memory socket directories it left
+    (SIGKILL) in its --shm-dir as this environment sets it, or the temp dir, and in `parents`."""
+    places = {os.environ.get("GRADSERVER_SHM_DIR") or tempfile.gettempdir(), *parents}
+    for parent in places:
+        shm.remove_dirs_of(pid, parent)
+
+
+def remove_leftovers(events_file: Path, pid: int | None = None) -> None:
+    """After the coordinator `pid` with this events file has exited: removes its shared-memory
+    socket directory if it could not (SIGKILL) and none of its workers did. The 'serving' event
+    names it (any --shm-dir); the pid finds it even when that line was never written."""
+    serving = [e for e in _events(events_file) if e.get("event") == "serving"]
+    sockets = [str(e["shm_socket"]) for e in serving if e.get("shm_socket")]
+    for path in sockets:
+        shm.remove_if_abandoned(path)
+    if pid is not None:
+        remove_shm_dirs(pid, *(os.path.dirname(path) for path in sockets))
