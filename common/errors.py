@@ -6,6 +6,18 @@ The coordinator reports failures as gRPC status codes (on the RPC, or inside the
 and the worker the error is about. Classes also derive from the matching built-in (a timeout is a
 `TimeoutError`, invalid input a `ValueError`, a lost connection a `ConnectionError`) so callers can
 catch either.
+
+Callers decide by meaning, not by status code: five classes say what happened, and every
+status-named class is one of them.
+
+- `StepFailed`: this step failed for every worker, because of `culprit` (lost, bad data, NaN) or
+  none (a timeout); the connection stays usable and the next step may be sent (ABORTED).
+- `Refused`: this worker's own request or input was refused, naming what (INVALID_ARGUMENT,
+  FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAUTHENTICATED, PERMISSION_DENIED).
+- `ConnectionLost`: the coordinator cannot be reached or the connection broke (UNAVAILABLE);
+  `JobEnded`, one kind of it: the coordinator said the job is over.
+- `Timeout`: a call or a wait did not finish within its deadline (DEADLINE_EXCEEDED).
+- `InternalError`: a bug or an unexpected reply.
 """
 
 from __future__ import annotations
@@ -14,14 +26,19 @@ import grpc
 
 __all__ = [
     "AbortedError",
+    "ConnectionLost",
     "CoordinatorShutdownError",
     "DeadlineExceededError",
     "FailedPreconditionError",
     "GradServerError",
     "InternalError",
     "InvalidArgumentError",
+    "JobEnded",
     "PermissionDeniedError",
+    "Refused",
     "ResourceExhaustedError",
+    "StepFailed",
+    "Timeout",
     "UnauthenticatedError",
     "UnavailableError",
     "error_from_status",
@@ -51,53 +68,90 @@ class GradServerError(Exception):
         return f"{self.code.name}: {self.message}"
 
 
-class InvalidArgumentError(GradServerError, ValueError):
-    """A message or argument is malformed or disagrees with what other workers sent."""
+class StepFailed(GradServerError):
+    """A step failed for every worker: `culprit` is the worker whose message or loss caused it
+    (None when none did, e.g. a step timeout), `reason` says why. The connection stays usable."""
+
+    code = grpc.StatusCode.ABORTED
+
+    @property
+    def culprit(self) -> int | None:
+        return self.worker_id
+
+    @property
+    def reason(self) -> str:
+        return self.message
+
+
+class Refused(GradServerError):
+    """This worker's own request or input was refused; the message names what was wrong."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class FailedPreconditionError(GradServerError):
-    """Well-formed, but not valid now: wrong step, unknown or evicted worker, stale session."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class AbortedError(GradServerError):
-    """The step failed because of another worker (lost, bad data, NaN); the stream stays usable."""
-
-    code = grpc.StatusCode.ABORTED
-
-
-class UnavailableError(GradServerError, ConnectionError):
-    """The coordinator cannot be reached or the connection to it broke."""
+class ConnectionLost(GradServerError, ConnectionError):
+    """The coordinator cannot be reached, or the connection to it broke."""
 
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class CoordinatorShutdownError(UnavailableError):
-    """The coordinator told this worker that the job is over (SIGTERM, max steps)."""
+class JobEnded(ConnectionLost):
+    """The coordinator ended the job (SIGTERM, max steps, a failed job) and said so."""
 
 
-class DeadlineExceededError(GradServerError, TimeoutError):
+class Timeout(GradServerError, TimeoutError):
     """A call or a wait did not finish within its deadline."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class ResourceExhaustedError(GradServerError):
+class InvalidArgumentError(Refused, ValueError):
+    """A message or argument is malformed or disagrees with what other workers sent."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPreconditionError(Refused):
+    """Well-formed, but not valid now: wrong step, unknown or evicted worker, stale session."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AbortedError(StepFailed):
+    """The step failed because of another worker (lost, bad data, NaN); the stream stays usable."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class UnavailableError(ConnectionLost):
+    """The coordinator cannot be reached or the connection to it broke."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class CoordinatorShutdownError(UnavailableError, JobEnded):
+    """The coordinator told this worker that the job is over (SIGTERM, max steps)."""
+
+
+class DeadlineExceededError(Timeout):
+    """A call or a wait did not finish within its deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ResourceExhaustedError(Refused):
     """A configured limit was hit: world full, message or tensor too large, too many streams."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class UnauthenticatedError(GradServerError, PermissionError):
+class UnauthenticatedError(Refused, PermissionError):
     """Credentials were missing or wrong."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-class PermissionDeniedError(GradServerError, PermissionError):
+class PermissionDeniedError(Refused, PermissionError):
     """Authenticated, but not allowed to act as this worker."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
