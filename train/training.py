@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from gradserver.common.errors import (
-    CoordinatorShutdownError,
+    ConnectionLost,
     InternalError,
     InvalidArgumentError,
-    UnavailableError,
+    JobEnded,
 )
 from gradserver.common.logs import set_log_context
 
@@ -89,7 +89,7 @@ def resolve_device(name: str) -> torch.device:
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
-def _rejoin(trainer: DistributedTrainer, backend: GradientBackend, lost: UnavailableError) -> None:
+def _rejoin(trainer: DistributedTrainer, backend: GradientBackend, lost: ConnectionLost) -> None:
     """Rejoins a (restarted) coordinator and lines this worker up with the others: a worker that
     applied one step more than the slowest undoes it, so the step in flight counts for all or
     none."""
@@ -191,8 +191,10 @@ def train(
                     for i in range(config.accumulation_steps)
                 ]
                 result = trainer.train_step(micro)
-            except UnavailableError as exc:
-                if not reconnect or isinstance(exc, CoordinatorShutdownError):
+            # By meaning: only a lost coordinator is worth rejoining; the end of the job, a failed
+            # step (every worker sees the same one) or a refusal ends training with its error.
+            except ConnectionLost as exc:
+                if not reconnect or isinstance(exc, JobEnded):
                     raise
                 _rejoin(trainer, backend, exc)
                 continue
