@@ -146,8 +146,15 @@ class Teardown:
 
     def namespace(self, namespace: str) -> None:
         """Records a namespace just made: on removal, what still runs in it is killed first."""
-        remove = _namespace_removal(namespace)
-        self._steps.append(remove)
+
+        def step() -> str | None:
+            _kill_namespace_pids(namespace)
+            result = run("ip", "netns", "del", namespace, check=False)
+            if result.returncode == 0 or "No such file" in result.stderr:
+                return None
+            return f"ip netns del {namespace} failed ({result.returncode}): {result.stderr.strip()}"
+
+        self._steps.append(step)
 
     def unwind(self) -> list[str]:
         """Removes everything recorded, newest first, past errors; returns the errors."""
@@ -161,17 +168,6 @@ class Teardown:
             if error:
                 errors.append(error)
         return errors
-
-
-def _namespace_removal(namespace: str) -> Callable[[], str | None]:
-    def step() -> str | None:
-        _kill_namespace_pids(namespace)
-        result = run("ip", "netns", "del", namespace, check=False)
-        if result.returncode != 0 and "No such file" not in result.stderr:
-            return f"ip netns del {namespace} failed ({result.returncode}): {result.stderr.strip()}"
-        return None
-
-    return step
 
 
 def add_namespace(teardown: Teardown, namespace: str) -> None:
