@@ -6,7 +6,6 @@ import concurrent.futures
 import json
 import sys
 import time
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench import _netns
 from gradserver.common import compute_block_sizes
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import AbortedError, ResourceExhaustedError
@@ -284,12 +282,14 @@ def test_row8_a_blackholed_worker_is_evicted_by_heartbeat(proxied) -> None:
 
 
 @pytest.fixture
-def peer_host() -> Iterator[_netns.PeerHost]:
+def peer_host():
     """A host in its own network namespace whose only link is a veth pair to this one."""
-    ok, why = _netns.available()
+    from bench._netns import PeerHost, available
+
+    ok, why = available()
     if not ok:
         pytest.skip(f"network namespaces unavailable here: {why}")
-    with _netns.PeerHost() as host:
+    with PeerHost() as host:
         yield host
 
 
