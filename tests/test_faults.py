@@ -282,31 +282,29 @@ def test_row8_a_blackholed_worker_is_evicted_by_heartbeat(proxied) -> None:
 
 
 @pytest.fixture
-def test_host():
-    from .helpers import netns
+def peer_host():
+    """A host in its own network namespace whose only link is a veth pair to this one."""
+    from bench._netns import PeerHost, available
 
-    ok, why = netns.available()
+    ok, why = available()
     if not ok:
         pytest.skip(f"network namespaces unavailable here: {why}")
-    host = netns.TestHost.create()
-    try:
+    with PeerHost() as host:
         yield host
-    finally:
-        host.destroy()
 
 
 @pytest.mark.processes
-def test_row6_a_cut_link_is_detected_like_a_stopped_worker(processes, coordinator, test_host) -> None:
+def test_row6_a_cut_link_is_detected_like_a_stopped_worker(processes, coordinator, peer_host) -> None:
     server = coordinator(
         world_size=2,
         heartbeat_timeout=HEARTBEAT,
         step_timeout=STEP_TIMEOUT,
-        bind=f"{test_host.host_ip}:0",
+        bind=f"{peer_host.local_ip}:0",
         insecure=True,
     )
     remote = processes.start(
         [
-            *test_host.prefix(),
+            *peer_host.host.prefix(),
             sys.executable,
             "-m",
             "tests.helpers.scripted_worker",
@@ -324,37 +322,37 @@ def test_row6_a_cut_link_is_detected_like_a_stopped_worker(processes, coordinato
     try:
         lost = int(remote.wait_for(r"JOINED worker (\d)").group(1))
         remote.wait_for("STALLED")
-        test_host.cut()
+        peer_host.cut()
         sizes = SHAPES["tiny"].block_sizes
         client.send_block_gradient(0, 0, 2, np.ones(sum(sizes), np.float32), sizes)
         started = time.monotonic()
         with pytest.raises(AbortedError, match=rf"worker {lost} lost: no message for"):
             client.receive_averaged_block()
         assert time.monotonic() - started < HEARTBEAT + MARGIN
-        test_host.restore()
+        peer_host.restore()
         result = remote.wait_for(r"RESULT .*", timeout=40).group(0)
         assert "evicted" in result or "UnavailableError" in result, result
     finally:
-        test_host.restore()
+        peer_host.restore()
         client.close()
 
 
 @pytest.mark.processes
 def test_row7_a_slow_link_is_slower_but_correct_without_false_eviction(
-    processes, coordinator, test_host
+    processes, coordinator, peer_host
 ) -> None:
     server = coordinator(
         world_size=2,
         heartbeat_timeout=HEARTBEAT,
-        bind=f"{test_host.host_ip}:0",
+        bind=f"{peer_host.local_ip}:0",
         insecure=True,
         chunk_mib=0.25,
         max_message_mib=1.0,
     )
-    test_host.slow("20mbit")
+    peer_host.slow("20mbit")
     remote = processes.start(
         [
-            *test_host.prefix(),
+            *peer_host.host.prefix(),
             sys.executable,
             "-m",
             "gradserver.cli",
