@@ -35,7 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 from gradserver.common.components import NonBlockComponent, parse_non_block_component
 from gradserver.common.config import (
+    AUTH_TOKEN_HELP,
+    LOG_FORMAT_HELP,
+    LOG_LEVEL_HELP,
     add_config_arguments,
+    client_setting,
     config_from_sources,
     describe_config,
     parse_address,
@@ -90,9 +94,7 @@ _NON_NEGATIVE = (
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     job: str = dataclasses.field(default="train", metadata={"help": f"one of {', '.join(JOBS)}"})
-    coordinator: str = dataclasses.field(
-        default="127.0.0.1:50051", metadata={"help": "coordinator HOST:PORT"}
-    )
+    coordinator: str = client_setting("coordinator", "127.0.0.1:50051")
     node_id: str = dataclasses.field(
         default="",
         metadata={
@@ -171,21 +173,15 @@ class WorkerConfig:
     timeout: float = dataclasses.field(default=0.0, metadata={"help": "seconds for every wait (0: defaults)"})
     json: bool = dataclasses.field(default=False, metadata={"help": "print a JSON summary line last"})
     out: str = dataclasses.field(default="", metadata={"help": "directory for metrics.jsonl and checkpoints"})
-    tls_ca: str = dataclasses.field(
-        default="", metadata={"help": "PEM CA that signed the coordinator's certificate"}
-    )
-    tls_cert: str = dataclasses.field(
-        default="", metadata={"help": "PEM certificate of this worker (mutual TLS)"}
-    )
-    tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key of --tls-cert"})
-    tls_server_name: str = dataclasses.field(
-        default="", metadata={"help": "name to check the coordinator's certificate against"}
-    )
+    tls_ca: str = client_setting("tls_ca", "")
+    tls_client_cert: str = client_setting("tls_client_cert", "")
+    tls_client_key: str = client_setting("tls_client_key", "")
+    tls_server_name: str = client_setting("tls_server_name", "")
     auth_token: str = dataclasses.field(
-        default="", repr=False, metadata={"help": "shared token of the coordinator", "secret": True}
+        default="", repr=False, metadata={"help": AUTH_TOKEN_HELP, "secret": True}
     )
-    log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
-    log_format: str = dataclasses.field(default="text", metadata={"help": "text or json"})
+    log_level: str = dataclasses.field(default="INFO", metadata={"help": LOG_LEVEL_HELP})
+    log_format: str = dataclasses.field(default="text", metadata={"help": LOG_FORMAT_HELP})
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -292,9 +288,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_common(config: WorkerConfig) -> None:
     if config.backend == "remote":
         parse_address(config.coordinator, what="--coordinator")
-        tls = TlsFiles.load(config.tls_ca, config.tls_cert, config.tls_key, what="worker TLS")
+        tls = TlsFiles.load(config.tls_ca, config.tls_client_cert, config.tls_client_key, what="worker TLS")
         if tls is not None and tls.ca is None:
-            raise InvalidArgumentError("--tls-cert needs --tls-ca to verify the coordinator")
+            raise InvalidArgumentError("--tls-client-cert needs --tls-ca to verify the coordinator")
     if config.out:
         out = Path(config.out)
         if out.exists() and not out.is_dir():
@@ -418,7 +414,7 @@ def _connect(
     fingerprint: Mapping[str, str],
     committed_step: int | None = None,
 ) -> WorkerClient:
-    tls = TlsFiles.load(config.tls_ca, config.tls_cert, config.tls_key, what="worker TLS")
+    tls = TlsFiles.load(config.tls_ca, config.tls_client_cert, config.tls_client_key, what="worker TLS")
     return WorkerClient.connect(
         config.coordinator,
         node_id=config.node_id,

@@ -3,7 +3,8 @@
 One helper for everything that starts its own coordinator: `gradserver launch` and `gradserver
 run` (gradserver.train) and the torch backend's embedded coordinator (gradserver.torch). The child
 binds 127.0.0.1 (port 0: any free port) and writes the port it got to a file once it serves; that
-file is the only readiness signal it gives. Afterwards: the coordinator's verdicts (its
+file is the only readiness signal it gives (gradserver.worker.supervisor starts, watches and stops
+the process and waits for that port). Afterwards: the coordinator's verdicts (its
 --events-file: which worker it lost and why) and the removal of what a SIGKILLed one left (its
 shared-memory socket directory). Torch-free, and it imports nothing of the server: the
 coordinator is a separate process started by its command.
@@ -15,7 +16,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from gradserver.common import shm
-from gradserver.common.errors import DeadlineExceededError
 
 _POLL_S = 0.05
 # Every worker of a coordinator started here is on this machine (it binds 127.0.0.1), where larger
@@ -53,25 +52,6 @@ def coordinator_command(world_size: int, port_file: Path, *options: str, port: i
         *(() if chosen else ("--chunk-mib", LOCAL_CHUNK_MIB)),
         *options,
     ]
-
-
-def wait_for_port(process: subprocess.Popen[Any], port_file: Path, timeout_s: float) -> int | None:
-    """The port `process` wrote to `port_file`, or None if it exited before it did; raises
-    DeadlineExceededError if neither happens within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        # The coordinator replaces the file atomically: it is absent or holds the whole line.
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            text = port_file.read_text().strip()
-            if text:
-                return int(text.rsplit(":", 1)[-1])
-        if process.poll() is not None:
-            return None
-        if time.monotonic() >= deadline:
-            raise DeadlineExceededError(
-                f"the coordinator (pid {process.pid}) did not listen within {timeout_s:g} s"
-            )
-        time.sleep(_POLL_S)
 
 
 @dataclasses.dataclass(frozen=True)
