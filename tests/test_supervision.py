@@ -20,8 +20,8 @@ import pytest
 
 from gradserver.server.shm import remove_stale_dirs
 from gradserver.train.launch import verdict
-from gradserver.worker.supervisor import Child, error_line, start_child
 from gradserver.worker.local_coordinator import LostWorker, remove_shm_dirs
+from gradserver.worker.supervisor import Child, error_line, start_child
 
 from .helpers.processes import ManagedProcess, ProcessGroup, descendants, pid_alive
 
