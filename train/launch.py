@@ -26,9 +26,11 @@ launch is passed on to every worker; the flags after `--` go to every worker as 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 import queue
 import re
 import signal
@@ -190,7 +192,8 @@ def _job(args: argparse.Namespace) -> _Job:
 
 
 class _Progress:
-    """A tqdm bar fed by rank 0's PROGRESS lines; everything else is printed above it."""
+    """A tqdm bar fed by rank 0's progress channel (its --progress-fd, one JSON object per step);
+    the processes' output is printed above it."""
 
     def __init__(self, steps: int, enabled: bool) -> None:
         self._bar: Any = None
@@ -200,10 +203,18 @@ class _Progress:
 
             self._bar = tqdm(total=steps, unit="step", dynamic_ncols=True, file=sys.stderr)
 
+    def follow(self, channel: int) -> None:
+        """Reads a worker's progress channel (the read end of its --progress-fd) until it closes."""
+
+        def read() -> None:
+            with os.fdopen(channel, encoding="utf-8") as lines:
+                for line in lines:
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        self._progress(json.loads(line))
+
+        threading.Thread(target=read, daemon=True).start()
+
     def line(self, prefix: str, line: str) -> None:
-        if line.startswith("PROGRESS "):
-            self._progress(json.loads(line[len("PROGRESS ") :]))
-            return
         if self._bar is not None and _STEP_LINE.search(line):
             return  # the bar shows it; metrics.jsonl keeps every step of every worker
         with self._lock:
@@ -324,8 +335,7 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
         target = f"file://{tmp}/dist-store"
     threads = max(1, available_cores() // job.launch.workers)
     workers = [
-        start_child(gradserver_command("worker", *argv), f"local-{i}", progress.line, threads)
-        for i, argv in enumerate(job.argvs(target))
+        _start_worker(argv, f"local-{i}", progress, threads) for i, argv in enumerate(job.argvs(target))
     ]
     children.extend(workers)
     for child in workers:
@@ -345,6 +355,21 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
     if coordinator is not None:
         return _end_coordinator(coordinator, tmp / "events")
     return ""
+
+
+def _start_worker(argv: list[str], name: str, progress: _Progress, threads: int) -> Child:
+    """Starts one worker with a pipe as its --progress-fd, followed by `progress`."""
+    channel, own_end = os.pipe()
+    try:
+        command = gradserver_command("worker", *argv, "--progress-fd", str(own_end))
+        child = start_child(command, name, progress.line, threads, pass_fds=(own_end,))
+    except BaseException:
+        os.close(channel)
+        raise
+    finally:
+        os.close(own_end)  # the worker holds it now: the channel ends when the worker does
+    progress.follow(channel)
+    return child
 
 
 def _node_name(lost: LostWorker) -> str:

@@ -49,6 +49,7 @@ class Child:
         sink: Sink | None,
         env: Mapping[str, str | None] | None = None,
         cwd: Path | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         self.name = name
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
@@ -61,6 +62,7 @@ class Child:
             text=True,
             env={k: v for k, v in merged.items() if v is not None},
             cwd=cwd,
+            pass_fds=pass_fds,
         )
         self._relay: threading.Thread | None = None
         if sink is not None:
@@ -113,15 +115,17 @@ def start_child(
     sink: Sink | None,
     threads: int | None = None,
     env: Mapping[str, str | None] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> Child:
-    """Starts `argv` as `name`, says so on `sink`; `threads` sets OMP_NUM_THREADS unless it is set."""
+    """Starts `argv` as `name`, says so on `sink`; `threads` sets OMP_NUM_THREADS unless it is set;
+    `pass_fds` are inherited by the child (a structured channel such as a worker's --progress-fd)."""
     extra: dict[str, str | None] = dict(env or {})
     if threads is not None and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in extra:
         # N processes each using every core for torch's intra-op threads oversubscribe the
         # machine and stall at random; like torchrun, share the cores out unless told otherwise.
         # The worker applies the same rule itself when started by hand (train/cli.py).
         extra["OMP_NUM_THREADS"] = str(threads)
-    child = Child(argv, name, sink, extra)
+    child = Child(argv, name, sink, extra, pass_fds=pass_fds)
     if sink is not None:
         sink("[launch]", f"started {name} (pid {child.proc.pid})")
     return child
