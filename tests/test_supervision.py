@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from gradserver.server.shm import remove_stale_dirs
-from gradserver.train.launch import verdict
-from gradserver.worker.local_coordinator import LostWorker, remove_shm_dirs
+from gradserver.worker.local_coordinator import LostWorker, remove_shm_dirs, verdict
 from gradserver.worker.supervisor import Child, error_line, start_child, stop
 
 from .helpers.processes import ManagedProcess, ProcessGroup, descendants, pid_alive

@@ -39,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +47,12 @@ from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
 from gradserver.worker.local_coordinator import (
     LostWorker,
     coordinator_command,
-    job_failure,
-    lost_workers,
+    coordinator_failure,
+    coordinator_pid,
     remove_leftovers,
+    verdict,
 )
-from gradserver.worker.supervisor import STOP_GRACE_S, Child, await_port, error_line, start_child, stop
+from gradserver.worker.supervisor import STOP_GRACE_S, Child, await_port, start_child, stop
 
 from .cli import WorkerConfig, available_cores, worker_parser
 from .extra import require_training_extra
@@ -61,9 +61,6 @@ from .plots import plot_metrics
 log = logging.getLogger("gradserver.launch")
 
 _COORDINATOR_EXIT_S = 10.0
-# How long a failed child's verdict waits for the coordinator's (a survivor can exit a moment
-# before the coordinator's line is read).
-_VERDICT_WAIT_S = 1.0
 _STDOUT_LOCK = threading.Lock()
 
 # The worker's settings launch takes as its own flags: the worker's fields themselves, so they
@@ -421,40 +418,3 @@ def next_exit(exits: queue.Queue[Child], deadline: float, timeout: float) -> Chi
         return exits.get(timeout=max(0.0, deadline - time.monotonic()))
     except queue.Empty:
         raise DeadlineExceededError(f"the run did not finish within --run-timeout {timeout:g} s") from None
-
-
-def verdict(
-    child: Child,
-    events: Path,
-    name: Callable[[LostWorker], str],
-    others: Iterable[Child] = (),
-    unit: str = "step",
-) -> tuple[Child, str]:
-    """The process that ended the job and the last line, for a job that `child` ended by failing.
-    When the coordinator had lost another worker first (`events`, its --events-file), that
-    worker, named by `name` and found among `others`: if it has exited by itself (crashed, was
-    killed), its own ending; else (stopped, hung, cut off) `NAME was lost at <unit> N (why);
-    <child's failure>`. Without such a verdict, the child's failure alone."""
-    lost = lost_workers(events, wait_s=_VERDICT_WAIT_S)
-    if not lost or name(lost[0]) == child.name:
-        return child, child.failure()
-    first = lost[0]
-    culprit = next((c for c in others if c.name == name(first)), None)
-    if culprit is not None and culprit.proc.poll() not in (None, 0):
-        culprit.finish_output()
-        return culprit, culprit.failure()
-    at = f" at {unit} {first.step}" if first.step is not None else ""
-    return child, f"{name(first)} was lost{at} ({first.reason}); {child.failure()}"
-
-
-def coordinator_failure(coordinator: Child, events: Path) -> str:
-    """How the coordinator ended, with its job's failure from `events` when its output has no
-    error line of its own."""
-    failure = coordinator.failure()
-    why = job_failure(events)
-    return f"{failure}: job failed: {why}" if why and not error_line(list(coordinator.tail)) else failure
-
-
-def coordinator_pid(children: list[Child]) -> int | None:
-    """The pid of the coordinator among `children`; None when none was started."""
-    return next((c.proc.pid for c in children if c.name == "coordinator"), None)

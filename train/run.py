@@ -31,8 +31,8 @@ the ranks' environment. Settings: `RunConfig` (flag, GRADSERVER_ variable, defau
 `--timeout` is `--run-timeout`).
 
 It lives in the training application beside `gradserver launch` because it is the same kind of
-job supervision (and reuses launch's helpers); it starts the user's command and never imports
-torch itself.
+job supervision, on the same supervisor (gradserver.worker.supervisor) and verdicts
+(gradserver.worker.local_coordinator); it starts the user's command and never imports torch itself.
 """
 
 from __future__ import annotations
@@ -57,21 +57,16 @@ from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
 from gradserver.worker.local_coordinator import (
     LostWorker,
     coordinator_command,
+    coordinator_failure,
+    coordinator_pid,
     lost_workers,
     remove_leftovers,
+    verdict,
 )
 from gradserver.worker.supervisor import STOP_GRACE_S, Child, start_child, stop
 
 from .cli import WorkerConfig, available_cores
-from .launch import (
-    RUN_TIMEOUT_HELP,
-    WORKERS_HELP,
-    await_coordinator,
-    coordinator_failure,
-    coordinator_pid,
-    print_line,
-    verdict,
-)
+from .launch import RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
 
 _START_TIMEOUT_S = 60.0
 _POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal

@@ -6,7 +6,8 @@ binds 127.0.0.1 (port 0: any free port) and writes the port it got to a file onc
 file is the only readiness signal it gives (gradserver.worker.supervisor starts, watches and stops
 the process and waits for that port). Afterwards: the coordinator's verdicts (its
 --events-file: which worker it lost and why) and the removal of what a SIGKILLed one left (its
-shared-memory socket directory). Torch-free, and it imports nothing of the server: the
+shared-memory socket directory), and the verdict that names the process that ended a job
+(`verdict`, `coordinator_failure`). Torch-free, and it imports nothing of the server: the
 coordinator is a separate process started by its command.
 """
 
@@ -19,12 +20,18 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from gradserver.common import shm
 
+from .supervisor import Child, error_line
+
 _POLL_S = 0.05
+# How long a failed child's verdict waits for the coordinator's (a survivor can exit a moment
+# before the coordinator's line is read).
+_VERDICT_WAIT_S = 1.0
 # Every worker of a coordinator started here is on this machine (it binds 127.0.0.1), where larger
 # chunks halve the per-message cost of the shared-memory path: a 360 MiB exchange at N=2 took
 # 0.16-0.17 s with 4 MiB chunks and 0.14 s with 8 (docs/PERFORMANCE.md); gRPC is unchanged.
@@ -129,3 +136,40 @@ def remove_leftovers(events_file: Path, pid: int | None = None) -> None:
         shm.remove_if_abandoned(path)
     if pid is not None:
         remove_shm_dirs(pid, *(os.path.dirname(path) for path in sockets))
+
+
+def verdict(
+    child: Child,
+    events: Path,
+    name: Callable[[LostWorker], str],
+    others: Iterable[Child] = (),
+    unit: str = "step",
+) -> tuple[Child, str]:
+    """The process that ended the job and the last line, for a job that `child` ended by failing.
+    When the coordinator had lost another worker first (`events`, its --events-file), that
+    worker, named by `name` and found among `others`: if it has exited by itself (crashed, was
+    killed), its own ending; else (stopped, hung, cut off) `NAME was lost at <unit> N (why);
+    <child's failure>`. Without such a verdict, the child's failure alone."""
+    lost = lost_workers(events, wait_s=_VERDICT_WAIT_S)
+    if not lost or name(lost[0]) == child.name:
+        return child, child.failure()
+    first = lost[0]
+    culprit = next((c for c in others if c.name == name(first)), None)
+    if culprit is not None and culprit.proc.poll() not in (None, 0):
+        culprit.finish_output()
+        return culprit, culprit.failure()
+    at = f" at {unit} {first.step}" if first.step is not None else ""
+    return child, f"{name(first)} was lost{at} ({first.reason}); {child.failure()}"
+
+
+def coordinator_failure(coordinator: Child, events: Path) -> str:
+    """How the coordinator ended, with its job's failure from `events` when its output has no
+    error line of its own."""
+    failure = coordinator.failure()
+    why = job_failure(events)
+    return f"{failure}: job failed: {why}" if why and not error_line(list(coordinator.tail)) else failure
+
+
+def coordinator_pid(children: list[Child]) -> int | None:
+    """The pid of the coordinator among `children`; None when none was started."""
+    return next((c.proc.pid for c in children if c.name == "coordinator"), None)
