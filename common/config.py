@@ -5,21 +5,61 @@ Every field is a flag `--field-name` and an environment variable `GRADSERVER_FIE
 beats the environment, which beats the default. Values are validated when the dataclass is
 built (`require_setting`), so a bad value fails at start with one line naming the flag, the
 variable and the value. The coordinator's dataclass is gradserver.server.config.CoordinatorConfig;
-the worker's is gradserver.train.cli.WorkerConfig.
+the worker's is gradserver.train.cli.WorkerConfig; `launch` and `run` have theirs beside them.
+
+Every variable means one thing to every process that reads it (`gradserver run` hands the
+coordinator and the ranks one environment): a setting whose name meant two things was renamed on
+one side. A renamed field lists its old flag (`deprecated_flag`) and variable (`deprecated_env`)
+in its metadata: for one release they are still read when the new ones are not given, with a
+warning that names the new one.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import InvalidArgumentError
 
 MIB = 1024 * 1024
 ENV_PREFIX = "GRADSERVER_"
+
+log = logging.getLogger("gradserver.config")
+
+_T = TypeVar("_T")
+
+# Settings that several commands read under one name, with the one meaning each has for all.
+AUTH_TOKEN_HELP = "the job's shared token: the coordinator requires it on every call, workers send it"
+LOG_LEVEL_HELP = "DEBUG, INFO, WARNING, ERROR"
+LOG_FORMAT_HELP = "text or json (one object per line)"
+# What a client of the coordinator (a worker, a torch.distributed rank) reads to reach it.
+_CLIENT_SETTINGS: dict[str, dict[str, str]] = {
+    "coordinator": {"help": "coordinator HOST:PORT"},
+    "tls_ca": {"help": "PEM CA that signed the coordinator's certificate"},
+    # GRADSERVER_TLS_CERT/_KEY are the coordinator's server certificate (`gradserver run` gives
+    # both one environment); a client's certificate has names of its own.
+    "tls_client_cert": {
+        "help": "PEM client certificate of this worker (mutual TLS)",
+        "deprecated_flag": "--tls-cert",
+        "deprecated_env": "GRADSERVER_TLS_CERT",
+    },
+    "tls_client_key": {
+        "help": "PEM private key of --tls-client-cert",
+        "deprecated_flag": "--tls-key",
+        "deprecated_env": "GRADSERVER_TLS_KEY",
+    },
+    "tls_server_name": {"help": "name to check the coordinator's certificate against"},
+}
+
+
+def client_setting(name: str, default: _T) -> _T:
+    """The field of a coordinator client's setting `name`, with the one meaning it has for every
+    client (the worker CLI, the torch backend)."""
+    return dataclasses.field(default=default, metadata=_CLIENT_SETTINGS[name])
 
 
 def env_name(field_name: str) -> str:
@@ -45,12 +85,7 @@ def describe_config(
     env = os.environ if environ is None else environ
     lines = []
     for field in dataclasses.fields(config):
-        if namespace is not None and getattr(namespace, field.name, None) is not None:
-            source = flag_name(field.name)
-        elif env.get(env_name(field.name)):
-            source = env_name(field.name)
-        else:
-            source = "default"
+        _, source = _given(field, namespace, env)
         value = getattr(config, field.name)
         shown = "'***'" if field.metadata.get("secret") and value else repr(value)
         lines.append(f"{field.name} = {shown}  ({source})")
@@ -63,23 +98,49 @@ def require_setting(ok: bool, field: str, value: object, what: str) -> None:
         raise InvalidArgumentError(f"{flag_name(field)} / {env_name(field)} must be {what}, got {value!r}")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
-    """Adds one flag per dataclass field; defaults stay None so the environment can fill them."""
+def environment_of(cls: type[Any]) -> dict[str, str]:
+    """variable -> meaning (its field's help) of every GRADSERVER_ variable that `cls` reads under
+    its own name; the deprecated names it still reads are `deprecated_names_of`."""
+    return {env_name(f.name): str(f.metadata.get("help", "")) for f in dataclasses.fields(cls)}
+
+
+def deprecated_names_of(cls: type[Any]) -> dict[str, str]:
+    """old flag or variable -> the new one, for every field of `cls` that was renamed."""
+    names: dict[str, str] = {}
     for field in dataclasses.fields(cls):
+        if "deprecated_flag" in field.metadata:
+            names[field.metadata["deprecated_flag"]] = flag_name(field.name)
+        if "deprecated_env" in field.metadata:
+            names[field.metadata["deprecated_env"]] = env_name(field.name)
+    return names
+
+
+def _deprecated_dest(field_name: str) -> str:
+    return f"deprecated_{field_name}"
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser, cls: type[Any], only: tuple[str, ...] | None = None
+) -> None:
+    """Adds one flag per dataclass field (those named in `only`, when given), and the old flag of a
+    renamed one; defaults stay None so the environment can fill them."""
+    for field in dataclasses.fields(cls):
+        if only is not None and field.name not in only:
+            continue
         help_text = (
             f"{field.metadata.get('help', '')} [env {env_name(field.name)}, default {field.default!r}]"
         )
-        if isinstance(field.default, bool):
-            parser.add_argument(
-                flag_name(field.name),
-                dest=field.name,
-                default=None,
-                action="store_const",
-                const="true",
-                help=help_text,
-            )
-        else:
-            parser.add_argument(flag_name(field.name), dest=field.name, default=None, help=help_text)
+        old_flag = field.metadata.get("deprecated_flag")
+        flags = [(flag_name(field.name), field.name, help_text)]
+        if old_flag:
+            flags.append((old_flag, _deprecated_dest(field.name), f"deprecated: {flag_name(field.name)}"))
+        for flag, dest, text in flags:
+            if isinstance(field.default, bool):
+                parser.add_argument(
+                    flag, dest=dest, default=None, action="store_const", const="true", help=text
+                )
+            else:
+                parser.add_argument(flag, dest=dest, default=None, help=text)
 
 
 def config_from_sources(
@@ -89,15 +150,39 @@ def config_from_sources(
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
-        raw = getattr(namespace, field.name, None) if namespace is not None else None
-        source = flag_name(field.name)
-        if raw is None:
-            raw = env.get(env_name(field.name))
-            source = env_name(field.name)
+        raw, source = _given(field, namespace, env)
         if raw is None or raw == "":
             continue
+        if source in (field.metadata.get("deprecated_flag"), field.metadata.get("deprecated_env")):
+            new = flag_name(field.name) if source.startswith("--") else env_name(field.name)
+            log.warning(
+                "%s is deprecated and goes in the next release: use %s (%s)",
+                source,
+                new,
+                field.metadata.get("help", field.name),
+            )
         values[field.name] = _convert(field, raw, source)
     return cls(**values)
+
+
+def _given(
+    field: dataclasses.Field[Any], namespace: argparse.Namespace | None, env: Mapping[str, str]
+) -> tuple[str | None, str]:
+    """The raw value of `field` and where it came from: its flag, its old flag, its variable, its
+    old variable (in that order), else (None, 'default')."""
+    if namespace is not None:
+        for dest, name in (
+            (field.name, flag_name(field.name)),
+            (_deprecated_dest(field.name), field.metadata.get("deprecated_flag", "")),
+        ):
+            raw = getattr(namespace, dest, None)
+            if raw is not None:
+                return str(raw), name
+    for name in (env_name(field.name), field.metadata.get("deprecated_env", "")):
+        raw = env.get(name) if name else None
+        if raw:
+            return raw, name
+    return None, "default"
 
 
 def _convert(field: dataclasses.Field[Any], raw: str, source: str) -> Any:

@@ -1,18 +1,30 @@
 """Timeouts as one value object, with environment overrides.
 
 Every RPC and every wait in gradserver has a deadline taken from a `Timeouts`. A plain number
-passed as `timeout=` sets every field; `Timeouts.from_env()` reads `GRADSERVER_<FIELD>` (seconds)
-so a deployment can tune a job without code changes.
+passed as `timeout=` sets every field; `Timeouts.from_env()` reads `GRADSERVER_<FIELD>_TIMEOUT`
+(seconds; the Join deadline is GRADSERVER_WORKER_JOIN_TIMEOUT, since GRADSERVER_JOIN_TIMEOUT is
+the coordinator's wait for the world) so a deployment can tune a job without code changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Mapping
 
 from .errors import InvalidArgumentError
+
+log = logging.getLogger("gradserver.config")
+# The worker's Join deadline had the coordinator's name for its wait for the world; the old name
+# is still read (with a warning) for one release when the new one is not set.
+_RENAMED = {"join": ("GRADSERVER_WORKER_JOIN_TIMEOUT", "GRADSERVER_JOIN_TIMEOUT")}
+
+
+def timeout_env_name(field: str) -> str:
+    """The variable that overrides Timeouts.`field`."""
+    return _RENAMED[field][0] if field in _RENAMED else f"GRADSERVER_{field.upper()}_TIMEOUT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +61,16 @@ class Timeouts:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Timeouts:
-        """Defaults overridden by GRADSERVER_CONNECT_TIMEOUT, GRADSERVER_JOIN_TIMEOUT, ..."""
+        """Defaults overridden by GRADSERVER_CONNECT_TIMEOUT, GRADSERVER_WORKER_JOIN_TIMEOUT, ..."""
         env = os.environ if environ is None else environ
         overrides: dict[str, float] = {}
         for field in dataclasses.fields(cls):
-            name = f"GRADSERVER_{field.name.upper()}_TIMEOUT"
+            name = timeout_env_name(field.name)
             raw = env.get(name)
+            old = _RENAMED.get(field.name, ("", ""))[1]
+            if not raw and old and env.get(old):
+                log.warning("%s is deprecated and goes in the next release: use %s", old, name)
+                name, raw = old, env[old]
             if raw is None or raw == "":
                 continue
             try:

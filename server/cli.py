@@ -49,8 +49,22 @@ def register(commands: Any) -> None:
     health_parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     health_parser.add_argument("--service", default="", help="service name ('' is the whole server)")
     health_parser.add_argument("--tls-ca", default="", help="PEM CA of the coordinator's certificate (TLS)")
-    health_parser.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS)")
-    health_parser.add_argument("--tls-key", default="", help="PEM client key (mutual TLS)")
+    # A client's certificate, named as the worker's is (--tls-cert is the coordinator's own);
+    # the old names stay accepted.
+    health_parser.add_argument(
+        "--tls-client-cert",
+        "--tls-cert",
+        dest="tls_cert",
+        default="",
+        help="PEM client certificate (mutual TLS); --tls-cert is its old name",
+    )
+    health_parser.add_argument(
+        "--tls-client-key",
+        "--tls-key",
+        dest="tls_key",
+        default="",
+        help="PEM private key of --tls-client-cert; --tls-key is its old name",
+    )
     health_parser.set_defaults(run=run_health)
 
 

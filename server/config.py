@@ -11,7 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from gradserver.common.config import MIB, parse_address, require_setting
+from gradserver.common.config import (
+    AUTH_TOKEN_HELP,
+    LOG_FORMAT_HELP,
+    LOG_LEVEL_HELP,
+    MIB,
+    parse_address,
+    require_setting,
+)
 from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.security import is_loopback
 from gradserver.common.shard_map import ShardMap
@@ -83,17 +90,19 @@ class CoordinatorConfig:
         default=False,
         metadata={"help": "stop (gracefully) when the process that started this one exits"},
     )
-    log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
-    log_format: str = dataclasses.field(
-        default="text", metadata={"help": "text or json (one object per line)"}
+    log_level: str = dataclasses.field(default="INFO", metadata={"help": LOG_LEVEL_HELP})
+    log_format: str = dataclasses.field(default="text", metadata={"help": LOG_FORMAT_HELP})
+    # The coordinator's own (server) certificate; a worker's client certificate is
+    # --tls-client-cert / GRADSERVER_TLS_CLIENT_CERT, so one environment can hold both.
+    tls_cert: str = dataclasses.field(
+        default="", metadata={"help": "PEM server certificate of this coordinator: serve TLS"}
     )
-    tls_cert: str = dataclasses.field(default="", metadata={"help": "PEM certificate: serve TLS"})
     tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key of --tls-cert"})
     tls_client_ca: str = dataclasses.field(
         default="", metadata={"help": "PEM CA: require client certificates signed by it (mutual TLS)"}
     )
     auth_token: str = dataclasses.field(
-        default="", repr=False, metadata={"help": "shared token every call must carry", "secret": True}
+        default="", repr=False, metadata={"help": AUTH_TOKEN_HELP, "secret": True}
     )
     on_worker_loss: str = dataclasses.field(
         default="abort",

@@ -74,7 +74,7 @@ def test_launch_stops_the_job_when_a_worker_fails(processes: ProcessGroup, tmp_p
     zero, one = sorted(tmp_path.glob("checkpoint-*.pt"))
     shutil.copy(one, zero)
     started = time.monotonic()
-    launch = _launch(processes, tmp_path, "--timeout", "120", "--", "--resume", steps=4)
+    launch = _launch(processes, tmp_path, "--run-timeout", "120", "--", "--resume", steps=4)
     code = launch.wait(150)
     elapsed = time.monotonic() - started
     assert code == 1, launch.output
@@ -89,7 +89,7 @@ def test_launch_stops_the_job_when_a_worker_fails(processes: ProcessGroup, tmp_p
 
 
 def test_launch_ends_when_a_worker_is_killed(processes: ProcessGroup, tmp_path: Path) -> None:
-    launch = _launch(processes, tmp_path, "--timeout", "300", steps=100_000)
+    launch = _launch(processes, tmp_path, "--run-timeout", "300", steps=100_000)
     launch.wait_for(r"^\[local-\d\] .*worker \d+ step 2:", timeout=180)
     pids = _children(launch)
     assert set(pids) == {"coordinator", "local-0", "local-1"}, pids
@@ -110,7 +110,7 @@ def test_launch_names_the_worker_the_coordinator_lost_not_the_survivor_that_exit
     local-0's step, so local-0 is the first to exit; the last line must name local-1."""
     heartbeat = 2.0
     env: dict[str, str | None] = {"GRADSERVER_HEARTBEAT_TIMEOUT": f"{heartbeat:g}"}
-    launch = _launch(processes, tmp_path, "--timeout", "300", steps=100_000, env=env)
+    launch = _launch(processes, tmp_path, "--run-timeout", "300", steps=100_000, env=env)
     launch.wait_for(r"^\[local-\d\] .*worker \d+ step 2:", timeout=180)
     pids = _children(launch)
     assert set(pids) == {"coordinator", "local-0", "local-1"}, pids
@@ -267,7 +267,7 @@ def test_workers_started_by_hand_on_one_host_share_its_cores(processes: ProcessG
 
 
 def test_launch_names_the_exception_line_of_a_traceback() -> None:
-    from gradserver.train.launch import error_line
+    from gradserver.worker.supervisor import error_line
 
     traceback = [
         "2026-01-01 INFO [worker] starting",

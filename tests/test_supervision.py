@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from gradserver.server.shm import remove_stale_dirs
-from gradserver.train.launch import Child, error_line, start_child, verdict
-from gradserver.worker.local_coordinator import LostWorker, remove_shm_dirs
+from gradserver.worker.local_coordinator import LostWorker, remove_shm_dirs, verdict
+from gradserver.worker.supervisor import Child, error_line, start_child, stop
 
 from .helpers.processes import ManagedProcess, ProcessGroup, descendants, pid_alive
 
@@ -295,3 +295,54 @@ def test_an_embedded_coordinator_that_was_sigkilled_leaves_no_socket_directory(
     finally:
         embedded.stop()
     assert _shm_dirs(tmp_path) == []
+
+
+# --- the supervisor itself and the workers' progress channel --------------------------------------
+
+
+def test_stop_escalates_to_sigkill_for_a_child_that_ignores_sigterm() -> None:
+    ignores = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(600)"
+    )
+    ready: list[str] = []
+    child = Child([sys.executable, "-c", ignores], "stubborn", lambda prefix, line: ready.append(line))
+    deadline = time.monotonic() + 30
+    while not ready and child.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # polls for the child's own word that its handler is set, bounded
+    assert ready, f"the child never said it was ready (exit {child.proc.poll()})"
+    started = time.monotonic()
+    stop([child], grace_s=0.5)
+    assert child.proc.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 10
+    assert child.failure() == "stubborn was killed by SIGKILL"
+
+
+def test_a_child_gets_its_environment_with_the_removed_variables_gone(monkeypatch) -> None:
+    monkeypatch.setenv("GRADSERVER_TLS_CERT", "server.crt")
+    lines: list[str] = []
+    show = "import os; print(os.environ.get('GRADSERVER_TLS_CERT', '-'), os.environ['EXTRA'])"
+    child = Child(
+        [sys.executable, "-c", show],
+        "env",
+        lambda p, line: lines.append(line.strip()),
+        {"GRADSERVER_TLS_CERT": None, "EXTRA": "yes"},
+    )
+    child.proc.wait(60)
+    child.finish_output()
+    assert lines == ["- yes"]
+
+
+@pytest.mark.processes
+def test_launch_follows_its_workers_progress_through_their_channel_not_their_output(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """The bar reaches the last step from rank 0's --progress-fd; no worker prints progress."""
+    launch = processes.gradserver(
+        "launch", "--workers", "2", "--steps", "2", "--batch-size", "2", "--out", str(tmp_path), name="launch"
+    )
+    assert launch.wait(240) == 0, launch.output
+    output = launch.output
+    assert "PROGRESS" not in output
+    assert re.search(r"2/2 \[.*loss=\d", output), output
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4

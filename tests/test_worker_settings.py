@@ -17,12 +17,13 @@ from gradserver.cli import build_parser, main
 from gradserver.common import codec
 from gradserver.common.config import config_from_sources
 from gradserver.common.errors import InvalidArgumentError
-from gradserver.common.timeouts import Timeouts
+from gradserver.common.timeouts import Timeouts, timeout_env_name
 from gradserver.server.config import CoordinatorConfig
 from gradserver.train import cli as worker_cli
 from gradserver.train import corpus, trainer
 from gradserver.train.cli import WorkerConfig, check_synthetic, check_training, choose_threads
 from gradserver.train.fingerprint import differences, synthetic_fingerprint
+from gradserver.train.launch import SHARED_WITH_WORKER
 from gradserver.train.model import ModelConfig
 from gradserver.train.synthetic import SHAPES
 
@@ -210,7 +211,7 @@ def test_worker_with_an_unknown_model_exits_2_without_connecting() -> None:
 
 @pytest.mark.processes
 def test_launch_with_an_unknown_model_exits_2_before_starting_anything() -> None:
-    result, _ = _run_cli("launch", "--model", "huge", "--workers", "2", "--timeout", "300", timeout=150)
+    result, _ = _run_cli("launch", "--model", "huge", "--workers", "2", "--run-timeout", "300", timeout=150)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "gradserver launch: --model 'huge' is not one of tiny, small, wide, 350m"
@@ -254,9 +255,11 @@ SHARED_SETTINGS = {
     "GRADSERVER_LOG_LEVEL": "log level",
     "GRADSERVER_LOG_FORMAT": "log format",
     "GRADSERVER_AUTH_TOKEN": "the job's shared token",
-    "GRADSERVER_TLS_CERT": "this process's own PEM certificate",
-    "GRADSERVER_TLS_KEY": "the private key of this process's certificate",
-    "GRADSERVER_JOIN_TIMEOUT": "seconds to wait for the whole world to join",
+    # launch takes the worker's own fields for what it shares with the worker.
+    **{f"GRADSERVER_{name.upper()}": f"the worker's --{name}" for name in SHARED_WITH_WORKER},
+    "GRADSERVER_WORKERS": "number of worker processes (launch, run)",
+    "GRADSERVER_RUN_TIMEOUT": "seconds for the whole run (launch, run)",
+    "GRADSERVER_HEARTBEAT_TIMEOUT": "the coordinator's, passed on to it by run",
 }
 
 
@@ -277,7 +280,7 @@ def _env_settings() -> dict[str, dict[str, str]]:
             for name in re.findall(r"\benv (GRADSERVER_\w+)", action.help or ""):
                 found.setdefault(name, {})[command] = action.help or ""
     for field in dataclasses.fields(Timeouts):
-        found.setdefault(f"GRADSERVER_{field.name.upper()}_TIMEOUT", {})["worker"] = f"Timeouts.{field.name}"
+        found.setdefault(timeout_env_name(field.name), {})["worker"] = f"Timeouts.{field.name}"
     return found
 
 

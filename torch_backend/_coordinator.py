@@ -12,16 +12,16 @@ directory of a child that was SIGKILLed.
 from __future__ import annotations
 
 import atexit
-import os
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Protocol
 
 from gradserver.common.errors import UnavailableError
-from gradserver.worker.local_coordinator import coordinator_command, remove_shm_dirs, wait_for_port
+from gradserver.worker.local_coordinator import coordinator_command, remove_shm_dirs
+from gradserver.worker.supervisor import Child, stop, wait_for_port
 
-ENV_COORDINATOR = "GRADSERVER_COORDINATOR"
+from ._settings import RankSettings, rank_settings
+
 STORE_KEY = "gradserver/coordinator"
 
 
@@ -37,7 +37,14 @@ class EmbeddedCoordinator:
     """A `gradserver coordinator` child process for one process group, stopped by `stop()` or at
     exit; it stops by itself when this process exits (`--exit-with-parent`)."""
 
-    def __init__(self, world_size: int, timeout_s: float, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float,
+        start_timeout_s: float = 60.0,
+        settings: RankSettings | None = None,
+    ) -> None:
+        log_level = (settings or rank_settings()).log_level
         self._dir = tempfile.TemporaryDirectory(prefix="gradserver-pg-")
         port_file = Path(self._dir.name) / "port"
         command = coordinator_command(
@@ -48,11 +55,13 @@ class EmbeddedCoordinator:
             "--step-timeout",
             f"{timeout_s:g}",
             "--log-level",
-            os.environ.get("GRADSERVER_LOG_LEVEL", "WARNING"),
+            log_level,
             # It must not outlive this rank, SIGKILL included.
             "--exit-with-parent",
         )
-        self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        # Its output is this rank's own (no sink): its log lines appear where the rank's do.
+        self._child = Child(command, "embedded coordinator", None)
+        self._process = self._child.proc
         self._cleaned = False
         atexit.register(self.stop)
         try:
@@ -75,13 +84,7 @@ class EmbeddedCoordinator:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ends the child (SIGTERM, then SIGKILL after `timeout_s`) and removes what it could not
         (its shared-memory socket directory, when it was SIGKILLed). Safe to call more than once."""
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout_s)
+        stop([self._child], timeout_s)
         self._dir.cleanup()
         if not self._cleaned:
             self._cleaned = True
@@ -89,15 +92,16 @@ class EmbeddedCoordinator:
 
 
 def coordinator_for(
-    store: Store, rank: int, world_size: int, timeout_s: float
+    store: Store, rank: int, world_size: int, timeout_s: float, settings: RankSettings | None = None
 ) -> tuple[str, EmbeddedCoordinator | None]:
     """The address to join, and the coordinator this rank started (rank 0 without
     GRADSERVER_COORDINATOR) or None."""
-    external = os.environ.get(ENV_COORDINATOR, "").strip()
+    settings = settings or rank_settings()
+    external = settings.coordinator.strip()
     if external:
         return external, None
     if rank == 0:
-        embedded = EmbeddedCoordinator(world_size, timeout_s)
+        embedded = EmbeddedCoordinator(world_size, timeout_s, settings=settings)
         store.set(STORE_KEY, embedded.address)
         return embedded.address, embedded
     # Store.get waits (up to the store's timeout) until rank 0 has published the address.

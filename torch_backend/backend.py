@@ -44,6 +44,7 @@ from ._collective import CollectiveClient
 from ._coordinator import EmbeddedCoordinator, Store, coordinator_for
 from ._devices import StreamOrder
 from ._reductions import Plan, from_limbs, plan_reduction, reduce_in_rank_order, to_limbs
+from ._settings import rank_settings
 
 log = logging.getLogger("gradserver.torch")
 
@@ -53,7 +54,6 @@ _groups = itertools.count()
 _external_lock = threading.Lock()
 _external_groups: list[str] = []  # the address of the one group joined to GRADSERVER_COORDINATOR
 # Opt-in: collectives refuse NaN/Inf (naming the rank and element) instead of passing them on.
-ENV_CHECK_FINITE = "GRADSERVER_TORCH_CHECK_FINITE"
 _COMPLETION_THREADS = 64  # the most callbacks that may block at once (one per DDP bucket in flight)
 
 
@@ -610,8 +610,9 @@ def create_process_group(
 ) -> ProcessGroupGradServer:
     """The creator registered with torch: finds or starts the coordinator, joins as `rank`."""
     timeout_s = timeout.total_seconds()
-    address, embedded = coordinator_for(store, rank, size, timeout_s)
-    if embedded is None and os.environ.get("GRADSERVER_COORDINATOR"):
+    settings = rank_settings()
+    address, embedded = coordinator_for(store, rank, size, timeout_s, settings)
+    if embedded is None and settings.coordinator:
         with _external_lock:
             if _external_groups:
                 raise NotImplementedError(
@@ -621,13 +622,12 @@ def create_process_group(
             _external_groups.append(address)
     timeouts = Timeouts(connect=min(timeout_s, 60.0), join=timeout_s, receive=timeout_s)
     tls = TlsFiles.load(
-        os.environ.get("GRADSERVER_TLS_CA", ""),
-        os.environ.get("GRADSERVER_TLS_CERT", ""),
-        os.environ.get("GRADSERVER_TLS_KEY", ""),
-        what="gradserver backend TLS",
+        settings.tls_ca, settings.tls_client_cert, settings.tls_client_key, what="gradserver backend TLS"
     )
     if tls is not None and tls.ca is None:
-        raise InvalidArgumentError("GRADSERVER_TLS_CERT needs GRADSERVER_TLS_CA to verify the coordinator")
+        raise InvalidArgumentError(
+            "GRADSERVER_TLS_CLIENT_CERT needs GRADSERVER_TLS_CA to verify the coordinator"
+        )
     try:
         client = CollectiveClient.connect_as_rank(
             address,
@@ -635,13 +635,13 @@ def create_process_group(
             node_id=f"{os.uname().nodename}/pid{os.getpid()}/rank{rank}",
             timeout=timeouts,
             tls=tls,
-            auth_token=os.environ.get("GRADSERVER_AUTH_TOKEN", ""),
-            server_name=os.environ.get("GRADSERVER_TLS_SERVER_NAME", ""),
+            auth_token=settings.auth_token,
+            server_name=settings.tls_server_name,
         )
     except BaseException:
         if embedded is not None:
             embedded.stop()
         raise
     log.info("rank %d of %d joined the gradserver coordinator at %s", rank, size, address)
-    check_finite = os.environ.get(ENV_CHECK_FINITE, "").strip().lower() in ("1", "true", "yes")
+    check_finite = settings.torch_check_finite
     return ProcessGroupGradServer(client, embedded, timeout_s, check_finite)

@@ -16,7 +16,8 @@ Threads: after Join the worker sets torch's intra-op threads to `cores // worker
 (the coordinator counts the job's workers per host), unless `--threads` or `OMP_NUM_THREADS` says
 otherwise; the choice is logged at INFO.
 
-Each step prints one line, and a `PROGRESS {json}` line that `gradserver launch` reads; with
+Each step logs one line; with `--progress-fd N` (how `gradserver launch` follows its workers) it
+also writes one JSON object per step to that inherited file descriptor, never to stdout; with
 `--out DIR`, one JSON line per step goes to DIR/metrics.jsonl. `--print-config` prints the
 resolved configuration (secrets masked) and exits.
 """
@@ -31,11 +32,15 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gradserver.common.components import NonBlockComponent, parse_non_block_component
 from gradserver.common.config import (
+    AUTH_TOKEN_HELP,
+    LOG_FORMAT_HELP,
+    LOG_LEVEL_HELP,
     add_config_arguments,
+    client_setting,
     config_from_sources,
     describe_config,
     parse_address,
@@ -90,9 +95,7 @@ _NON_NEGATIVE = (
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
     job: str = dataclasses.field(default="train", metadata={"help": f"one of {', '.join(JOBS)}"})
-    coordinator: str = dataclasses.field(
-        default="127.0.0.1:50051", metadata={"help": "coordinator HOST:PORT"}
-    )
+    coordinator: str = client_setting("coordinator", "127.0.0.1:50051")
     node_id: str = dataclasses.field(
         default="",
         metadata={
@@ -170,22 +173,23 @@ class WorkerConfig:
     )
     timeout: float = dataclasses.field(default=0.0, metadata={"help": "seconds for every wait (0: defaults)"})
     json: bool = dataclasses.field(default=False, metadata={"help": "print a JSON summary line last"})
+    progress_fd: int = dataclasses.field(
+        default=-1,
+        metadata={
+            "help": "train: write one JSON line per step (worker_id, step, loss, tokens_per_s, "
+            "allreduce_ms) to this inherited file descriptor, for a supervising process (-1: off)"
+        },
+    )
     out: str = dataclasses.field(default="", metadata={"help": "directory for metrics.jsonl and checkpoints"})
-    tls_ca: str = dataclasses.field(
-        default="", metadata={"help": "PEM CA that signed the coordinator's certificate"}
-    )
-    tls_cert: str = dataclasses.field(
-        default="", metadata={"help": "PEM certificate of this worker (mutual TLS)"}
-    )
-    tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key of --tls-cert"})
-    tls_server_name: str = dataclasses.field(
-        default="", metadata={"help": "name to check the coordinator's certificate against"}
-    )
+    tls_ca: str = client_setting("tls_ca", "")
+    tls_client_cert: str = client_setting("tls_client_cert", "")
+    tls_client_key: str = client_setting("tls_client_key", "")
+    tls_server_name: str = client_setting("tls_server_name", "")
     auth_token: str = dataclasses.field(
-        default="", repr=False, metadata={"help": "shared token of the coordinator", "secret": True}
+        default="", repr=False, metadata={"help": AUTH_TOKEN_HELP, "secret": True}
     )
-    log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING, ERROR"})
-    log_format: str = dataclasses.field(default="text", metadata={"help": "text or json"})
+    log_level: str = dataclasses.field(default="INFO", metadata={"help": LOG_LEVEL_HELP})
+    log_format: str = dataclasses.field(default="text", metadata={"help": LOG_FORMAT_HELP})
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -213,6 +217,10 @@ class WorkerConfig:
             value = getattr(self, name)
             if value < 0:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.progress_fd < -1:
+            raise InvalidArgumentError(
+                f"--progress-fd must be a file descriptor or -1, got {self.progress_fd}"
+            )
 
     def shape(self) -> ModelShape:
         if self.model not in SHAPES:
@@ -292,9 +300,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_common(config: WorkerConfig) -> None:
     if config.backend == "remote":
         parse_address(config.coordinator, what="--coordinator")
-        tls = TlsFiles.load(config.tls_ca, config.tls_cert, config.tls_key, what="worker TLS")
+        tls = TlsFiles.load(config.tls_ca, config.tls_client_cert, config.tls_client_key, what="worker TLS")
         if tls is not None and tls.ca is None:
-            raise InvalidArgumentError("--tls-cert needs --tls-ca to verify the coordinator")
+            raise InvalidArgumentError("--tls-client-cert needs --tls-ca to verify the coordinator")
     if config.out:
         out = Path(config.out)
         if out.exists() and not out.is_dir():
@@ -418,7 +426,7 @@ def _connect(
     fingerprint: Mapping[str, str],
     committed_step: int | None = None,
 ) -> WorkerClient:
-    tls = TlsFiles.load(config.tls_ca, config.tls_cert, config.tls_key, what="worker TLS")
+    tls = TlsFiles.load(config.tls_ca, config.tls_client_cert, config.tls_client_key, what="worker TLS")
     return WorkerClient.connect(
         config.coordinator,
         node_id=config.node_id,
@@ -488,18 +496,22 @@ def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
             r.compute_s * 1000,
             r.comm_s * 1000,
         )
-        progress = {
-            "worker_id": me,
-            "step": r.step,
-            "loss": r.global_loss,
-            "tokens_per_s": rate,
-            "allreduce_ms": r.comm_s * 1000,
-        }
-        print("PROGRESS " + json.dumps(progress), flush=True)
+        if progress is not None:
+            entry = {
+                "worker_id": me,
+                "step": r.step,
+                "loss": r.global_loss,
+                "tokens_per_s": rate,
+                "allreduce_ms": r.comm_s * 1000,
+            }
+            progress.write(json.dumps(entry) + "\n")
 
+    progress = _open_progress(config.progress_fd)
     try:
         results = train(backend, train_config, report)
     finally:
+        if progress is not None:
+            progress.close()
         if isinstance(backend, RemoteBackend):
             backend.client.close()
         else:
@@ -507,6 +519,18 @@ def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
     if config.json:
         print(json.dumps({"worker_id": me, "steps": [dataclasses.asdict(r) for r in results]}), flush=True)
     return 0
+
+
+def _open_progress(fd: int) -> TextIO | None:
+    """The line-buffered progress channel of --progress-fd, or None when it is off."""
+    if fd < 0:
+        return None
+    try:
+        return os.fdopen(fd, "w", buffering=1, encoding="utf-8")
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"--progress-fd {fd} is not an open file descriptor: {exc.strerror}"
+        ) from None
 
 
 def _run_synthetic(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:

@@ -23,17 +23,23 @@ Exit codes: 0 when every rank exited 0 and the coordinator was stopped; the fail
 arguments. Every process group of the script uses this one coordinator, so `dist.new_group`
 subgroups are refused (they need the embedded coordinator of plain torchrun). The coordinator
 takes its other settings from the environment as always (GRADSERVER_STEP_TIMEOUT,
-GRADSERVER_JOIN_TIMEOUT, ...).
+GRADSERVER_JOIN_TIMEOUT, GRADSERVER_TLS_CERT, ...), the ranks theirs (GRADSERVER_TLS_CA,
+GRADSERVER_TLS_CLIENT_CERT, ...): every variable means one thing to every process, so one
+environment serves both. The old names a rank would read as its own for one more release
+(GRADSERVER_TLS_CERT/_KEY, GRADSERVER_JOIN_TIMEOUT: now the coordinator's alone) are removed from
+the ranks' environment. Settings: `RunConfig` (flag, GRADSERVER_ variable, default; the old
+`--timeout` is `--run-timeout`).
 
 It lives in the training application beside `gradserver launch` because it is the same kind of
-job supervision (and reuses launch's helpers); it starts the user's command and never imports
-torch itself.
+job supervision, on the same supervisor (gradserver.worker.supervisor) and verdicts
+(gradserver.worker.local_coordinator); it starts the user's command and never imports torch itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import queue
 import signal
 import socket
@@ -46,26 +52,21 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from gradserver.common.config import add_config_arguments, config_from_sources, deprecated_names_of
 from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
 from gradserver.worker.local_coordinator import (
     LostWorker,
     coordinator_command,
-    lost_workers,
-    remove_leftovers,
-)
-
-from .cli import available_cores
-from .launch import (
-    STOP_GRACE_S,
-    Child,
-    await_coordinator,
     coordinator_failure,
     coordinator_pid,
-    print_line,
-    start_child,
-    stop_children,
+    lost_workers,
+    remove_leftovers,
     verdict,
 )
+from gradserver.worker.supervisor import STOP_GRACE_S, Child, start_child, stop
+
+from .cli import WorkerConfig, available_cores
+from .launch import RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
 
 _START_TIMEOUT_S = 60.0
 _POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal
@@ -74,6 +75,41 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 # coordinator fails their next collective within moments, and each prints its own error) before
 # they are stopped.
 SURVIVOR_GRACE_S = 5.0
+# Old names a worker still reads for one release, which now are the coordinator's alone: under
+# run they are the coordinator's, so a rank must not take them for its own.
+_COORDINATORS_NOW = tuple(name for name in deprecated_names_of(WorkerConfig) if not name.startswith("--"))
+_RANK_ENV_REMOVED = (*_COORDINATORS_NOW, "GRADSERVER_JOIN_TIMEOUT")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """run's settings; see `gradserver run --help`."""
+
+    workers: int = dataclasses.field(default=0, metadata={"help": WORKERS_HELP})
+    port: int = dataclasses.field(
+        default=0, metadata={"help": "coordinator port on 127.0.0.1 (0: any free port)"}
+    )
+    token_file: str = dataclasses.field(
+        default="", metadata={"help": "file holding the job's shared token (never on a command line)"}
+    )
+    # The coordinator's own setting, passed on to it: the same name, meaning and default.
+    heartbeat_timeout: float = dataclasses.field(
+        default=10.0, metadata={"help": "seconds of silence after which a worker counts as lost"}
+    )
+    run_timeout: float = dataclasses.field(
+        default=0.0, metadata={"help": RUN_TIMEOUT_HELP, "deprecated_flag": "--timeout"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise InvalidArgumentError(f"--workers must be at least 1, got {self.workers}")
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgumentError(f"--port must be in 0..65535, got {self.port}")
+        if self.heartbeat_timeout <= 0 or self.run_timeout < 0:
+            raise InvalidArgumentError(
+                "--heartbeat-timeout must be positive and --run-timeout not negative, got "
+                f"{self.heartbeat_timeout:g} and {self.run_timeout:g}"
+            )
 
 
 def register(commands: Any) -> None:
@@ -83,20 +119,7 @@ def register(commands: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--workers", type=int, required=True, help="number of ranks (copies of the command)")
-    parser.add_argument(
-        "--port", type=int, default=0, help="coordinator port on 127.0.0.1 (0: any free port)"
-    )
-    parser.add_argument("--token-file", default="", help="file holding the shared token of the coordinator")
-    parser.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=0.0,
-        help="seconds of silence after which the coordinator fails a rank (0: its default)",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=0.0, help="seconds for the whole run, a last resort (0: none)"
-    )
+    add_config_arguments(parser, RunConfig)
     # Not "command": that is the dispatcher's name for the subcommand (cli/main.py).
     parser.add_argument(
         "argv", metavar="command", nargs=argparse.REMAINDER, help="after --, the command every rank runs"
@@ -106,34 +129,25 @@ def register(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     command = [a for a in args.argv[:1] if a != "--"] + args.argv[1:]
-    _check(args, command)
-    token = _read_token(args.token_file)
+    if not command:
+        raise InvalidArgumentError("no command to run: give it after --, e.g. -- python train.py")
+    config: RunConfig = config_from_sources(RunConfig, args)
+    token = _read_token(config.token_file)
     children: list[Child] = []
     with (
         _forwarded_signals(children) as received,
         tempfile.TemporaryDirectory(prefix="gradserver-run-") as tmp,
     ):
         try:
-            code, message = _supervise(args, command, token, Path(tmp), children, received)
+            code, message = _supervise(config, command, token, Path(tmp), children, received)
         finally:
-            stop_children(children)
+            stop(children)
             remove_leftovers(Path(tmp) / "events", coordinator_pid(children))
     for child in children:
         child.finish_output()
     # Last, after the other processes' final lines: the one line that says how the run ended.
     print(f"run: {message}", file=sys.stderr if code else sys.stdout, flush=True)
     return code
-
-
-def _check(args: argparse.Namespace, command: list[str]) -> None:
-    if not command:
-        raise InvalidArgumentError("no command to run: give it after --, e.g. -- python train.py")
-    if args.workers < 1:
-        raise InvalidArgumentError(f"--workers must be at least 1, got {args.workers}")
-    if not 0 <= args.port <= 65535:
-        raise InvalidArgumentError(f"--port must be in 0..65535, got {args.port}")
-    if args.heartbeat_timeout < 0 or args.timeout < 0:
-        raise InvalidArgumentError("--heartbeat-timeout and --timeout must not be negative")
 
 
 def _read_token(path: str) -> str:
@@ -175,8 +189,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_env(rank: int, world: int, master_port: int, coordinator: str, token: str) -> dict[str, str]:
-    env = {
+def _rank_env(rank: int, world: int, master_port: int, coordinator: str, token: str) -> dict[str, str | None]:
+    env: dict[str, str | None] = {name: None for name in _RANK_ENV_REMOVED}
+    env |= {
         "RANK": str(rank),
         "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(rank),
@@ -196,7 +211,7 @@ def _print(prefix: str, line: str) -> None:
 
 
 def _supervise(
-    args: argparse.Namespace,
+    config: RunConfig,
     command: list[str],
     token: str,
     tmp: Path,
@@ -205,16 +220,15 @@ def _supervise(
 ) -> tuple[int, str]:
     """Starts the coordinator and the ranks and watches them; returns (exit code, last line). The
     caller stops whatever still runs."""
-    deadline = time.monotonic() + (args.timeout or float("inf"))
+    deadline = time.monotonic() + (config.run_timeout or float("inf"))
     port_file = tmp / "port"
     events = tmp / "events"
     options = ["--log-level", "WARNING", "--events-file", str(events)]
-    if args.heartbeat_timeout:
-        options += ["--heartbeat-timeout", f"{args.heartbeat_timeout:g}"]
+    options += ["--heartbeat-timeout", f"{config.heartbeat_timeout:g}"]
     # The token reaches the coordinator through its environment, never its argv (ps shows that).
-    secret = {"GRADSERVER_AUTH_TOKEN": token} if token else {}
+    secret: dict[str, str | None] = {"GRADSERVER_AUTH_TOKEN": token} if token else {}
     coordinator = start_child(
-        coordinator_command(args.workers, port_file, *options, port=args.port),
+        coordinator_command(config.workers, port_file, *options, port=config.port),
         "coordinator",
         _print,
         None,
@@ -224,11 +238,11 @@ def _supervise(
     port = await_coordinator(coordinator, port_file, min(deadline, time.monotonic() + _START_TIMEOUT_S))
     exits: queue.Queue[Child] = queue.Queue()
     coordinator.watch(exits)
-    threads = max(1, available_cores() // args.workers)
+    threads = max(1, available_cores() // config.workers)
     master_port = _free_port()
     ranks = []
-    for rank in range(args.workers):
-        env = _rank_env(rank, args.workers, master_port, f"127.0.0.1:{port}", token)
+    for rank in range(config.workers):
+        env = _rank_env(rank, config.workers, master_port, f"127.0.0.1:{port}", token)
         ranks.append(start_child(command, f"rank {rank}", _print, threads, env))
         children.append(ranks[-1])
         ranks[-1].watch(exits)
@@ -248,7 +262,7 @@ def _watch(
         if received:
             return _after_signal(ranks, received[0])
         if time.monotonic() >= deadline:
-            raise DeadlineExceededError("the run did not finish within --timeout")
+            raise DeadlineExceededError("the run did not finish within --run-timeout")
         try:
             child = exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
         except queue.Empty:

@@ -3,9 +3,11 @@
 One helper for everything that starts its own coordinator: `gradserver launch` and `gradserver
 run` (gradserver.train) and the torch backend's embedded coordinator (gradserver.torch). The child
 binds 127.0.0.1 (port 0: any free port) and writes the port it got to a file once it serves; that
-file is the only readiness signal it gives. Afterwards: the coordinator's verdicts (its
+file is the only readiness signal it gives (gradserver.worker.supervisor starts, watches and stops
+the process and waits for that port). Afterwards: the coordinator's verdicts (its
 --events-file: which worker it lost and why) and the removal of what a SIGKILLed one left (its
-shared-memory socket directory). Torch-free, and it imports nothing of the server: the
+shared-memory socket directory), and the verdict that names the process that ended a job
+(`verdict`, `coordinator_failure`). Torch-free, and it imports nothing of the server: the
 coordinator is a separate process started by its command.
 """
 
@@ -15,17 +17,22 @@ import contextlib
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from gradserver.common import shm
-from gradserver.common.errors import DeadlineExceededError
+from gradserver.common.config import env_name
+
+from .supervisor import Child, error_line
 
 _POLL_S = 0.05
+# How long a failed child's verdict waits for the coordinator's (a survivor can exit a moment
+# before the coordinator's line is read).
+_VERDICT_WAIT_S = 1.0
 # Every worker of a coordinator started here is on this machine (it binds 127.0.0.1), where larger
 # chunks halve the per-message cost of the shared-memory path: a 360 MiB exchange at N=2 took
 # 0.16-0.17 s with 4 MiB chunks and 0.14 s with 8 (docs/PERFORMANCE.md); gRPC is unchanged.
@@ -36,7 +43,7 @@ def coordinator_command(world_size: int, port_file: Path, *options: str, port: i
     """The argv of a coordinator for `world_size` workers on 127.0.0.1:`port` that reports its
     port in `port_file`; `options` are further `gradserver coordinator` flags. The chunk size is
     LOCAL_CHUNK_MIB unless `options` or GRADSERVER_CHUNK_MIB set it."""
-    chosen = "GRADSERVER_CHUNK_MIB" in os.environ or any(
+    chosen = env_name("chunk_mib") in os.environ or any(
         o == "--chunk-mib" or o.startswith("--chunk-mib=") for o in options
     )
     return [
@@ -53,25 +60,6 @@ def coordinator_command(world_size: int, port_file: Path, *options: str, port: i
         *(() if chosen else ("--chunk-mib", LOCAL_CHUNK_MIB)),
         *options,
     ]
-
-
-def wait_for_port(process: subprocess.Popen[Any], port_file: Path, timeout_s: float) -> int | None:
-    """The port `process` wrote to `port_file`, or None if it exited before it did; raises
-    DeadlineExceededError if neither happens within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        # The coordinator replaces the file atomically: it is absent or holds the whole line.
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            text = port_file.read_text().strip()
-            if text:
-                return int(text.rsplit(":", 1)[-1])
-        if process.poll() is not None:
-            return None
-        if time.monotonic() >= deadline:
-            raise DeadlineExceededError(
-                f"the coordinator (pid {process.pid}) did not listen within {timeout_s:g} s"
-            )
-        time.sleep(_POLL_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +122,7 @@ def job_failure(events_file: Path) -> str:
 def remove_shm_dirs(pid: int, *parents: str) -> None:
     """After coordinator `pid` has exited: removes the shared-memory socket directories it left
     (SIGKILL) in its --shm-dir as this environment sets it, or the temp dir, and in `parents`."""
-    places = {os.environ.get("GRADSERVER_SHM_DIR") or tempfile.gettempdir(), *parents}
+    places = {os.environ.get(env_name("shm_dir")) or tempfile.gettempdir(), *parents}
     for parent in places:
         shm.remove_dirs_of(pid, parent)
 
@@ -149,3 +137,40 @@ def remove_leftovers(events_file: Path, pid: int | None = None) -> None:
         shm.remove_if_abandoned(path)
     if pid is not None:
         remove_shm_dirs(pid, *(os.path.dirname(path) for path in sockets))
+
+
+def verdict(
+    child: Child,
+    events: Path,
+    name: Callable[[LostWorker], str],
+    others: Iterable[Child] = (),
+    unit: str = "step",
+) -> tuple[Child, str]:
+    """The process that ended the job and the last line, for a job that `child` ended by failing.
+    When the coordinator had lost another worker first (`events`, its --events-file), that
+    worker, named by `name` and found among `others`: if it has exited by itself (crashed, was
+    killed), its own ending; else (stopped, hung, cut off) `NAME was lost at <unit> N (why);
+    <child's failure>`. Without such a verdict, the child's failure alone."""
+    lost = lost_workers(events, wait_s=_VERDICT_WAIT_S)
+    if not lost or name(lost[0]) == child.name:
+        return child, child.failure()
+    first = lost[0]
+    culprit = next((c for c in others if c.name == name(first)), None)
+    if culprit is not None and culprit.proc.poll() not in (None, 0):
+        culprit.finish_output()
+        return culprit, culprit.failure()
+    at = f" at {unit} {first.step}" if first.step is not None else ""
+    return child, f"{name(first)} was lost{at} ({first.reason}); {child.failure()}"
+
+
+def coordinator_failure(coordinator: Child, events: Path) -> str:
+    """How the coordinator ended, with its job's failure from `events` when its output has no
+    error line of its own."""
+    failure = coordinator.failure()
+    why = job_failure(events)
+    return f"{failure}: job failed: {why}" if why and not error_line(list(coordinator.tail)) else failure
+
+
+def coordinator_pid(children: list[Child]) -> int | None:
+    """The pid of the coordinator among `children`; None when none was started."""
+    return next((c.proc.pid for c in children if c.name == "coordinator"), None)

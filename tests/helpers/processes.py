@@ -1,14 +1,14 @@
 """Real processes for tests: the CLIs and scripted workers, with fault injection.
 
 `ProcessGroup` owns every process a test starts and ends them all in its `close()` (the fixture's
-`finally`). Output is read by a thread into a list so a test can wait for a line (bounded) and
-inject a fault when a given worker reaches a given step: `kill`, `stop` (SIGSTOP), `resume`,
-`slow` (stopped for a while, then resumed). An `env` value of None removes that variable.
+`finally`). Each is a child of the project's one process supervisor (gradserver.worker.supervisor,
+as under `launch` and `run`), its output relayed into a list so a test can wait for a line
+(bounded) and inject a fault when a given worker reaches a given step: `kill`, `stop` (SIGSTOP),
+`resume`, `slow` (stopped for a while, then resumed). An `env` value of None removes that variable.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -16,6 +16,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from gradserver.common.errors import DeadlineExceededError
+from gradserver.worker.supervisor import Child, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,27 +28,12 @@ class ManagedProcess:
         self.name = name
         self.lines: list[str] = []
         self._cond = threading.Condition()
-        merged = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        full_env = {k: v for k, v in merged.items() if v is not None}
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=full_env,
-            cwd=ROOT,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.child = Child(argv, name, self._line, env, cwd=ROOT)
+        self.proc = self.child.proc
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
+    def _line(self, prefix: str, line: str) -> None:
         with self._cond:
+            self.lines.append(line.rstrip("\n"))
             self._cond.notify_all()
 
     @property
@@ -66,7 +54,7 @@ class ManagedProcess:
                         return match
                 seen = len(self.lines)
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                if remaining <= 0 or (self.proc.poll() is not None and not self.child.relaying):
                     raise AssertionError(
                         f"{self.name}: no line matching {pattern!r} within {timeout} s "
                         f"(exit {self.proc.poll()}); output:\n{self.output}"
@@ -78,7 +66,7 @@ class ManagedProcess:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} still running after {timeout} s:\n{self.output}") from None
-        self._reader.join(5)
+        self.child.finish_output()
         return code
 
     # --- faults ---------------------------------------------------------------------------------
@@ -137,12 +125,13 @@ class ProcessGroup:
             name="coordinator",
             env=env,
         )
-        deadline = time.monotonic() + 30
-        while not port_file.exists():
-            if proc.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"coordinator did not start:\n{proc.output}")
-            time.sleep(0.02)
-        return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+        try:
+            port = wait_for_port(proc.proc, port_file, 30.0)
+        except DeadlineExceededError:
+            port = None
+        if port is None:
+            raise AssertionError(f"coordinator did not start:\n{proc.output}")
+        return proc, f"127.0.0.1:{port}"
 
     def scripted_worker(self, address: str, *args: str, name: str) -> ManagedProcess:
         """A worker driven by tests/helpers/scripted_worker.py (full steps, then a fault point)."""
@@ -159,7 +148,7 @@ class ProcessGroup:
                     proc.proc.wait(0.2)
                 except subprocess.TimeoutExpired:
                     continue
-                proc._reader.join(5)
+                proc.child.finish_output()
                 return proc
         outputs = "\n".join(f"--- {p.name}:\n{p.output}" for p in procs)
         raise AssertionError(f"none of {[p.name for p in procs]} exited within {timeout} s\n{outputs}")

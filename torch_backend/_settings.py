@@ -1,0 +1,41 @@
+"""What a torch.distributed rank of the "gradserver" backend reads from its environment.
+
+The same variables, with the same meanings, as the worker CLI's settings of the same names
+(gradserver.common.config.client_setting): the coordinator to join (else rank 0 starts one), the
+TLS files and token that reach it, and the backend's own checks. Read through the config layer,
+never `os.environ` directly, so every name is enumerated and means one thing to every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from gradserver.common.config import AUTH_TOKEN_HELP, LOG_LEVEL_HELP, client_setting, config_from_sources
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSettings:
+    """A rank's settings; each is the variable GRADSERVER_<FIELD>."""
+
+    # Empty: rank 0 starts an embedded coordinator (torch_backend/_coordinator.py).
+    coordinator: str = client_setting("coordinator", "")
+    tls_ca: str = client_setting("tls_ca", "")
+    tls_client_cert: str = client_setting("tls_client_cert", "")
+    tls_client_key: str = client_setting("tls_client_key", "")
+    tls_server_name: str = client_setting("tls_server_name", "")
+    auth_token: str = dataclasses.field(
+        default="", repr=False, metadata={"help": AUTH_TOKEN_HELP, "secret": True}
+    )
+    # Only the embedded coordinator's: a rank's own logging is its script's business.
+    log_level: str = dataclasses.field(default="WARNING", metadata={"help": LOG_LEVEL_HELP})
+    torch_check_finite: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "torch backend: a collective with NaN or Inf fails, naming the rank and element"},
+    )
+
+
+def rank_settings(environ: Mapping[str, str] | None = None) -> RankSettings:
+    """This rank's settings from `environ` (default: the process environment)."""
+    settings: RankSettings = config_from_sources(RankSettings, None, environ)
+    return settings
