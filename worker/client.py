@@ -47,8 +47,8 @@ from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import parse_wire_dtype
 
 from . import transports
-from ._joining import join_at
 from ._wire_encoder import WireEncoder, wire_encoder
+from .joining import join_at
 from .results import (
     AveragedBlock,
     AveragedGradients,
