@@ -24,13 +24,13 @@ from gradserver.common import shm as shm_support
 from gradserver.common.chunking import chunk_spans
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import GradServerError
-from gradserver.common.messages import ChunkHeader, DType, JoinRequestIn, TensorKey
+from gradserver.common.messages import ChunkHeader, DType, JoinRequestIn, KeyKind, SampleStats, TensorKey
 from gradserver.server.config import CoordinatorConfig
 from gradserver.worker.joining import join_at
 from gradserver.worker.transports import Link, open_link
 
 from .helpers.proxy import FaultProxy
-from .helpers.server import TEST_TIMEOUTS, ServerThread
+from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each
 
 CHUNK_ELEMENTS = 1024
 CHUNK_MIB = CHUNK_ELEMENTS * 4 / (1 << 20)
@@ -183,13 +183,14 @@ def _steps(link: Link) -> list[bytes]:
     return out
 
 
-def _reference() -> list[bytes]:
+def _reference_of(step: int) -> bytes:
     """The coordinator's rule: the float64 sum of every worker's data in worker order, divided."""
-    out = []
-    for step in range(STEPS):
-        total = sum((_data(w, step).astype(np.float64) for w in range(WORLD)), np.zeros(SIZE))
-        out.append((total / WORLD).astype(np.float32).tobytes())
-    return out
+    total = sum((_data(w, step).astype(np.float64) for w in range(WORLD)), np.zeros(SIZE))
+    return (total / WORLD).astype(np.float32).tobytes()
+
+
+def _reference() -> list[bytes]:
+    return [_reference_of(step) for step in range(STEPS)]
 
 
 def _run(setup: Setup, fn: Callable[[Link], Any]) -> list[Any]:
@@ -278,3 +279,41 @@ def test_closing_a_link_leaves_no_thread_behind(setups: Callable[[str], Setup], 
     _cycle(setups, name)
     alive = _wait_threads_end(set(threading.enumerate()) - before, THREADS_END_WITHIN)
     assert not alive, f"{name}: threads still running after close: {alive}"
+
+
+@pytest.mark.parametrize("name", LINKS)
+def test_the_clients_general_calls_and_the_per_kind_ones_mix_over_each_link(
+    setups: Callable[[str], Setup], name: str
+) -> None:
+    """`send`/`receive`/`allocate` are what the per-kind calls wrap: a key sent one way is
+    received the other, with the same bytes, sizes and sample statistics."""
+    setup = setups(name)
+    clients = connect_all(setup.address, WORLD, TEST_TIMEOUTS, transport=setup.choice)
+    sizes = (SIZE - 8, 1, 1, 1, 1, 1, 1, 1, 1)
+
+    def work(c: Any) -> tuple[bytes, bytes, tuple[int, ...], TensorKey, SampleStats | None]:
+        buffer = c.allocate(SIZE)
+        assert buffer.dtype == np.float32 and buffer.shape == (SIZE,) and not buffer.any()
+        buffer[:] = _data(c.worker_id, 0)
+        c.send(TensorKey.non_block(0, NonBlockComponent.EMBEDDING), buffer)
+        c.send_block_gradient(0, 0, 1, _data(c.worker_id, 1), sizes)
+        c.send(TensorKey.whole_model(0), np.ones(4, np.float32), stats=SampleStats(2.0, 1, 2))
+        non_block = c.receive_averaged_non_block()
+        block = c.receive(KeyKind.BLOCK)
+        whole = c.receive(KeyKind.WHOLE_MODEL)
+        return (
+            non_block.gradients.tobytes(),
+            block.gradients.tobytes(),
+            block.component_sizes,
+            block.key,
+            whole.stats,
+        )
+
+    try:
+        assert [c.transport for c in clients] == ["shm" if name == "shm" else "grpc"] * WORLD
+        results = run_each(clients, work)
+    finally:
+        for client in clients:
+            client.close()
+    want = [_reference_of(0), _reference_of(1), sizes, TensorKey.block(0, 0, 1), SampleStats(2.0, 2, 4)]
+    assert [list(r) for r in results] == [want] * WORLD

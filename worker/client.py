@@ -5,6 +5,11 @@ transport; each receive returns the next average of that kind in the order this 
 keys, so lockstep use (send block i, receive block i) and pipelined use (send all, then receive
 all) both work. Every call has a deadline (`Timeouts`), and every failure is an exception of
 `gradserver.common.errors`.
+
+`send(key, array)`, `receive(kind)` and `allocate(n)` are the general calls; the per-kind ones
+(`send_block_gradient`, `receive_averaged`, ...) are thin wrappers on them. How the bytes travel
+is the `Link`'s business (`worker/transports/`, picked by `open_link` in `connect`): this class
+only checks arguments, applies the wire-dtype layer, cuts chunks and keeps the receive order.
 """
 
 from __future__ import annotations
@@ -57,9 +62,10 @@ from .results import (
     ShardAssignment,
 )
 from .tensors import as_float32_array, as_result_buffer
-from .transports import DEFAULT_SHM_ARENA_MIB, TRANSPORT_ENV, TRANSPORTS, Link
+from .transports import DEFAULT_SHM_ARENA_MIB, TRANSPORTS, Link
 
-__all__ = ["DEFAULT_SHM_ARENA_MIB", "TRANSPORTS", "TRANSPORT_ENV", "WorkerClient"]
+# TRANSPORTS stays importable from here: `gradserver worker` offers them as --transport choices.
+__all__ = ["TRANSPORTS", "WorkerClient"]
 
 
 class WorkerClient:
