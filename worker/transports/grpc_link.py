@@ -104,7 +104,7 @@ class _Outbound:
 
     def get(self) -> bytes | None:
         """The next message, or None once ended. Unbounded on purpose: the stream lives as long as
-        the worker wants it, and `ExchangeStream.close` and `_break` always end it."""
+        the worker wants it, and `GrpcLink.close` and `_break` always end it."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._items) or self._ended)
             if not self._items:
