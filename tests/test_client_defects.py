@@ -49,7 +49,7 @@ def _raised(call: Callable[[], Any]) -> GradServerError:
 
 def _wait_broken(client: WorkerClient, within: float = 30.0) -> None:
     """Waits until the client's receiver saw its stream end (the state close() must handle)."""
-    stream = client._stream
+    stream = client._link
     with stream._cond:
         assert stream._cond.wait_for(lambda: stream._broken is not None, within), "stream never broke"
 
@@ -72,8 +72,8 @@ def _one_cycle(coordinator: Callable[..., Any]) -> tuple[list[weakref.ref[Any]],
     server = coordinator(world_size=2, drain_timeout=0.5)
     clients = connect_all(server.address, 2)
     clients[0].send_block_gradient(0, 0, 1, np.ones(sum(SIZES), np.float32), SIZES)
-    stream = clients[0]._stream
-    refs: list[weakref.ref[Any]] = [weakref.ref(c._stream) for c in clients]
+    stream = clients[0]._link
+    refs: list[weakref.ref[Any]] = [weakref.ref(c._link) for c in clients]
     refs += [weakref.ref(p.array) for p in stream._results.values()]
     server.stop()
     for client in clients:
@@ -129,7 +129,7 @@ def test_failed_steps_do_not_keep_their_arrays_alive(workers) -> None:
         c.send_block_gradient(step, 0, 1, grads, sizes)
         if c.worker_id == 0:
             sent_arrays.append(weakref.ref(grads))
-            result_arrays.extend(weakref.ref(p.array) for p in c._stream._results.values())
+            result_arrays.extend(weakref.ref(p.array) for p in c._link._results.values())
         return str(_raised(c.receive_averaged_block))
 
     for step in range(3):

@@ -266,7 +266,8 @@ def test_a_gradient_buffer_is_sent_without_a_copy(shm_coordinator) -> None:
         buf[:] = _data(c.worker_id, 1, 10000)
         c.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, buf)
         got = c.receive_averaged_non_block().gradients.tobytes()
-        assert c._shm is not None and c._shm.zero_copy_bytes == 40000 and c._shm.staged_bytes == 0
+        assert c.transport == "shm"
+        assert c._link.arenas.zero_copy_bytes == 40000 and c._link.arenas.staged_bytes == 0
         return got
 
     results = _run(server, ["shm", "shm"], work)
@@ -354,8 +355,8 @@ def test_no_side_can_write_into_another_sides_memory(shm_coordinator) -> None:
     try:
         # The coordinator maps the worker's input arena read-only.
         assert server.call(lambda s: s.shm._peers[0].view.readonly if s.shm else False)
-        channel = client._shm
-        assert channel is not None
+        assert client.transport == "shm"
+        channel = client._link.arenas
         with pytest.raises(TypeError):
             channel._out[0:4] = b"evil"
     finally:
@@ -395,7 +396,7 @@ def test_a_lost_workers_later_writes_cannot_change_an_average(shm_coordinator) -
         zombie.send_non_block_gradient(0, 0, buf)
         # Once the coordinator holds the zombie's whole contribution, the zombie is lost.
         _poll(lambda: server.call(lambda s: s._table.buffered_bytes(2)) == 40000, "the contribution")
-        zombie._stream._call.cancel()
+        zombie._link._call.cancel()
         _poll(lambda: not server.call(lambda s: s.shm.registered(2) if s.shm else False), "the loss")
         buf[:] = 1e30  # the zombie writes after it was declared lost
 
@@ -427,10 +428,10 @@ def test_a_chunk_naming_shared_memory_without_an_arena_is_refused(shm_coordinato
         from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ShmRef, TensorKey
 
         key = TensorKey.non_block(0, NonBlockComponent.LM_HEAD)
-        client._stream.expect(key, (), 4)
+        client._link.expect(key, (), 4)
         client._sent[key.kind].append(key)
         header = ChunkHeader(DType.FLOAT32, 4, ())
-        client._stream.send(ChunkIn(0, key, header, 0, b"", None, ShmRef("in", 0, 16)))
+        client._link.send(ChunkIn(0, key, header, 0, b"", None, ShmRef("in", 0, 16)))
         with pytest.raises(InvalidArgumentError, match="worker 0 registered no arena"):
             client.receive_averaged_non_block()
     finally:
@@ -487,7 +488,7 @@ def test_training_over_shm_sends_from_gradient_buffers_and_matches_grpc(shm_coor
 
         def work(c: CollectiveClient, config: TrainConfig = config) -> int:
             train(RemoteBackend(c), config)
-            return c._shm.zero_copy_bytes if c._shm is not None else 0
+            return c._link.arenas.zero_copy_bytes if c.transport == "shm" else 0
 
         copied = _run(server, [transport, transport], work)
         assert (min(copied) > 0) == (transport == "shm")

@@ -3,6 +3,7 @@
 Torch-free: it moves float32 arrays. The process group in `backend` turns tensors into them.
 Each collective is one `CollectiveKey` whose step is the group's operation sequence number, so
 the coordinator reduces one group's operations one after another, exactly as it reduces steps.
+Only the client's public API is used: `send` and `receive` with collective keys.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 from gradserver.common.messages import KeyKind, ReduceOp, TensorKey
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
-from gradserver.worker.client import WorkerClient
+from gradserver.worker import WorkerClient
 
 
 class CollectiveClient(WorkerClient):
@@ -59,11 +60,9 @@ class CollectiveClient(WorkerClient):
         """Contributes `array` (1-D float32) to operation `sequence` of `group`; with `into`
         (it may be `array`) the result is written there (see `send_block_gradient`). With
         `propagate_non_finite` a NaN or Inf (or a float32 overflow) is a result, not an error."""
-        self._check_step(sequence)
         key = TensorKey.collective(sequence, group, op, propagate_non_finite=propagate_non_finite)
-        self._send_tensor(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), (), into=into)
+        self.send(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), into=into)
 
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:
         """The result of the oldest collective this rank sent and has not received yet."""
-        _, result = self._receive(KeyKind.COLLECTIVE, timeout)
-        return result.array
+        return self.receive(KeyKind.COLLECTIVE, timeout).gradients

@@ -106,6 +106,11 @@ class GradientBackend(abc.ABC):
         ranges = step_shard(step, self.rank, self.world_size, dataset_size, batch_size)
         return [i for r in ranges for i in r.indices()]
 
+    def gradient_allocator(self) -> Callable[[int], torch.Tensor] | None:
+        """Makes the trainer's zeroed float32 accumulators where this engine sends them from
+        without a copy, or None when it has no such memory (then torch.zeros serves)."""
+        return None
+
     def close(self) -> None:
         return None
 
@@ -130,6 +135,18 @@ class RemoteBackend(GradientBackend):
         self.rank = client.worker_id
         self.world_size = client.total_workers
         self._requested: int | None = None
+
+    def gradient_allocator(self) -> Callable[[int], torch.Tensor] | None:
+        """Accumulators in the client's shared memory when it uses it, so backward writes
+        straight into what is sent (no copy on the way out)."""
+        if self.client.transport != "shm":
+            return None
+        allocate = self.client.allocate
+
+        def make(elements: int) -> torch.Tensor:
+            return torch.from_numpy(allocate(elements))
+
+        return make
 
     def _submit(self, key: Key, flat: torch.Tensor, num_blocks: int, sizes: tuple[int, ...]) -> None:
         if key[0] == "block":

@@ -103,20 +103,6 @@ class _Sender:
         self._thread.join(5)
 
 
-def _shared_allocator(backend: GradientBackend) -> Callable[[int], torch.Tensor] | None:
-    """Accumulators in the remote backend's shared memory when it uses it, so backward writes
-    straight into what is sent (no copy on the way out)."""
-    client = getattr(backend, "client", None)
-    if getattr(client, "transport", None) != "shm":
-        return None
-    make = client.gradient_buffer  # type: ignore[union-attr]
-
-    def allocate(elements: int) -> torch.Tensor:
-        return torch.from_numpy(make(elements))
-
-    return allocate
-
-
 class DistributedTrainer:
     def __init__(
         self,
@@ -154,7 +140,7 @@ class DistributedTrainer:
             cfg.hidden,
             self.device,
             tied=cfg.tied,
-            allocate=_shared_allocator(backend),
+            allocate=backend.gradient_allocator(),
         )
         self._non_block = model.non_block_parameters()
         self._route: dict[int, tuple[str, int, int]] = {}

@@ -9,12 +9,19 @@ with WorkerClient.connect("127.0.0.1:50051", node_id="n0", backend="cpu") as cli
 from gradserver.common.timeouts import Timeouts
 
 from .client import WorkerClient
-from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
+from .results import (
+    AveragedBlock,
+    AveragedGradients,
+    AveragedNonBlock,
+    AveragedTensor,
+    ShardAssignment,
+)
 
 __all__ = [
     "AveragedBlock",
     "AveragedGradients",
     "AveragedNonBlock",
+    "AveragedTensor",
     "ShardAssignment",
     "Timeouts",
     "WorkerClient",

@@ -22,20 +22,31 @@ from gradserver.common.wire_dtype import WireOverflow, narrow, widen
 
 
 class WireEncoder:
-    """Rounds float32 gradients to the wire dtype; keeps per-slot residuals when asked."""
+    """The float32 wire: what is given is what is sent. The base of every wire encoder."""
+
+    dtype = DType.FLOAT32
+    error_feedback = False
+
+    def encode(self, key: TensorKey, array: np.ndarray) -> np.ndarray:
+        """The payload elements to send for `array` (float32, 1-D)."""
+        return array
+
+    def residual(self, key: TensorKey) -> np.ndarray | None:
+        """The rounding error kept for `key`'s slot (error feedback only)."""
+        return None
+
+
+class NarrowingEncoder(WireEncoder):
+    """Rounds float32 gradients to a 16-bit wire dtype; keeps per-slot residuals when asked."""
 
     def __init__(self, dtype: DType, *, error_feedback: bool = False) -> None:
-        if error_feedback and dtype is DType.FLOAT32:
-            raise InvalidArgumentError("error feedback needs a 16-bit wire dtype (bfloat16 or float16)")
         self.dtype = dtype
         self.error_feedback = error_feedback
         self._residuals: dict[tuple[KeyKind, int], np.ndarray] = {}
 
     def encode(self, key: TensorKey, array: np.ndarray) -> np.ndarray:
-        """The payload elements to send for `array` (float32, 1-D). Raises InvalidArgumentError
-        naming the key and element when a value does not fit the wire dtype."""
-        if self.dtype is DType.FLOAT32:
-            return array
+        """Raises InvalidArgumentError naming the key and element when a value does not fit the
+        wire dtype."""
         wanted = array
         residual = self._residuals.get(key.slot) if self.error_feedback else None
         if residual is not None and residual.size == array.size:
@@ -56,5 +67,13 @@ class WireEncoder:
         return payload
 
     def residual(self, key: TensorKey) -> np.ndarray | None:
-        """The rounding error kept for `key`'s slot (error feedback only)."""
         return self._residuals.get(key.slot)
+
+
+def wire_encoder(dtype: DType, *, error_feedback: bool = False) -> WireEncoder:
+    """The encoder layer for `dtype`, chosen once when the worker connects."""
+    if dtype is DType.FLOAT32:
+        if error_feedback:
+            raise InvalidArgumentError("error feedback needs a 16-bit wire dtype (bfloat16 or float16)")
+        return WireEncoder()
+    return NarrowingEncoder(dtype, error_feedback=error_feedback)

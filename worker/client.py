@@ -5,16 +5,18 @@ transport; each receive returns the next average of that kind in the order this 
 keys, so lockstep use (send block i, receive block i) and pipelined use (send all, then receive
 all) both work. Every call has a deadline (`Timeouts`), and every failure is an exception of
 `gradserver.common.errors`.
+
+`send(key, array)`, `receive(kind)` and `allocate(n)` are the general calls; the per-kind ones
+(`send_block_gradient`, `receive_averaged`, ...) are thin wrappers on them. How the bytes travel
+is the `Link`'s business (`worker/transports/`, picked by `open_link` in `connect`): this class
+only checks arguments, applies the wire-dtype layer, cuts chunks and keeps the receive order.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
-import os
 import socket
-import time
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -31,15 +33,11 @@ from gradserver.common.components import (
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
-    GradServerError,
     InvalidArgumentError,
     UnavailableError,
-    error_from_status,
 )
 from gradserver.common.messages import (
-    BarrierIn,
     ChunkHeader,
-    ChunkIn,
     DType,
     HeartbeatIn,
     JoinAccepted,
@@ -49,165 +47,37 @@ from gradserver.common.messages import (
     ShardRequestIn,
     TensorKey,
 )
-from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
 from gradserver.common.security import TlsFiles, bearer_metadata
 from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import parse_wire_dtype
 
-from ._exchange import ExchangeStream, PendingResult
-from ._sharded import ShardedExchange, ShardLink, join_other_shards
-from ._wire_encoder import WireEncoder
-from .results import AveragedBlock, AveragedGradients, AveragedNonBlock, ShardAssignment
+from . import transports
+from ._wire_encoder import WireEncoder, wire_encoder
+from .joining import join_at
+from .results import (
+    AveragedBlock,
+    AveragedGradients,
+    AveragedNonBlock,
+    AveragedTensor,
+    ShardAssignment,
+)
 from .tensors import as_float32_array, as_result_buffer
-from .transports.shm import ShmChannel
+from .transports import DEFAULT_SHM_ARENA_MIB, TRANSPORTS, Link
 
-log = logging.getLogger("gradserver.worker")
-
-# Progress while reaching the coordinator: a line every fifth of the connect timeout, within
-# these bounds, so a long wait says what it is doing and a short one stays quiet enough.
-_PROGRESS_MIN_S = 0.1
-_PROGRESS_MAX_S = 5.0
-
-TRANSPORTS = ("auto", "grpc", "shm")
-TRANSPORT_ENV = "GRADSERVER_TRANSPORT"
-DEFAULT_SHM_ARENA_MIB = 256.0
-
-
-def _transport_choice(transport: str | None) -> str:
-    """The argument, else $GRADSERVER_TRANSPORT, else auto; anything else is refused by name."""
-    choice = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "") or "auto"
-    if choice not in TRANSPORTS:
-        source = "transport" if transport is not None else TRANSPORT_ENV
-        raise InvalidArgumentError(f"{source}={choice!r}: choose one of {', '.join(TRANSPORTS)}")
-    return choice
-
-
-def _why_not_shm(encoder: WireEncoder, shards: list[ShardLink] | None) -> str | None:
-    """Why this worker's settings rule shared memory out, or None."""
-    if encoder.dtype is not DType.FLOAT32:
-        return f"the wire dtype is {encoder.dtype.name.lower()} (shared memory carries float32)"
-    if shards:
-        return "the coordinators are sharded (shared memory is for one coordinator on this host)"
-    return None
-
-
-def _open_shm(
-    accepted: JoinAccepted, choice: str, arena_mib: float, timeout: float, why_not: str | None = None
-) -> ShmChannel | None:
-    """The shared-memory channel for `auto` or `shm`; auto falls back to gRPC with one INFO line
-    saying why, shm raises the reason."""
-    if choice == "grpc":
-        return None
-    try:
-        if why_not is not None:
-            raise FailedPreconditionError(why_not)
-        if not accepted.shm_socket:
-            raise FailedPreconditionError(
-                "the coordinator offers no shared memory (it runs with --no-shm or without Linux memfd)"
-            )
-        return ShmChannel.open(accepted, int(arena_mib * 1024 * 1024), timeout)
-    except GradServerError as exc:
-        if choice == "shm":
-            raise type(exc)(f"transport 'shm' is not available: {exc.message}") from None
-        log.info("gradients go over gRPC: %s", exc.message)
-        return None
-
-
-def _wait_until_reachable(channel: grpc.Channel, address: str, limit: float, hint: str) -> None:
-    """Waits (at most `limit` s) until the channel connects, logging progress now and then;
-    raises UnavailableError naming the address and how long it was tried."""
-    ready = grpc.channel_ready_future(channel)
-    interval = min(_PROGRESS_MAX_S, max(_PROGRESS_MIN_S, limit / 5))
-    started = time.monotonic()
-    try:
-        while True:
-            remaining = started + limit - time.monotonic()
-            if remaining <= 0:
-                raise UnavailableError(
-                    f"cannot reach the coordinator at {address}: tried for {limit:g} s "
-                    f"(the connect timeout){hint}"
-                )
-            try:
-                ready.result(timeout=min(interval, remaining))
-                return
-            except grpc.FutureTimeoutError:
-                elapsed = time.monotonic() - started
-                if elapsed < limit:
-                    log.info(
-                        "still trying to reach the coordinator at %s (%.1f s of %g s)",
-                        address,
-                        elapsed,
-                        limit,
-                    )
-    finally:
-        ready.cancel()
-
-
-def _join_at(
-    address: str,
-    request: JoinRequestIn,
-    timeouts: Timeouts,
-    tls: TlsFiles | None,
-    server_name: str,
-    metadata: tuple[tuple[str, str], ...],
-) -> tuple[grpc.Channel, JoinAccepted]:
-    """Reaches the coordinator (or shard) at `address` and joins; the channel stays open."""
-    options: list[tuple[str, int | str]] = list(worker_channel_options())
-    if server_name:
-        options.append(("grpc.ssl_target_name_override", server_name))
-    if tls is not None:
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
-        )
-        channel = grpc.secure_channel(address, credentials, options=options)
-    else:
-        channel = grpc.insecure_channel(address, options=options)
-    try:
-        hint = " (a TLS handshake may have failed: check --tls-ca and certificates)" if tls else ""
-        _wait_until_reachable(channel, address, timeouts.connect, hint)
-        join = channel.unary_unary(JOIN_METHOD)
-        try:
-            raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)
-        except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            if code is grpc.StatusCode.DEADLINE_EXCEEDED and "join timed out" not in details:
-                details = f"join did not complete within {timeouts.join:g} s ({details})"
-            raise error_from_status(code, details) from exc
-        accepted = codec.decode_join_accepted(raw)
-        log.info("joined %s as worker %d of %d", address, accepted.worker_id, accepted.total_workers)
-        return channel, accepted
-    except BaseException:
-        channel.close()
-        raise
+# TRANSPORTS stays importable from here: `gradserver worker` offers them as --transport choices.
+__all__ = ["TRANSPORTS", "WorkerClient"]
 
 
 class WorkerClient:
-    """A joined worker with one open Exchange stream. Create it with `WorkerClient.connect`."""
+    """A joined worker with an open link to its coordinator(s). Create it with
+    `WorkerClient.connect`."""
 
-    def __init__(
-        self,
-        channel: grpc.Channel,
-        accepted: JoinAccepted,
-        timeouts: Timeouts,
-        address: str,
-        metadata: tuple[tuple[str, str], ...] = (),
-        encoder: WireEncoder | None = None,
-        shards: list[ShardLink] | None = None,
-        shm: ShmChannel | None = None,
-    ) -> None:
-        self._channel = channel
-        self._encoder = encoder or WireEncoder(DType.FLOAT32)
-        self._accepted = accepted
+    def __init__(self, link: Link, encoder: WireEncoder, timeouts: Timeouts, address: str) -> None:
+        self._link = link
+        self._encoder = encoder
+        self._accepted = link.accepted
         self.timeouts = timeouts
         self.address = address
-        self._shm = shm
-        # Sharded coordinators: `shards` are the joined shards 1..K-1 (see worker/_sharded.py).
-        self._shard_links = shards or []
-        self._stream: ExchangeStream | ShardedExchange
-        if self._shard_links:
-            self._stream = ShardedExchange((channel, accepted), self._shard_links, timeouts, metadata)
-        else:
-            self._stream = ExchangeStream(channel, accepted, timeouts, metadata, shm)
         self._sent: dict[KeyKind, collections.deque[TensorKey]] = {
             kind: collections.deque() for kind in KeyKind
         }
@@ -252,9 +122,9 @@ class WorkerClient:
         shared memory is not available (also with a 16-bit wire or sharded coordinators, which
         are for networks). `shm_arena_mib` bounds this worker's input arena."""
         timeouts = Timeouts.of(timeout)
-        choice = _transport_choice(transport)
+        choice = transports.transport_choice(transport)
         try:
-            encoder = WireEncoder(parse_wire_dtype(wire_dtype), error_feedback=error_feedback)
+            encoder = wire_encoder(parse_wire_dtype(wire_dtype), error_feedback=error_feedback)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
         parse_address(address, what="coordinator address")
@@ -270,38 +140,32 @@ class WorkerClient:
             rank=rank,
         )
 
-        def join_at(at: str, request: JoinRequestIn) -> tuple[grpc.Channel, JoinAccepted]:
-            return _join_at(at, request, timeouts, tls, server_name, metadata)
+        def join(at: str, request: JoinRequestIn) -> tuple[grpc.Channel, JoinAccepted]:
+            return join_at(at, request, timeouts, tls, server_name, metadata)
 
-        channel, accepted = join_at(address, request)
+        def join_partition(index: int, at: str) -> tuple[grpc.Channel, JoinAccepted]:
+            # Every other coordinator partition is joined as the worker id shard 0 gave.
+            again = dataclasses.replace(request, rank=accepted.worker_id, shard_index=index)
+            return join(at, again)
+
+        channel, accepted = join(address, request)
+        link = transports.open_link(
+            channel,
+            accepted,
+            timeouts,
+            metadata,
+            join_partition,
+            choice=choice,
+            wire_dtype=encoder.dtype,
+            shm_arena_mib=shm_arena_mib,
+        )
+        client = cls(link, encoder, timeouts, address)
         try:
-            shards = None
-            if len(accepted.shard_map) > 1:
-                # Sharded coordinators: join every other shard as the worker id shard 0 gave.
-                shards = join_other_shards(
-                    accepted,
-                    lambda index, at: join_at(
-                        at, dataclasses.replace(request, rank=accepted.worker_id, shard_index=index)
-                    ),
-                )
-            shm = _open_shm(accepted, choice, shm_arena_mib, timeouts.connect, _why_not_shm(encoder, shards))
-            if shm is not None:
-                log.info("worker %d sends its gradients through shared memory", accepted.worker_id)
-            try:
-                client = cls(channel, accepted, timeouts, address, metadata, encoder, shards, shm)
-            except BaseException:
-                if shm is not None:
-                    shm.close()
-                raise
-            try:
-                client._stream.confirm_open(timeouts.connect)
-            except BaseException:
-                client.close()
-                raise
-            return client
+            link.confirm_open(timeouts.connect)
         except BaseException:
-            channel.close()
+            client.close()
             raise
+        return client
 
     # --- identity -----------------------------------------------------------------------------
 
@@ -347,26 +211,74 @@ class WorkerClient:
     @property
     def transport(self) -> str:
         """How gradients move: "shm" (same-host shared memory) or "grpc"."""
-        return "shm" if self._shm is not None else "grpc"
+        return self._link.transport
 
-    def gradient_buffer(self, num_elements: int) -> np.ndarray:
-        """A zeroed float32 array of `num_elements` to build gradients in. Over shared memory it
-        lies in this worker's registered arena, so sending it (or a slice) copies nothing; keep
-        its contents unchanged until the average of what was sent from it has been received. Under
-        gRPC (or when the arena has no room left) it is a plain array."""
+    def allocate(self, num_elements: int) -> np.ndarray:
+        """A zeroed float32 array of `num_elements` to build gradients in. Where the transport
+        can send from memory it owns (shared memory), the array lies there, so sending it (or a
+        slice) copies nothing; keep its contents unchanged until the average of what was sent
+        from it has been received. Otherwise (or when that memory has no room left) it is a plain
+        array."""
         if (
             isinstance(num_elements, bool)
             or not isinstance(num_elements, (int, np.integer))
             or num_elements < 0
         ):
             raise InvalidArgumentError(
-                f"gradient_buffer needs a non-negative element count, got {num_elements!r}"
+                f"allocate (gradient_buffer) needs a non-negative element count, got {num_elements!r}"
             )
-        array = self._shm.gradient_buffer(int(num_elements)) if self._shm is not None else None
+        array = self._link.allocate(int(num_elements))
         if array is None:
             return np.zeros(int(num_elements), dtype=np.float32)
         array[:] = 0.0
         return array
+
+    def gradient_buffer(self, num_elements: int) -> np.ndarray:
+        """The former name of `allocate`."""
+        return self.allocate(num_elements)
+
+    # --- any key ------------------------------------------------------------------------------
+
+    def send(
+        self,
+        key: TensorKey,
+        array: Any,
+        *,
+        into: Any = None,
+        component_sizes: tuple[int, ...] | list[int] = (),
+        stats: SampleStats | None = None,
+    ) -> None:
+        """Contributes `array` (float32: numpy, CPU or CUDA torch, or a sequence) to `key`'s
+        reduction. Block keys carry their 9 `component_sizes`, whole-model keys this worker's
+        `stats`. With `into` the result is written there (see `send_block_gradient`). Returns once
+        every chunk is queued for the transport; `receive(key.kind)` returns the result."""
+        self._check_step(key.step)
+        sizes = tuple(int(s) for s in component_sizes)
+        if key.kind is KeyKind.BLOCK and (len(sizes) != BLOCK_GRAD_COMPONENTS or any(s < 0 for s in sizes)):
+            raise InvalidArgumentError(
+                f"{key}: need {BLOCK_GRAD_COMPONENTS} non-negative component_sizes, got {list(sizes)}",
+                step=key.step,
+                key=str(key),
+            )
+        flat = as_float32_array(array, what=str(key))
+        if key.kind is KeyKind.BLOCK and flat.size != sum(sizes):
+            raise InvalidArgumentError(
+                f"{key}: data length {flat.size} != sum(component_sizes) {sum(sizes)}",
+                step=key.step,
+                key=str(key),
+            )
+        self._send_tensor(key, flat, sizes, stats, into=into)
+
+    def receive(self, kind: KeyKind, timeout: float | None = None) -> AveragedTensor:
+        """The result of the oldest key of `kind` this worker sent and has not received yet."""
+        key, result = self._receive(kind, timeout)
+        return AveragedTensor(
+            key=key,
+            gradients=result.array,
+            component_sizes=result.component_sizes,
+            num_contributors=result.num_contributors,
+            stats=result.stats,
+        )
 
     # --- per-block gradients ------------------------------------------------------------------
 
@@ -394,30 +306,16 @@ class WorkerClient:
                 step=step,
             )
         key = TensorKey.block(step, block_idx, num_blocks)
-        sizes = tuple(int(s) for s in component_sizes)
-        if len(sizes) != BLOCK_GRAD_COMPONENTS or any(s < 0 for s in sizes):
-            raise InvalidArgumentError(
-                f"{key}: need {BLOCK_GRAD_COMPONENTS} non-negative component_sizes, got {list(sizes)}",
-                step=step,
-                key=str(key),
-            )
-        array = as_float32_array(gradients, what=str(key))
-        if array.size != sum(sizes):
-            raise InvalidArgumentError(
-                f"{key}: data length {array.size} != sum(component_sizes) {sum(sizes)}",
-                step=step,
-                key=str(key),
-            )
-        self._send_tensor(key, array, sizes, into=into)
+        self.send(key, gradients, into=into, component_sizes=component_sizes)
 
     def receive_averaged_block(self, timeout: float | None = None) -> AveragedBlock:
         """The average of the oldest block this worker sent and has not received yet."""
-        key, result = self._receive(KeyKind.BLOCK, timeout)
+        result = self.receive(KeyKind.BLOCK, timeout)
         return AveragedBlock(
-            step=key.step,
-            block_idx=key.index,
-            num_blocks=key.num_blocks,
-            gradients=result.array,
+            step=result.key.step,
+            block_idx=result.key.index,
+            num_blocks=result.key.num_blocks,
+            gradients=result.gradients,
             component_sizes=result.component_sizes,
             num_contributors=result.num_contributors,
         )
@@ -430,14 +328,14 @@ class WorkerClient:
         """Contributes the LM head (0), final norm (1) or embedding (2) gradient."""
         self._check_step(step)
         key = TensorKey.non_block(step, parse_non_block_component(component))
-        self._send_tensor(key, as_float32_array(gradients, what=str(key)), (), into=into)
+        self.send(key, gradients, into=into)
 
     def receive_averaged_non_block(self, timeout: float | None = None) -> AveragedNonBlock:
-        key, result = self._receive(KeyKind.NON_BLOCK, timeout)
+        result = self.receive(KeyKind.NON_BLOCK, timeout)
         return AveragedNonBlock(
-            step=key.step,
-            component=NonBlockComponent(key.index),
-            gradients=result.array,
+            step=result.key.step,
+            component=NonBlockComponent(result.key.index),
+            gradients=result.gradients,
             num_contributors=result.num_contributors,
         )
 
@@ -456,15 +354,14 @@ class WorkerClient:
                 step=step,
                 key=str(key),
             )
-        stats = SampleStats(float(loss), int(correct), int(total))
-        self._send_tensor(key, as_float32_array(gradients, what=str(key)), (), stats, into=into)
+        self.send(key, gradients, into=into, stats=SampleStats(float(loss), int(correct), int(total)))
 
     def receive_averaged(self, timeout: float | None = None) -> AveragedGradients:
-        key, result = self._receive(KeyKind.WHOLE_MODEL, timeout)
+        result = self.receive(KeyKind.WHOLE_MODEL, timeout)
         stats = result.stats or SampleStats(float("nan"), 0, 0)
         return AveragedGradients(
-            step=key.step,
-            gradients=result.array,
+            step=result.key.step,
+            gradients=result.gradients,
             global_loss=stats.loss,
             correct=stats.correct,
             total=stats.total,
@@ -476,13 +373,7 @@ class WorkerClient:
     def barrier(self, step: int, name: str = "", timeout: float | None = None) -> None:
         """Returns when every worker has reached barrier `name` of `step`."""
         self._check_step(step)
-        bar = self._stream.expect_barrier(step, name)
-        try:
-            self._stream.send(BarrierIn(self.worker_id, step, name))
-        except BaseException:
-            self._stream.forget_barrier(step, name)
-            raise
-        self._stream.wait_barrier(step, name, bar, timeout)
+        self._link.barrier(step, name, timeout)
 
     def request_shard(self, step: int, dataset_size: int, batch_size: int) -> None:
         """Asks which samples this worker trains on at `step`; see `receive_shard`."""
@@ -493,10 +384,10 @@ class WorkerClient:
                 f"{dataset_size} and {batch_size}",
                 step=step,
             )
-        self._stream.send(ShardRequestIn(self.worker_id, step, dataset_size, batch_size))
+        self._link.send(ShardRequestIn(self.worker_id, step, dataset_size, batch_size))
 
     def receive_shard(self, timeout: float | None = None) -> ShardAssignment:
-        shard = self._stream.wait_shard(timeout)
+        shard = self._link.wait_samples(timeout)
         return ShardAssignment(shard.step, shard.worker_id, shard.ranges)
 
     def get_shard(self, step: int, dataset_size: int, batch_size: int) -> ShardAssignment:
@@ -505,7 +396,7 @@ class WorkerClient:
 
     def send_heartbeat(self) -> None:
         """Sends one heartbeat now (a background thread already sends them periodically)."""
-        self._stream.send(HeartbeatIn(self.worker_id, 0))
+        self._link.send(HeartbeatIn(self.worker_id, 0))
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -514,14 +405,7 @@ class WorkerClient:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._stream.close()
-        finally:
-            self._channel.close()
-            for link in self._shard_links:
-                link.channel.close()
-            if self._shm is not None:
-                self._shm.close()
+        self._link.close()
 
     def __enter__(self) -> WorkerClient:
         return self
@@ -554,28 +438,21 @@ class WorkerClient:
                 key=str(key),
             )
         result = None if into is None else as_result_buffer(into, int(array.size), what=str(key))
-        self._stream.raise_if_broken()
+        self._link.raise_if_broken()
         payload = self._encoder.encode(key, array)
         header = ChunkHeader(self._encoder.dtype, int(array.size), sizes)
-        self._stream.expect(key, sizes, int(array.size), self._encoder.dtype, array=result)
+        self._link.expect(key, sizes, int(array.size), self._encoder.dtype, array=result)
         try:
             # Chunks cut at the same element offsets whatever the dtype: the coordinator's chunk
             # size is in float32 elements, so a 16-bit chunk carries half the bytes.
             for offset, length in chunk_spans(int(array.size), self.chunk_bytes // 4):
-                piece = payload[offset : offset + length]
-                ref = self._shm.stage(key, offset, piece) if self._shm is not None else None
-                if ref is None:
-                    self._stream.send(ChunkIn(self.worker_id, key, header, offset, piece.data, stats))
-                else:
-                    self._stream.send(ChunkIn(self.worker_id, key, header, offset, b"", stats, ref))
+                self._link.send_chunk(key, header, offset, payload[offset : offset + length], stats)
         except BaseException:
-            self._stream.forget(key)
-            if self._shm is not None:
-                self._shm.key_done(key)
+            self._link.forget(key)
             raise
         self._sent[key.kind].append(key)
 
-    def _receive(self, kind: KeyKind, timeout: float | None) -> tuple[TensorKey, PendingResult]:
+    def _receive(self, kind: KeyKind, timeout: float | None) -> tuple[TensorKey, transports.PendingResult]:
         if self._closed:
             raise UnavailableError("this WorkerClient is closed")
         sent = self._sent[kind]
@@ -586,11 +463,11 @@ class WorkerClient:
             )
         key = sent[0]
         try:
-            result = self._stream.wait_result(key, timeout)
+            result = self._link.wait_result(key, timeout)
         except BaseException:
             # A local timeout (or a broken stream) leaves the key first in line: a later receive
             # keeps waiting for it. An error about the key settles it.
-            if not self._stream.awaiting(key):
+            if not self._link.awaiting(key):
                 self._settle(sent, key)
             raise
         sent.popleft()
@@ -600,9 +477,9 @@ class WorkerClient:
         """Takes `key` out of line after its receive raised. When its whole step failed, this
         kind's other keys of that step go too: the caller has been told the step is void, and
         they must not stand before the next step's keys (each kind reports a failed step once)."""
-        if not self._stream.step_failed(key.step):
+        if not self._link.step_failed(key.step):
             sent.remove(key)
             return
         for stale in [k for k in sent if k.step == key.step]:
             sent.remove(stale)
-            self._stream.forget(stale)
+            self._link.forget(stale)

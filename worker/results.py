@@ -7,7 +7,19 @@ import dataclasses
 import numpy as np
 
 from gradserver.common.components import BlockComponent, NonBlockComponent
-from gradserver.common.messages import SampleRange
+from gradserver.common.messages import SampleRange, SampleStats, TensorKey
+
+
+@dataclasses.dataclass(frozen=True)
+class AveragedTensor:
+    """The result of any one key (`WorkerClient.receive`): what the kind-specific results below
+    are made from. `stats` is set for whole-model keys."""
+
+    key: TensorKey
+    gradients: np.ndarray
+    component_sizes: tuple[int, ...]
+    num_contributors: int
+    stats: SampleStats | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,1 +1,131 @@
-"""Ways a worker's gradients reach the coordinator besides inline gRPC payloads (`shm`)."""
+"""The worker's transports: one `Link` class per way of reaching the coordinator, and `open_link`,
+which picks one for a joined worker.
+
+- `grpc_link.GrpcLink`: every payload inline in the Exchange stream's gRPC messages.
+- `shm_link.ShmLink`: the same stream for control, payloads through shared memory (same host).
+- `sharded_link.ShardedLink`: one `GrpcLink` per coordinator partition (sharded coordinators).
+
+Only this package names the concrete classes; the rest of the worker sees a `Link`. A new
+transport is one module here implementing `base.Link`, one branch in `open_link`, and one outbox
+on the coordinator's side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import grpc
+
+from gradserver.common.errors import FailedPreconditionError, GradServerError, InvalidArgumentError
+from gradserver.common.messages import DType, JoinAccepted
+from gradserver.common.timeouts import Timeouts
+
+from .base import ErrorRecord, Link, PendingResult
+from .grpc_link import GrpcLink
+from .sharded_link import JoinPartition, ShardedLink, join_other_partitions
+from .shm_channel import ShmChannel
+from .shm_link import ShmLink
+
+__all__ = [
+    "DEFAULT_SHM_ARENA_MIB",
+    "TRANSPORTS",
+    "TRANSPORT_ENV",
+    "ErrorRecord",
+    "JoinPartition",
+    "Link",
+    "PendingResult",
+    "open_link",
+    "transport_choice",
+]
+
+log = logging.getLogger("gradserver.worker")
+
+TRANSPORTS = ("auto", "grpc", "shm")
+TRANSPORT_ENV = "GRADSERVER_TRANSPORT"
+DEFAULT_SHM_ARENA_MIB = 256.0
+
+
+def transport_choice(transport: str | None) -> str:
+    """The argument, else $GRADSERVER_TRANSPORT, else auto; anything else is refused by name."""
+    choice = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "") or "auto"
+    if choice not in TRANSPORTS:
+        source = "transport" if transport is not None else TRANSPORT_ENV
+        raise InvalidArgumentError(f"{source}={choice!r}: choose one of {', '.join(TRANSPORTS)}")
+    return choice
+
+
+def open_link(
+    channel: grpc.Channel,
+    accepted: JoinAccepted,
+    timeouts: Timeouts,
+    metadata: tuple[tuple[str, str], ...],
+    join_partition: JoinPartition,
+    *,
+    choice: str,
+    wire_dtype: DType,
+    shm_arena_mib: float,
+) -> Link:
+    """The link for a worker that joined through `channel` (now owned by the link, and closed
+    with everything else opened here when this raises). Sharded coordinators are joined through
+    `join_partition`; `choice` (see `transport_choice`) decides between gRPC and shared memory."""
+    others = None
+    try:
+        if len(accepted.shard_map) > 1:
+            others = join_other_partitions(accepted, join_partition)
+        why_not = _why_not_shm(wire_dtype, sharded=others is not None)
+        arenas = _open_shm(accepted, choice, shm_arena_mib, timeouts.connect, why_not)
+    except BaseException:
+        channel.close()
+        raise
+    if others is not None:
+        return ShardedLink((channel, accepted), others, timeouts, metadata)
+    if arenas is None:
+        return _constructed(lambda: GrpcLink(channel, accepted, timeouts, metadata), channel)
+    log.info("worker %d sends its gradients through shared memory", accepted.worker_id)
+    try:
+        return _constructed(lambda: ShmLink(channel, accepted, timeouts, metadata, arenas), channel)
+    except BaseException:
+        arenas.close()
+        raise
+
+
+def _constructed(make: Callable[[], Link], channel: grpc.Channel) -> Link:
+    """`make()`, closing `channel` when it raises (a link owns its channel once it exists)."""
+    try:
+        return make()
+    except BaseException:
+        channel.close()
+        raise
+
+
+def _why_not_shm(wire_dtype: DType, *, sharded: bool) -> str | None:
+    """Why this worker's settings rule shared memory out, or None."""
+    if wire_dtype is not DType.FLOAT32:
+        return f"the wire dtype is {wire_dtype.name.lower()} (shared memory carries float32)"
+    if sharded:
+        return "the coordinators are sharded (shared memory is for one coordinator on this host)"
+    return None
+
+
+def _open_shm(
+    accepted: JoinAccepted, choice: str, arena_mib: float, timeout: float, why_not: str | None
+) -> ShmChannel | None:
+    """The shared-memory channel for `auto` or `shm`; auto falls back to gRPC with one INFO line
+    saying why, shm raises the reason."""
+    if choice == "grpc":
+        return None
+    try:
+        if why_not is not None:
+            raise FailedPreconditionError(why_not)
+        if not accepted.shm_socket:
+            raise FailedPreconditionError(
+                "the coordinator offers no shared memory (it runs with --no-shm or without Linux memfd)"
+            )
+        return ShmChannel.open(accepted, int(arena_mib * 1024 * 1024), timeout)
+    except GradServerError as exc:
+        if choice == "shm":
+            raise type(exc)(f"transport 'shm' is not available: {exc.message}") from None
+        log.info("gradients go over gRPC: %s", exc.message)
+        return None

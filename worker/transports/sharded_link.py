@@ -1,14 +1,16 @@
-"""The worker's side of sharded coordinators: one Exchange stream per shard, one result.
+"""`ShardedLink`: the worker's side of sharded coordinators, one `GrpcLink` per partition.
 
-Shard 0's JoinResponse carries the shard map; the worker joins every other shard as the worker id
-shard 0 gave it (`join_other_shards`) and opens one stream per shard. `ShardedExchange` offers the
-`ExchangeStream` calls the `WorkerClient` uses: each chunk goes to the shard that owns it
-(gradserver.common.shard_map), barriers and shard requests go to shard 0, and every shard's stream
-fills its chunks of the same result array. An average is returned only once every shard that owns
-a chunk of it delivered, and never when any shard failed its step: a worker never applies part of
-a step. The streams share one condition, so a waiter wakes on news from any shard; a stream that
-breaks (a shard killed or cut off) breaks the others at once, so every wait fails naming that
-shard instead of running into its deadline, and every shard counts this worker as lost.
+The job's coordinators split every key's chunks between them (the shard map; each coordinator is
+one partition, "shard N" in messages). Shard 0's JoinResponse carries the map; the worker joins
+every other partition as the worker id shard 0 gave it (`join_other_partitions`) and opens one
+link per partition. `ShardedLink` is a `Link` composed of those: each chunk goes to the partition
+that owns it (gradserver.common.shard_map), barriers and sample-range requests go to shard 0, and
+every partition's link fills its chunks of the same result array. An average is returned only
+once every partition that owns a chunk of it delivered, and never when any partition failed its
+step: a worker never applies part of a step. The links share one condition, so a waiter wakes on
+news from any partition; a link that breaks (a coordinator killed or cut off) breaks the others at
+once, so every wait fails naming that shard instead of running into its deadline, and every
+partition counts this worker as lost.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from gradserver.common.errors import (
     UnavailableError,
 )
 from gradserver.common.messages import (
-    ChunkIn,
+    ChunkHeader,
     DType,
     JoinAccepted,
+    SampleStats,
     ShardAssignmentOut,
     TensorKey,
     WorkerEvent,
@@ -40,27 +43,28 @@ from gradserver.common.messages import (
 from gradserver.common.shard_map import ShardMap
 from gradserver.common.timeouts import Timeouts
 
-from ._exchange import ErrorRecord, ExchangeStream, PendingResult, _PendingBarrier
+from .base import ErrorRecord, PendingResult
+from .grpc_link import GrpcLink
 
-# Joins shard `index` at `address` as the given worker id; returns its channel and answer.
-JoinShard = Callable[[int, str], tuple[grpc.Channel, JoinAccepted]]
+# Joins partition `index` at `address` as the given worker id; returns its channel and answer.
+JoinPartition = Callable[[int, str], tuple[grpc.Channel, JoinAccepted]]
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardLink:
-    """One joined shard: its index, its channel and its JoinResponse."""
+class JoinedPartition:
+    """One joined coordinator partition: its index, its channel and its JoinResponse."""
 
     index: int
     channel: grpc.Channel
     accepted: JoinAccepted
 
 
-def join_other_shards(first: JoinAccepted, join: JoinShard) -> list[ShardLink]:
+def join_other_partitions(first: JoinAccepted, join: JoinPartition) -> list[JoinedPartition]:
     """Joins shards 1..K-1 of `first.shard_map` in order (every worker joins them in the same
     order, so each shard's Join completes once the whole world reached it). Refuses shards whose
     map, worker id or chunk size differ from shard 0's: the chunk rule needs all three equal."""
     shard_map = ShardMap(first.shard_map)
-    links: list[ShardLink] = []
+    links: list[JoinedPartition] = []
     try:
         for index in range(1, shard_map.count):
             try:
@@ -68,7 +72,7 @@ def join_other_shards(first: JoinAccepted, join: JoinShard) -> list[ShardLink]:
             except GradServerError as exc:
                 where = shard_map.describe(index)
                 raise type(exc)(f"{where}: {exc.message}", worker_id=exc.worker_id) from exc
-            links.append(ShardLink(index, channel, accepted))
+            links.append(JoinedPartition(index, channel, accepted))
             _check_alike(shard_map, index, first, accepted)
     except BaseException:
         for link in links:
@@ -92,13 +96,15 @@ def _check_alike(shard_map: ShardMap, index: int, first: JoinAccepted, other: Jo
         )
 
 
-class ShardedExchange:
-    """The streams to every shard, used like one `ExchangeStream` by the `WorkerClient`."""
+class ShardedLink:
+    """A `Link` over one `GrpcLink` per coordinator partition."""
+
+    transport = "grpc"
 
     def __init__(
         self,
         first: tuple[grpc.Channel, JoinAccepted],
-        others: list[ShardLink],
+        others: list[JoinedPartition],
         timeouts: Timeouts,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
@@ -110,12 +116,12 @@ class ShardedExchange:
         self._closing = False
         self._broken_by: int | None = None
         self._delivered: dict[TensorKey, set[int]] = {}  # shards whose part of a key arrived
-        self._streams: list[ExchangeStream] = []
+        self._links: list[GrpcLink] = []
         links = [(first[0], first[1])] + [(link.channel, link.accepted) for link in others]
         try:
             for index, (channel, accepted) in enumerate(links):
-                self._streams.append(
-                    ExchangeStream(
+                self._links.append(
+                    GrpcLink(
                         channel,
                         accepted,
                         timeouts,
@@ -126,9 +132,11 @@ class ShardedExchange:
                 )
         except BaseException:
             self.close()
+            for channel, _ in links[len(self._links) :]:
+                channel.close()  # each link owns its channel from its construction on
             raise
-        for index, stream in enumerate(self._streams):
-            broken = stream.trouble(-1)
+        for index, link in enumerate(self._links):
+            broken = link.trouble(-1)
             if broken is not None:
                 self._shard_broke(index, broken)
 
@@ -148,28 +156,43 @@ class ShardedExchange:
                 return
             self._broken_by = index
         lost = UnavailableError(f"{self.shard_map.describe(index)} is lost: {error.message}")
-        for other, stream in enumerate(self._streams):
+        for other, link in enumerate(self._links):
             if other != index:
-                stream.abort_with(lost)
+                link.abort_with(lost)
 
-    # --- the ExchangeStream calls the WorkerClient makes -----------------------------------------
+    # --- the Link calls -----------------------------------------------------------------------
+
+    def allocate(self, num_elements: int) -> np.ndarray | None:
+        return None
 
     def raise_if_broken(self) -> None:
-        for index, stream in enumerate(self._streams):
+        for index, link in enumerate(self._links):
             try:
-                stream.raise_if_broken()
+                link.raise_if_broken()
             except GradServerError as exc:
                 raise self._named(index, exc) from None
 
-    def send(self, event: WorkerEvent) -> None:
-        """Chunks go to the shard that owns them; everything else to shard 0."""
-        index = 0
-        if isinstance(event, ChunkIn):
-            index = self.shard_map.owner(event.key, event.offset // self._chunk_elements)
+    def send_chunk(
+        self,
+        key: TensorKey,
+        header: ChunkHeader,
+        offset: int,
+        piece: np.ndarray,
+        stats: SampleStats | None,
+    ) -> None:
+        """To the partition that owns the chunk."""
+        index = self.shard_map.owner(key, offset // self._chunk_elements)
         try:
-            self._streams[index].send(event)
+            self._links[index].send_chunk(key, header, offset, piece, stats)
         except GradServerError as exc:
             raise self._named(index, exc) from None
+
+    def send(self, event: WorkerEvent) -> None:
+        """Control messages go to shard 0."""
+        try:
+            self._links[0].send(event)
+        except GradServerError as exc:
+            raise self._named(0, exc) from None
 
     def _owners(self, key: TensorKey, total: int) -> dict[int, int]:
         """Shard index -> how many chunks of `key` it owns, for the shards owning any."""
@@ -189,7 +212,7 @@ class ShardedExchange:
         array = np.empty(total, dtype=np.float32) if array is None else array
         try:
             for index, owned in self._owners(key, total).items():
-                self._streams[index].expect(key, component_sizes, total, dtype, array=array, num_chunks=owned)
+                self._links[index].expect(key, component_sizes, total, dtype, array=array, num_chunks=owned)
         except BaseException:
             self.forget(key)
             raise
@@ -199,19 +222,19 @@ class ShardedExchange:
     def forget(self, key: TensorKey) -> None:
         with self._cond:
             self._delivered.pop(key, None)
-            for stream in self._streams:
-                stream.forget(key)
+            for link in self._links:
+                link.forget(key)
 
     def awaiting(self, key: TensorKey) -> bool:
-        return any(stream.awaiting(key) for stream in self._streams)
+        return any(link.awaiting(key) for link in self._links)
 
     def step_failed(self, step: int) -> bool:
-        return any(stream.step_failed(step) for stream in self._streams)
+        return any(link.step_failed(step) for link in self._links)
 
     def _trouble(self, step: int) -> tuple[int, ErrorRecord] | None:
         """The first shard that broke or failed `step`, and why."""
-        for index, stream in enumerate(self._streams):
-            record = stream.trouble(step)
+        for index, link in enumerate(self._links):
+            record = link.trouble(step)
             if record is not None:
                 return index, record
         return None
@@ -224,16 +247,16 @@ class ShardedExchange:
         deadline = time.monotonic() + limit
         with self._cond:
             delivered = self._delivered.setdefault(key, set())
-            owners = [i for i, s in enumerate(self._streams) if i not in delivered and s.awaiting(key)]
+            owners = [i for i, s in enumerate(self._links) if i not in delivered and s.awaiting(key)]
             result: PendingResult | None = None
             while True:
                 trouble = self._trouble(key.step)
                 if trouble is not None:
                     self.forget(key)
                     raise self._named(*trouble)
-                for index in [i for i in owners if self._streams[i].result_ready(key)]:
+                for index in [i for i in owners if self._links[i].result_ready(key)]:
                     try:
-                        result = self._streams[index].wait_result(key, 0)
+                        result = self._links[index].wait_result(key, 0)
                     except GradServerError as exc:
                         self.forget(key)
                         raise self._named(index, exc) from None
@@ -254,34 +277,29 @@ class ShardedExchange:
         return result
 
     def confirm_open(self, timeout: float) -> None:
-        """Returns once every shard answered on its new stream (see ExchangeStream.confirm_open)."""
-        for index, stream in enumerate(self._streams):
+        """Returns once every partition answered on its new stream (see GrpcLink.confirm_open)."""
+        for index, link in enumerate(self._links):
             try:
-                stream.confirm_open(timeout)
+                link.confirm_open(timeout)
             except GradServerError as exc:
                 raise self._named(index, exc) from None
 
-    def expect_barrier(self, step: int, name: str) -> _PendingBarrier:
-        return self._streams[0].expect_barrier(step, name)
-
-    def forget_barrier(self, step: int, name: str) -> None:
-        self._streams[0].forget_barrier(step, name)
-
-    def wait_barrier(self, step: int, name: str, bar: _PendingBarrier, timeout: float | None) -> None:
+    def barrier(self, step: int, name: str, timeout: float | None) -> None:
         try:
-            self._streams[0].wait_barrier(step, name, bar, timeout)
+            self._links[0].barrier(step, name, timeout)
         except GradServerError as exc:
             raise self._named(0, exc) from None
 
-    def wait_shard(self, timeout: float | None) -> ShardAssignmentOut:
+    def wait_samples(self, timeout: float | None) -> ShardAssignmentOut:
         try:
-            return self._streams[0].wait_shard(timeout)
+            return self._links[0].wait_samples(timeout)
         except GradServerError as exc:
             raise self._named(0, exc) from None
 
     def close(self) -> None:
-        """Leaves every shard (each stream says goodbye) and stops every helper thread."""
+        """Leaves every partition (each link says goodbye), stops every helper thread and closes
+        every channel."""
         with self._cond:
             self._closing = True
-        for stream in self._streams:
-            stream.close()
+        for link in self._links:
+            link.close()

@@ -1,4 +1,5 @@
-"""The worker's side of one Exchange stream: a sender queue, a receiver thread, a heartbeat.
+"""`GrpcLink`: the worker's side of one Exchange stream (a sender queue, a receiver thread, a
+heartbeat), every payload inline in gRPC messages.
 
 Sends go through a bounded queue that gRPC drains into the stream, so a coordinator applying
 back-pressure makes `send` wait (with a deadline) instead of buffering the model in memory. A
@@ -12,6 +13,9 @@ again from storage grows its traceback on every raise, and the frames in it keep
 arrays of the failed calls alive. Each call that reports a stored error raises a fresh exception.
 Closing or breaking the stream always ends the request iterator, so gRPC's sending thread and the
 stream's arrays do not outlive it.
+
+Other transports that keep gRPC for control (`ShmLink`) subclass it and override the few hooks
+that say how a chunk travels and what a result, an error or a lost connection frees.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from gradserver.common.errors import (
 )
 from gradserver.common.messages import (
     AveragedChunkOut,
+    BarrierIn,
     BarrierReleaseOut,
+    ChunkHeader,
+    ChunkIn,
     DType,
     ErrorOut,
     HeartbeatAckOut,
@@ -59,30 +66,12 @@ from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
 from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import widen
 
-from .transports.shm import ShmChannel
+from .base import ErrorRecord, PendingResult
 
 log = logging.getLogger("gradserver.worker")
 
 _FAILED_STEPS_KEPT = 64
 _OUTBOUND_MESSAGES = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorRecord:
-    """What an error said (class, message, step, key, worker), to raise afresh on every call."""
-
-    kind: type[GradServerError]
-    message: str
-    step: int | None = None
-    key: str | None = None
-    worker_id: int | None = None
-
-    @classmethod
-    def of(cls, error: GradServerError) -> ErrorRecord:
-        return cls(type(error), error.message, error.step, error.key, error.worker_id)
-
-    def exception(self) -> GradServerError:
-        return self.kind(self.message, step=self.step, key=self.key, worker_id=self.worker_id)
 
 
 class _Outbound:
@@ -115,7 +104,7 @@ class _Outbound:
 
     def get(self) -> bytes | None:
         """The next message, or None once ended. Unbounded on purpose: the stream lives as long as
-        the worker wants it, and `ExchangeStream.close` and `_break` always end it."""
+        the worker wants it, and `GrpcLink.close` and `_break` always end it."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._items) or self._ended)
             if not self._items:
@@ -137,55 +126,40 @@ class _Outbound:
 
 
 @dataclasses.dataclass
-class PendingResult:
-    """An average being assembled; `array` is filled chunk by chunk by the receiver thread."""
-
-    key: TensorKey
-    component_sizes: tuple[int, ...]
-    array: np.ndarray
-    num_chunks: int
-    offsets: set[int] = dataclasses.field(default_factory=set)
-    # What the chunks travel as; the array is float32 whatever it is.
-    dtype: DType = DType.FLOAT32
-    num_contributors: int = 0
-    stats: SampleStats | None = None
-    error: ErrorRecord | None = None
-
-    @property
-    def done(self) -> bool:
-        return len(self.offsets) == self.num_chunks
-
-
-@dataclasses.dataclass
 class _PendingBarrier:
     released: bool = False
     error: ErrorRecord | None = None
 
 
-class ExchangeStream:
+class GrpcLink:
+    """A `Link` whose chunks and averages travel inside gRPC messages."""
+
+    transport = "grpc"
+
     def __init__(
         self,
         channel: grpc.Channel,
         accepted: JoinAccepted,
         timeouts: Timeouts,
         extra_metadata: tuple[tuple[str, str], ...] = (),
-        shm: ShmChannel | None = None,
         *,
         cond: threading.Condition | None = None,
         on_break: Callable[[ErrorRecord], None] | None = None,
     ) -> None:
-        """Sharded coordinators (worker/_sharded.py) give every shard's stream one shared `cond`,
-        so a waiter wakes on any shard's news, and `on_break`, called once when this stream
-        breaks (not when it is closed), so the other shards' streams break too."""
+        """Opens the Exchange stream on `channel` (which the link owns and closes). Sharded
+        coordinators (`ShardedLink`) give every partition's link one shared `cond`, so a waiter
+        wakes on any partition's news, and `on_break`, called once when this link breaks (not
+        when it is closed), so the other partitions' links break too."""
+        self._channel = channel
         self.accepted = accepted
-        self._shm = shm
         self.timeouts = timeouts
         self._cond = cond if cond is not None else threading.Condition()
         self._on_break = on_break
         self._outbound = _Outbound(_OUTBOUND_MESSAGES)
         self._results: dict[TensorKey, PendingResult] = {}
         self._barriers: dict[tuple[int, str], _PendingBarrier] = {}
-        self._shards: collections.deque[ShardAssignmentOut | ErrorRecord] = collections.deque()
+        # Answers to sample-range requests (ShardAssignment messages), in the order asked.
+        self._samples: collections.deque[ShardAssignmentOut | ErrorRecord] = collections.deque()
         self._failed_steps: collections.OrderedDict[int, ErrorRecord] = collections.OrderedDict()
         self._broken: ErrorRecord | None = None
         self._closing = False
@@ -211,6 +185,20 @@ class ExchangeStream:
     def _requests(self) -> Iterator[bytes]:
         while (item := self._outbound.get()) is not None:
             yield item
+
+    def allocate(self, num_elements: int) -> np.ndarray | None:
+        """Inline payloads are copied into messages whatever array they come from."""
+        return None
+
+    def send_chunk(
+        self,
+        key: TensorKey,
+        header: ChunkHeader,
+        offset: int,
+        piece: np.ndarray,
+        stats: SampleStats | None,
+    ) -> None:
+        self.send(ChunkIn(self.accepted.worker_id, key, header, offset, piece.data, stats))
 
     def send(self, event: WorkerEvent) -> None:
         """Queues one message; waits (bounded by timeouts.send) while the transport is full."""
@@ -253,9 +241,9 @@ class ExchangeStream:
         *,
         array: np.ndarray | None = None,
         num_chunks: int | None = None,
-    ) -> PendingResult:
-        """Registers `key`'s average, arriving in `dtype`; sharded coordinators pass the `array`
-        every shard fills and the `num_chunks` this shard owns."""
+    ) -> None:
+        """Registers `key`'s average, arriving in `dtype`; `ShardedLink` passes the `array` every
+        partition fills and the `num_chunks` this partition owns."""
         pending = PendingResult(
             key=key,
             component_sizes=component_sizes,
@@ -276,9 +264,9 @@ class ExchangeStream:
             if failed is not None:
                 pending.error = failed
             self._results[key] = pending
-        return pending
 
     def forget(self, key: TensorKey) -> None:
+        """Stops waiting for `key` (inline chunks hold nothing once sent)."""
         with self._cond:
             self._results.pop(key, None)
 
@@ -307,7 +295,16 @@ class ExchangeStream:
                 or self.trouble(key.step) is not None
             )
 
-    def expect_barrier(self, step: int, name: str) -> _PendingBarrier:
+    def barrier(self, step: int, name: str, timeout: float | None) -> None:
+        bar = self._expect_barrier(step, name)
+        try:
+            self.send(BarrierIn(self.accepted.worker_id, step, name))
+        except BaseException:
+            self._forget_barrier(step, name)
+            raise
+        self._wait_barrier(step, name, bar, timeout)
+
+    def _expect_barrier(self, step: int, name: str) -> _PendingBarrier:
         with self._cond:
             bar = self._barriers[(step, name)] = _PendingBarrier()
             failed = self._failed_steps.get(step)
@@ -315,7 +312,7 @@ class ExchangeStream:
                 bar.error = failed
             return bar
 
-    def forget_barrier(self, step: int, name: str) -> None:
+    def _forget_barrier(self, step: int, name: str) -> None:
         with self._cond:
             self._barriers.pop((step, name), None)
 
@@ -356,7 +353,7 @@ class ExchangeStream:
             raise error.exception()
         return pending
 
-    def wait_barrier(self, step: int, name: str, bar: _PendingBarrier, timeout: float | None) -> None:
+    def _wait_barrier(self, step: int, name: str, bar: _PendingBarrier, timeout: float | None) -> None:
         with self._cond:
             try:
                 self._wait(
@@ -370,10 +367,10 @@ class ExchangeStream:
         if bar.error is not None:
             raise bar.error.exception()
 
-    def wait_shard(self, timeout: float | None) -> ShardAssignmentOut:
+    def wait_samples(self, timeout: float | None) -> ShardAssignmentOut:
         with self._cond:
-            self._wait(lambda: bool(self._shards), timeout, "no shard assignment")
-            item = self._shards.popleft()
+            self._wait(lambda: bool(self._samples), timeout, "no shard assignment")
+            item = self._samples.popleft()
         if isinstance(item, ErrorRecord):
             raise item.exception()
         return item
@@ -391,8 +388,7 @@ class ExchangeStream:
             if self._closing and code is grpc.StatusCode.CANCELLED:
                 self._break(UnavailableError("the client was closed"))
             elif code is grpc.StatusCode.UNAVAILABLE:
-                if self._shm is not None:
-                    self._shm.coordinator_lost()
+                self._coordinator_lost()
                 self._break(UnavailableError(f"lost the connection to the coordinator: {details}"))
             else:
                 self._break(error_from_status(code, details))
@@ -401,6 +397,9 @@ class ExchangeStream:
         except Exception as exc:
             log.exception("receiver thread failed")
             self._break(InternalError(f"receiver failed: {exc!r}"))
+
+    def _coordinator_lost(self) -> None:
+        """Hook: the connection to the coordinator is lost, before anyone hears of it."""
 
     def _break(self, error: GradServerError) -> None:
         with self._cond:
@@ -416,7 +415,7 @@ class ExchangeStream:
             self._on_break(broken)
 
     def abort_with(self, error: GradServerError) -> None:
-        """Breaks the stream from outside (another shard's stream broke) and cancels the call, so
+        """Breaks the link from outside (another partition's link broke) and cancels the call, so
         the coordinator counts this worker as lost and fails its steps in flight."""
         self._break(error)
         self._call.cancel()
@@ -431,7 +430,7 @@ class ExchangeStream:
                 if bar is not None:
                     bar.released = True
             elif isinstance(event, ShardAssignmentOut):
-                self._shards.append(event)
+                self._samples.append(event)
             elif isinstance(event, HeartbeatAckOut):
                 self.last_ack = time.monotonic()
                 self._acks += 1
@@ -443,23 +442,15 @@ class ExchangeStream:
             self._cond.notify_all()
 
     def _on_chunk(self, event: AveragedChunkOut) -> None:
-        if self._shm is not None:
-            # Averaged: the coordinator holds no view of this chunk's input slot any more.
-            self._shm.chunk_done(event.key, event.offset)
-        if event.shm is None:
-            if event.header.dtype is DType.FLOAT32:
-                self._fill(event, np.frombuffer(event.data, dtype="<f4"))
-            else:
-                self._fill(event, widen(event.data, event.header.dtype))
-            return
-        if self._shm is None:
+        """Hook: one averaged chunk arrived; fills its result."""
+        if event.shm is not None:
             raise InternalError(
                 f"coordinator sent {event.key} through shared memory this worker has not mapped"
             )
-        try:
-            self._fill(event, self._shm.average(event.shm))
-        finally:
-            self._shm.release(event.shm)
+        if event.header.dtype is DType.FLOAT32:
+            self._fill(event, np.frombuffer(event.data, dtype="<f4"))
+        else:
+            self._fill(event, widen(event.data, event.header.dtype))
 
     def _fill(self, event: AveragedChunkOut, data: np.ndarray) -> None:
         with self._cond:
@@ -495,6 +486,10 @@ class ExchangeStream:
             if pending.done or pending.error is not None:
                 self._cond.notify_all()
 
+    def _coordinator_dropped(self, event: ErrorOut) -> None:
+        """Hook: the coordinator dropped what `event` names (a failed step or a refused key), so
+        it holds nothing of it any more. Called with the lock held."""
+
     def _on_error(self, event: ErrorOut) -> None:
         """Routes an in-stream error to what it is about (called with the lock held)."""
         exc = error_from_status(
@@ -506,12 +501,7 @@ class ExchangeStream:
         )
         log.warning("coordinator: %s", exc)
         error = ErrorRecord.of(exc)
-        if self._shm is not None:
-            # A failed step or a refused key is dropped by the coordinator: its slots are free.
-            if event.step_failed:
-                self._shm.step_done(event.step)
-            elif event.key is not None:
-                self._shm.key_done(event.key)
+        self._coordinator_dropped(event)
         if event.step_failed:
             # The first report says why the step failed and who caused it; later refusals of
             # this step's messages repeat it about their own key.
@@ -533,7 +523,7 @@ class ExchangeStream:
             if refused is not None:
                 refused.error = error
         elif event.shard_step is not None:
-            self._shards.append(error)
+            self._samples.append(error)
         else:
             # A message the coordinator could not attribute (malformed): nothing waiting can
             # trust the stream's ordering any more.
@@ -572,7 +562,8 @@ class ExchangeStream:
             self._receiver.join(self.timeouts.close)
         self._break(UnavailableError("the client was closed"))
         self._heartbeat.join(self.timeouts.close)
+        self._channel.close()
         with self._cond:
             self._results.clear()
             self._barriers.clear()
-            self._shards.clear()
+            self._samples.clear()

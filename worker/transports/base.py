@@ -1,0 +1,148 @@
+"""What every worker transport offers the `WorkerClient`: the `Link` interface and its records.
+
+A link is one joined worker's connection to its coordinator(s), whatever carries the bytes. The
+client validates, encodes and cuts nothing itself beyond the wire dtype: it registers the result
+it expects, hands the link one chunk at a time, and waits for the result, a barrier or a sample
+range through the link. Each transport is one class under `worker/transports/` that implements
+this interface; only `worker/transports/` names the concrete classes (`open_link` picks one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+from gradserver.common.errors import GradServerError
+from gradserver.common.messages import (
+    ChunkHeader,
+    DType,
+    JoinAccepted,
+    SampleStats,
+    ShardAssignmentOut,
+    TensorKey,
+    WorkerEvent,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorRecord:
+    """What an error said (class, message, step, key, worker), to raise afresh on every call."""
+
+    kind: type[GradServerError]
+    message: str
+    step: int | None = None
+    key: str | None = None
+    worker_id: int | None = None
+
+    @classmethod
+    def of(cls, error: GradServerError) -> ErrorRecord:
+        return cls(type(error), error.message, error.step, error.key, error.worker_id)
+
+    def exception(self) -> GradServerError:
+        return self.kind(self.message, step=self.step, key=self.key, worker_id=self.worker_id)
+
+
+@dataclasses.dataclass
+class PendingResult:
+    """An average being assembled; `array` is filled chunk by chunk by a receiver thread."""
+
+    key: TensorKey
+    component_sizes: tuple[int, ...]
+    array: np.ndarray
+    num_chunks: int
+    offsets: set[int] = dataclasses.field(default_factory=set)
+    # What the chunks travel as; the array is float32 whatever it is.
+    dtype: DType = DType.FLOAT32
+    num_contributors: int = 0
+    stats: SampleStats | None = None
+    error: ErrorRecord | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.offsets) == self.num_chunks
+
+
+class Link(Protocol):
+    """One worker's connection to its coordinator(s). Every wait is bounded (the `Timeouts` the
+    link was opened with, or the `timeout` given); every failure is a `GradServerError`."""
+
+    @property
+    def accepted(self) -> JoinAccepted:
+        """The coordinator's answer to this worker's Join (for sharded coordinators: shard 0's)."""
+        ...
+
+    @property
+    def transport(self) -> str:
+        """How gradients move: "grpc" or "shm"."""
+        ...
+
+    def confirm_open(self, timeout: float) -> None:
+        """Returns once the coordinator holds this worker's stream(s)."""
+        ...
+
+    def raise_if_broken(self) -> None:
+        """Raises why nothing more can be sent, if anything says so."""
+        ...
+
+    def allocate(self, num_elements: int) -> np.ndarray | None:
+        """A float32 array this transport sends without a copy, or None (then a plain array
+        serves just as well)."""
+        ...
+
+    def expect(
+        self,
+        key: TensorKey,
+        component_sizes: tuple[int, ...],
+        total: int,
+        dtype: DType,
+        *,
+        array: np.ndarray | None = None,
+    ) -> None:
+        """Registers `key`'s average (written into `array` when given) before its chunks go."""
+        ...
+
+    def send_chunk(
+        self,
+        key: TensorKey,
+        header: ChunkHeader,
+        offset: int,
+        piece: np.ndarray,
+        stats: SampleStats | None,
+    ) -> None:
+        """Sends the chunk `piece` (payload elements from `offset` of `key`); waits, bounded,
+        while the transport is full."""
+        ...
+
+    def send(self, event: WorkerEvent) -> None:
+        """Sends one control message (heartbeat, sample-range request)."""
+        ...
+
+    def forget(self, key: TensorKey) -> None:
+        """Stops waiting for `key` and frees whatever the transport holds for it."""
+        ...
+
+    def awaiting(self, key: TensorKey) -> bool:
+        """Whether `key` is still registered (a receive for it timed out locally and may retry)."""
+        ...
+
+    def step_failed(self, step: int) -> bool:
+        """Whether the coordinator reported `step` as failed."""
+        ...
+
+    def wait_result(self, key: TensorKey, timeout: float | None = None) -> PendingResult:
+        """The complete average of `key`; raises its error, its step's failure or a timeout."""
+        ...
+
+    def barrier(self, step: int, name: str, timeout: float | None) -> None:
+        """Returns when every worker reached barrier `name` of `step`."""
+        ...
+
+    def wait_samples(self, timeout: float | None) -> ShardAssignmentOut:
+        """The answer to the oldest sample-range request sent with `send`."""
+        ...
+
+    def close(self) -> None:
+        """Leaves the job, ends every helper thread and closes every connection; idempotent."""
+        ...

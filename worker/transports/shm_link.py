@@ -1,0 +1,108 @@
+"""`ShmLink`: gRPC for control, shared memory for the gradients of a same-host worker.
+
+The Exchange stream still carries every message (so ordering, back-pressure, errors and liveness
+are the gRPC link's), but a chunk's payload is written into this worker's input arena and only
+named in its message, and an average is read where the coordinator wrote it in its output arena.
+This link owns the `ShmChannel` and its bookkeeping: a staged chunk's slot is free again once its
+average, its key's refusal or its step's failure arrived (the coordinator then holds no view of
+it), and every output slot read is released. A chunk that finds no free slot in time goes inline.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from gradserver.common.messages import (
+    AveragedChunkOut,
+    ChunkHeader,
+    ChunkIn,
+    ErrorOut,
+    JoinAccepted,
+    SampleStats,
+    TensorKey,
+)
+from gradserver.common.timeouts import Timeouts
+
+from .base import ErrorRecord
+from .grpc_link import GrpcLink
+from .shm_channel import ShmChannel
+
+
+class ShmLink(GrpcLink):
+    """A `Link` whose payloads travel through the shared-memory arenas of `channel`."""
+
+    transport = "shm"
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        accepted: JoinAccepted,
+        timeouts: Timeouts,
+        extra_metadata: tuple[tuple[str, str], ...],
+        arenas: ShmChannel,
+        *,
+        cond: threading.Condition | None = None,
+        on_break: Callable[[ErrorRecord], None] | None = None,
+    ) -> None:
+        """Takes ownership of `arenas` (closed with the link) before the stream opens, so that
+        the receiver thread finds them from its first message."""
+        self.arenas = arenas
+        super().__init__(channel, accepted, timeouts, extra_metadata, cond=cond, on_break=on_break)
+
+    def allocate(self, num_elements: int) -> np.ndarray | None:
+        """An array in the registered input arena (sent from where it lies), or None when the
+        arena has no contiguous room left."""
+        return self.arenas.gradient_buffer(num_elements)
+
+    def send_chunk(
+        self,
+        key: TensorKey,
+        header: ChunkHeader,
+        offset: int,
+        piece: np.ndarray,
+        stats: SampleStats | None,
+    ) -> None:
+        ref = self.arenas.stage(key, offset, piece)
+        if ref is None:
+            super().send_chunk(key, header, offset, piece, stats)
+        else:
+            self.send(ChunkIn(self.accepted.worker_id, key, header, offset, b"", stats, ref))
+
+    def forget(self, key: TensorKey) -> None:
+        """Stops waiting for `key` and frees the input slots its chunks were staged in (called
+        when its send failed midway, or once the coordinator dropped it)."""
+        super().forget(key)
+        self.arenas.key_done(key)
+
+    def _on_chunk(self, event: AveragedChunkOut) -> None:
+        # Averaged: the coordinator holds no view of this chunk's input slot any more.
+        self.arenas.chunk_done(event.key, event.offset)
+        if event.shm is None:
+            super()._on_chunk(event)
+            return
+        try:
+            self._fill(event, self.arenas.average(event.shm))
+        finally:
+            self.arenas.release(event.shm)
+
+    def _coordinator_dropped(self, event: ErrorOut) -> None:
+        # A failed step or a refused key is dropped by the coordinator: its slots are free.
+        if event.step_failed:
+            self.arenas.step_done(event.step)
+        elif event.key is not None:
+            self.arenas.key_done(event.key)
+
+    def _coordinator_lost(self) -> None:
+        self.arenas.coordinator_lost()
+
+    def close(self) -> None:
+        if self._closing:
+            return  # the arenas' descriptors must be closed once only
+        try:
+            super().close()
+        finally:
+            self.arenas.close()
