@@ -41,6 +41,12 @@ _F32 = np.dtype("<f4")
 # How long a chunk waits for a free input slot before it goes inline instead: long enough to ride
 # out the normal turnover of a busy arena, short enough that a stalled arena costs little.
 _SLOT_WAIT_S = 2.0
+# A SIGKILLed coordinator closes its sockets a moment before /proc shows it gone (it still runs its
+# exit then); on a loaded machine that moment lasts long enough for a single look to call it alive
+# and keep its directory for good. A closed socket is worth waiting this long for the process.
+_EXIT_WAIT_S = 3.0
+_EXIT_POLL_S = 0.02
+_CLOSE_JOIN_S = 1.0
 
 
 class ShmChannel:
@@ -68,6 +74,7 @@ class ShmChannel:
         self._held: dict[tuple[TensorKey, int], int] = {}  # (key, offset) -> slot byte offset
         self._send_lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # wakes a watcher that waits for the coordinator's exit
         # The coordinator writes nothing after the handshake: the socket ends only when it closes
         # the connection or dies. A SIGKILLed coordinator cannot remove its socket directory, so
         # whoever of its workers notices first does.
@@ -234,20 +241,34 @@ class ShmChannel:
             except OSError:
                 return  # closed by this side
         if not self._closed:
-            self._remove_if_abandoned()
+            self._remove_if_abandoned(_EXIT_WAIT_S)
 
     def coordinator_lost(self) -> None:
         """The gRPC stream says the coordinator is gone: remove its socket directory if so, before
         the caller hears of it (a process that exits on that error may never run the watcher)."""
-        self._remove_if_abandoned()
+        self._remove_if_abandoned(_EXIT_WAIT_S if self._coordinator_closed() else 0.0)
 
-    def _remove_if_abandoned(self) -> None:
+    def _remove_if_abandoned(self, wait_s: float = 0.0) -> None:
         # A live coordinator (the common case: it only dropped this worker, or the network did)
         # keeps its directory, and is not even probed.
-        if not self._socket_path or (self._coordinator_pid and shm.process_alive(self._coordinator_pid)):
+        if not self._socket_path or (self._coordinator_pid and not self._coordinator_gone(wait_s)):
             return
         if shm.remove_if_abandoned(self._socket_path):
             log.info("removed %s, left by a coordinator that is gone", os.path.dirname(self._socket_path))
+
+    def _coordinator_gone(self, wait_s: float) -> bool:
+        """Whether the coordinator's process is gone, or goes within `wait_s` (looked at every few
+        ms; given up early once this side closes, so no thread outlives the client for long)."""
+        if self._coordinator_pid == os.getpid():
+            return False  # a coordinator in this very process (tests, embedding) lives on
+        deadline = time.monotonic() + wait_s
+        directory = os.path.dirname(self._socket_path)
+        while shm.process_alive(self._coordinator_pid):
+            left = deadline - time.monotonic()
+            # A coordinator that stops gracefully removes its directory itself: nothing to wait for.
+            if left <= 0 or not os.path.isdir(directory) or self._closing.wait(min(left, _EXIT_POLL_S)):
+                return False
+        return True
 
     def _coordinator_closed(self) -> bool:
         """Whether the coordinator closed its end (an EOF is waiting), without blocking."""
@@ -261,6 +282,7 @@ class ShmChannel:
     def close(self) -> None:
         # Checked before this side closes: the watcher may not have run since the coordinator died.
         gone = self._coordinator_closed()
+        self._closing.set()
         with self._send_lock:
             self._closed = True
             with contextlib.suppress(OSError):
@@ -271,6 +293,8 @@ class ShmChannel:
             self._cond.notify_all()
         if gone:
             self._remove_if_abandoned()
+        if self._watch is not threading.current_thread():
+            self._watch.join(_CLOSE_JOIN_S)  # it holds this channel, and so its mappings
         os.close(self._arena_fd)
         # Mappings still viewed by arrays (gradient buffers, results) are unmapped when those go.
         for mapping in (self._arena, self._out):
