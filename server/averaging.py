@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -50,6 +51,15 @@ class NonFiniteContribution(Exception):
 _BLOCK = 65536
 
 
+class OutputBuffers(Protocol):
+    """Where averages may be written straight away (a transport's outbox offers them, e.g. the
+    shared-memory output arena, so that sending an average copies nothing)."""
+
+    def take(self, nbytes: int) -> memoryview | None: ...
+
+    def give_back(self, view: memoryview) -> None: ...
+
+
 class Averager:
     """Averages chunks; owns a cache-sized float64 scratch buffer (one per thread)."""
 
@@ -58,11 +68,35 @@ class Averager:
         self._threads = max(1, threads)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._local = threading.local()
+        # Set by an outbox while it offers them: float32 averages are written there.
+        self.output_buffers: OutputBuffers | None = None
 
     def close(self) -> None:
+        """Ends the range-summing threads (the coordinator's shutdown)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+
+    def reduce(
+        self,
+        contributions: Sequence[bytes | memoryview],
+        *,
+        divide: bool = True,
+        dtype: DType = DType.FLOAT32,
+        finite_only: bool = True,
+    ) -> bytes | memoryview:
+        """`average`, written into a buffer from `output_buffers` when one is offered (and given
+        back when the average fails)."""
+        buffers = self.output_buffers
+        out = None
+        if buffers is not None and dtype is DType.FLOAT32 and len(contributions) > 1:
+            out = buffers.take(_nbytes(contributions[0]))
+        try:
+            return self.average(contributions, divide=divide, dtype=dtype, out=out, finite_only=finite_only)
+        except (SumOverflow, NonFiniteContribution):
+            if out is not None and buffers is not None:
+                buffers.give_back(out)
+            raise
 
     def average(
         self,
@@ -170,9 +204,8 @@ class Averager:
         return out.data
 
 
-def average_chunk(contributions: Sequence[bytes | memoryview]) -> bytes | memoryview:
-    """One-off average (tests, tools); the coordinator keeps an `Averager` instead."""
-    return Averager().average(contributions)
+def _nbytes(data: bytes | memoryview) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 class SumOverflow(Exception):

@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import grpc
 
@@ -41,7 +40,6 @@ from gradserver.common.messages import (
     BarrierReleaseOut,
     ChunkHeader,
     ChunkIn,
-    DType,
     ErrorOut,
     KeyKind,
     ReduceOp,
@@ -114,14 +112,6 @@ class _Failure:
         return self.culprit_code if worker_id == self.culprit else self.code
 
 
-class OutputBuffers(Protocol):
-    """Where averages may be written straight away (the shared-memory output arena)."""
-
-    def take(self, nbytes: int) -> memoryview | None: ...
-
-    def give_back(self, view: memoryview) -> None: ...
-
-
 class ReductionTable:
     """All reductions of one job. Not thread-safe: the coordinator calls it from its event loop."""
 
@@ -136,11 +126,12 @@ class ReductionTable:
         on_barrier_released: Callable[[float], None] | None = None,
         on_worker_loss: str = "abort",
         shard: tuple[ShardMap, int] | None = None,
-        reduce_threads: int = 1,
+        averager: Averager | None = None,
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
         contribution or arrival to completion (for metrics). `shard` (map, own index): this
-        table expects and averages only the chunks the map assigns to that shard."""
+        table expects and averages only the chunks the map assigns to that shard. `averager`
+        (one thread by default) computes the averages; the coordinator shares one across jobs."""
         if on_worker_loss not in ("abort", "continue"):
             raise ValueError(f"on_worker_loss must be abort or continue, got {on_worker_loss!r}")
         self.world_size = world_size
@@ -151,10 +142,7 @@ class ReductionTable:
         self.chunk_elements = chunk_elements
         self.step_timeout = step_timeout
         self._clock = clock
-        self._averager = Averager(reduce_threads)
-        # Set by the coordinator while it offers shared memory: float32 averages are written
-        # into an output slot there, so publishing them copies nothing.
-        self.output_buffers: OutputBuffers | None = None
+        self._averager = averager if averager is not None else Averager()
         self._pending: dict[tuple[KeyKind, int], _Slot] = {}
         self._barriers: dict[tuple[int, str], _Barrier] = {}
         self._last_step: dict[tuple[KeyKind, int], int] = {}
@@ -215,9 +203,9 @@ class ReductionTable:
         self._settle_steps()
         return out
 
-    def own_worker_data(self, worker_id: int) -> None:
+    def copy_held_data(self, worker_id: int) -> None:
         """Replaces the views of `worker_id`'s contributions still held by private copies, so
-        that memory it can still write (a shared-memory arena) is never read again."""
+        that memory its sender can still write is never read again (its transport decides)."""
         for slot in self._pending.values():
             for parts in slot.chunks.values():
                 part = parts[worker_id]
@@ -620,19 +608,14 @@ class ReductionTable:
         parts = slot.chunks[index]
         contributors = sorted(slot.expected)
         data = [d for d in (parts[w] for w in contributors) if d is not None]
-        out = None
-        if self.output_buffers is not None and slot.header.dtype is DType.FLOAT32 and len(data) > 1:
-            out = self.output_buffers.take(_nbytes(data[0]))
         try:
-            averaged = self._averager.average(
+            averaged = self._averager.reduce(
                 data,
                 divide=slot.key.op is not ReduceOp.SUM,
                 dtype=slot.header.dtype,
-                out=out,
                 finite_only=not slot.key.propagate_non_finite,
             )
         except SumOverflow as exc:
-            self._give_back(out)
             element = index * self.chunk_elements + exc.element
             what = "sum" if slot.key.op is ReduceOp.SUM else "average"
             return self._fail_step(
@@ -642,7 +625,6 @@ class ReductionTable:
                 key=slot.key,
             )
         except NonFiniteContribution as exc:
-            self._give_back(out)
             culprit = contributors[exc.position]
             element = index * self.chunk_elements + exc.element
             return self._fail_step(
@@ -679,10 +661,6 @@ class ReductionTable:
             if self._on_key_reduced is not None:
                 self._on_key_reduced(self._clock() - slot.opened)
         return outgoing
-
-    def _give_back(self, out: memoryview | None) -> None:
-        if out is not None and self.output_buffers is not None:
-            self.output_buffers.give_back(out)
 
     @staticmethod
     def _global_stats(slot: _Slot) -> SampleStats:

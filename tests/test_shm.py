@@ -502,7 +502,7 @@ def test_connect_returns_once_the_coordinator_holds_the_stream(shm_coordinator) 
     server = shm_coordinator(world_size=3)
     clients = _connect(server.address, ["shm", "shm", "grpc"])
     try:
-        assert server.call(lambda s: sorted(s._streams)) == [0, 1, 2]
+        assert server.call(lambda s: sorted(s._streams.by_worker)) == [0, 1, 2]
     finally:
         for c in clients:
             c.close()

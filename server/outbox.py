@@ -1,0 +1,108 @@
+"""Outboxes: what each transport adds to the coordinator's delivery, behind one interface.
+
+The coordinator's pure cores (`Job`, `ReductionTable`) return messages as `Outgoing`; the
+coordinator encodes each and queues the bytes on the recipients' gRPC streams. An outbox per
+transport sits in between: it may reroute a message (the shared-memory outbox writes an average
+once into its output arena and names it to its readers: `ShmOutbox` in `shm`), resolve what a
+chunk names (a range of the sender's arena), hear that a worker left (its memory is never read
+again; other coordinator partitions are told: `ShardRole` in `peers`) and see every step failure
+that goes out (the peer outbox tells the other partitions). Adding a transport is one class
+here, with its own module, and one line where the coordinator builds its `Outboxes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.messages import ChunkIn
+
+from .membership import Member
+from .outgoing import Outgoing
+from .reduction import ReductionTable
+
+
+class Outbox(Protocol):
+    """One transport's part in delivery (each method may do nothing)."""
+
+    def route(self, item: Outgoing) -> list[Outgoing]:
+        """The messages that carry `item` (the same one, or parts for different recipients)."""
+        ...
+
+    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn | None:
+        """The chunk with its data in hand when it names this transport's memory; else None."""
+        ...
+
+    def sent(self, outgoing: Sequence[Outgoing]) -> None:
+        """Sees every batch of messages the cores answered with (before they are queued)."""
+        ...
+
+    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
+        """A member left (`lost`: without a goodbye), before the table hears of it."""
+        ...
+
+    def offer(self) -> dict[str, Any]:
+        """The JoinAccepted fields that tell a joiner how to use this transport."""
+        ...
+
+    def reset(self) -> None:
+        """A fresh job starts (every worker left)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Outboxes:
+    """Every outbox of one coordinator, applied in order (gRPC alone needs none)."""
+
+    def __init__(self) -> None:
+        self._outboxes: list[Outbox] = []
+
+    def add(self, outbox: Outbox) -> None:
+        self._outboxes.append(outbox)
+
+    def route(self, item: Outgoing) -> list[Outgoing]:
+        items = [item]
+        for outbox in self._outboxes:
+            items = [part for each in items for part in outbox.route(each)]
+        return items
+
+    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn:
+        """`chunk` with its data in hand; raises naming the worker, step and key when it names
+        memory of a transport that this coordinator does not offer."""
+        if chunk.shm is None:
+            return chunk
+        for outbox in self._outboxes:
+            resolved = outbox.resolve(chunk, member)
+            if resolved is not None:
+                return resolved
+        w, key = chunk.worker_id, chunk.key
+        raise InvalidArgumentError(
+            f"worker {w}, {key}: chunk names shared memory, which this coordinator does not offer",
+            step=key.step,
+            key=str(key),
+            worker_id=w,
+        )
+
+    def sent(self, outgoing: Sequence[Outgoing]) -> None:
+        for outbox in self._outboxes:
+            outbox.sent(outgoing)
+
+    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
+        for outbox in self._outboxes:
+            outbox.worker_gone(worker_id, reason, lost=lost, table=table)
+
+    def offer(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for outbox in self._outboxes:
+            fields.update(outbox.offer())
+        return fields
+
+    def reset(self) -> None:
+        for outbox in self._outboxes:
+            outbox.reset()
+
+    async def close(self) -> None:
+        for outbox in self._outboxes:
+            await outbox.close()
