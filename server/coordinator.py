@@ -20,12 +20,11 @@ import dataclasses
 import logging
 import os
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from gradserver.common import codec
 from gradserver.common.config import parse_address
@@ -33,25 +32,19 @@ from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
     UnavailableError,
-    status_code_from_value,
 )
 from gradserver.common.messages import (
     BarrierIn,
     ChunkIn,
-    ErrorOut,
-    HeartbeatAckOut,
-    HeartbeatIn,
-    LeaveIn,
     ShardRequestIn,
     ShutdownOut,
-    WorkerEvent,
 )
-from gradserver.common.rpc import SERVICE_NAME, server_options
+from gradserver.common.rpc import SERVICE_NAME
 
 from . import join
-from .auth import TokenInterceptor, client_identity, peer_host, stream_member
+from .auth import client_identity, peer_host, stream_member
 from .averaging import Averager
-from .binding import bind_port, write_port_file
+from .binding import bind_port, grpc_server, write_port_file
 from .config import CoordinatorConfig
 from .events import EventLog
 from .job import (
@@ -60,7 +53,6 @@ from .job import (
     Job,
     JobEffect,
     JobState,
-    Liveness,
     ResetJob,
     StateChanged,
     Stop,
@@ -109,13 +101,9 @@ class GradientServer:
         self.metrics = CoordinatorMetrics(config.world_size)
         # Sharded coordinators (--shard-map): this process averages only its partition's chunks.
         self._shard = ShardRole(config.shards, config.shard_index, config) if config.shards else None
-        self._outboxes = Outboxes()
-        if self._shard is not None:
-            self._outboxes.add(self._shard)
         self.shm: ShmHub | None = None  # the same-host fast path, when offered
         self._averager = Averager(config.reduce_threads or _auto_reduce_threads())
         self._table = self._new_table()
-        self._counted = (0, 0)  # steps and keys of this job already added to the metrics
         self._job = Job(
             config.world_size,
             rejoin_timeout=config.rejoin_timeout,
@@ -127,11 +115,17 @@ class GradientServer:
             config,
             self.metrics,
             handle=self._handle,
+            refusal=self._job.refusal,
             buffered=self._buffered,
             stopping=lambda: self._stopping is not None,
             ended=self._stream_ended,
         )
-        self._monitor = Monitor(min(1.0, config.heartbeat_timeout / 4), self._tick, self._monitor_failed)
+        self._outboxes = Outboxes(self._streams, self.metrics)
+        if self._shard is not None:
+            self._outboxes.add(self._shard)
+        watched = (self._job, self._membership, self._streams)
+        interval = min(1.0, config.heartbeat_timeout / 4)
+        self._monitor = Monitor(interval, watched, self._evict, self._expire, self._monitor_failed)
         self._stopping: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self.events = EventLog(config.events_file)
@@ -173,17 +167,12 @@ class GradientServer:
         """Binds and starts serving; returns the bound port. A bound address raises
         `AddressInUseError` (ports are exclusive: no SO_REUSEPORT)."""
         cfg = self.config
-        interceptors = [TokenInterceptor(cfg.auth_token, self._auth_refused)] if cfg.auth_token else []
-        server = grpc.aio.server(
-            options=server_options(cfg.max_message_bytes, cfg.heartbeat_timeout), interceptors=interceptors
-        )
         handlers = {
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
             "NotifyShard": grpc.unary_unary_rpc_method_handler(self._notify_shard),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        server = grpc_server(cfg, handlers, self._health, self.metrics)
         self.port = bind_port(server, cfg)
         await server.start()
         self._server = server
@@ -243,21 +232,10 @@ class GradientServer:
         log.info("shutting down: %s", reason)
         await self._health.enter_graceful_shutdown()
         self._streams.broadcast(codec.encode_server_event(ShutdownOut(reason)))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout
-        while self._table.has_pending() and self._streams:
-            self._streams.progress.clear()
-            try:
-                await asyncio.wait_for(self._streams.progress.wait(), deadline - loop.time())
-            except TimeoutError:
-                break
+        deadline = asyncio.get_running_loop().time() + self.config.drain_timeout
+        await self._streams.drain(lambda: self._table.has_pending(), deadline)  # noqa: PLW0108 - a reset replaces the table
         self._deliver(self._table.fail_all(grpc.StatusCode.UNAVAILABLE, f"coordinator {reason}"))
-        streams = list(self._streams)
-        for stream in streams:
-            stream.by_shutdown = True
-            stream.end(None)
-        if streams:
-            await asyncio.wait([s.closed for s in streams], timeout=max(0.0, deadline - loop.time()))
+        await self._streams.end_all(deadline)
         self._monitor.stop()
         if self._server is not None:
             await self._server.stop(grace=1.0)
@@ -290,26 +268,15 @@ class GradientServer:
                     )
             elif isinstance(effect, ResetJob):
                 self._table = self._new_table()
-                self._counted = (0, 0)
+                self.metrics.new_table()
                 self._outboxes.reset()
                 log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
             elif isinstance(effect, Stop):
                 self.request_stop(effect.reason)
 
     def _deliver(self, outgoing: list[Outgoing]) -> None:
-        self._outboxes.sent(outgoing)
-        for item in outgoing:
-            if isinstance(item.event, ErrorOut):
-                code = status_code_from_value(item.event.code)
-                self.metrics.errors.labels(code.name).inc(len(item.to))
-            for part in self._outboxes.route(item):
-                self._streams.send(part.to, codec.encode_server_event(part.event))
-        if outgoing:
-            self._streams.wake_readers()
-        steps, keys = self._table.steps_completed, self._table.keys_reduced
-        self.metrics.steps_completed.inc(steps - self._counted[0])
-        self.metrics.keys_reduced.inc(keys - self._counted[1])
-        self._counted = (steps, keys)
+        self._outboxes.deliver(outgoing)
+        self.metrics.count_table(self._table.steps_completed, self._table.keys_reduced)
         if self._job.steps_completed(self._table.last_completed_step):
             log.info("reached --max-steps %d at step %s", self.config.max_steps, self._job.final_step)
         self._streams.progress.set()
@@ -350,11 +317,7 @@ class GradientServer:
 
     async def _admit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
         request = codec.decode_join_request(raw)
-        join.check_protocol(request)
-        refusal = self._job.join_refusal()
-        if refusal is not None:
-            raise UnavailableError(refusal)
-        join.check_partition(request, self._shard)
+        join.check_request(request, self._job, self._shard)
         identity = client_identity(context, self.config.tls_client_ca)
         return await self._membership.join(request, identity, peer_host(context.peer()))
 
@@ -381,34 +344,14 @@ class GradientServer:
 
         await self._streams.serve(await self._refusing(context, admit()), context)
 
-    def _handle(self, stream: WorkerStream, event: WorkerEvent) -> bool:
-        """Dispatches one decoded message; True when the worker announced that it leaves."""
-        w = stream.member.worker_id
-        if isinstance(event, LeaveIn):
-            log.info("worker %d is leaving: %s", w, event.reason or "no reason given", extra={"worker_id": w})
-            stream.said_goodbye = True
-            return True
-        if event.worker_id != w:
-            raise FailedPreconditionError(
-                f"message names worker {event.worker_id}, but this stream belongs to worker {w}",
-                worker_id=event.worker_id,
-            )
-        if isinstance(event, HeartbeatIn):
-            stream.send(codec.encode_server_event(HeartbeatAckOut(event.sequence)))
-        elif isinstance(event, ChunkIn | BarrierIn):
-            step = event.key.step if isinstance(event, ChunkIn) else event.step
-            refusal = self._job.refusal(step)
-            if refusal is not None:
-                key, name = (event.key, None) if isinstance(event, ChunkIn) else (None, event.name)
-                code = grpc.StatusCode.FAILED_PRECONDITION
-                self._streams.send_error(stream, code, refusal, step, key, name)
-            elif isinstance(event, ChunkIn):
-                self._deliver(self._table.contribute(self._outboxes.resolve(event, stream.member)))
-            else:
-                self._deliver(self._table.barrier(event))
-        elif isinstance(event, ShardRequestIn):
+    def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | ShardRequestIn) -> None:
+        """Hands one contribution, barrier arrival or request to the table."""
+        if isinstance(event, ChunkIn):
+            self._deliver(self._table.contribute(self._outboxes.resolve(event, stream.member)))
+        elif isinstance(event, BarrierIn):
+            self._deliver(self._table.barrier(event))
+        else:
             self._deliver(self._table.shard(event))
-        return False
 
     def _buffered(self, worker_id: int) -> int:
         return self._table.buffered_bytes(worker_id)  # of the current job's table
@@ -417,28 +360,9 @@ class GradientServer:
         if self._membership.remove(stream.member, why, expected=expected):
             self._worker_gone(stream.member, why, lost=not expected)
 
-    def _auth_refused(self, peer: str, code: grpc.StatusCode, check: str) -> None:
-        """Logs and counts a refused credential (the peer and the check, never a secret)."""
-        self.metrics.errors.labels(code.name).inc()
-        log.warning("refused a call from %s: %s", peer, check)
-
     # --- liveness -------------------------------------------------------------------------------
 
-    def _tick(self) -> None:
-        now = time.monotonic()
-        for member in self._membership.members():
-            stream = self._streams.of(member)
-            seen = Liveness(
-                silent_s=now - member.last_seen,
-                stalled_s=stream.stalled_for(now) if stream is not None else 0.0,
-                has_stream=stream is not None,
-                paused=stream is not None and stream.paused,
-                streaming=member.streaming,
-                world_complete=self._membership.complete,
-            )
-            why = self._job.liveness_verdict(seen)
-            if why is not None:
-                self._evict(member, why)
+    def _expire(self) -> None:
         self._deliver(self._table.expire())
 
     def _monitor_failed(self, failures: int, error: BaseException) -> None:

@@ -6,25 +6,26 @@ from __future__ import annotations
 from typing import Any
 
 from gradserver.common import codec
-from gradserver.common.errors import FailedPreconditionError
+from gradserver.common.errors import FailedPreconditionError, UnavailableError
 from gradserver.common.messages import JoinAccepted, JoinRequestIn
 
 from .config import CoordinatorConfig
+from .job import Job
 from .membership import Member, Membership
 from .peers import ShardRole
 
 
-def check_protocol(request: JoinRequestIn) -> None:
-    """Raises naming the node when it speaks another protocol version."""
+def check_request(request: JoinRequestIn, job: Job, shard: ShardRole | None) -> None:
+    """Raises naming the node when it speaks another protocol version, the job no longer takes
+    members (the coordinator stops) or it asks for a partition this coordinator does not have."""
     if request.protocol_version != codec.PROTOCOL_VERSION:
         raise FailedPreconditionError(
             f"node {request.node_id!r} speaks protocol version {request.protocol_version}, "
             f"this coordinator {codec.PROTOCOL_VERSION}"
         )
-
-
-def check_partition(request: JoinRequestIn, shard: ShardRole | None) -> None:
-    """Raises naming the node when it asks for a partition this coordinator does not have."""
+    refusal = job.join_refusal()
+    if refusal is not None:
+        raise UnavailableError(refusal)
     if shard is not None:
         shard.check_join(request)
     elif request.shard_index is not None:

@@ -1,29 +1,43 @@
 """The coordinator's liveness monitor task: a tick every quarter heartbeat timeout (at most a
 second) that evicts silent workers and fails steps past their deadline.
 
-Which member counts as lost is `Job.liveness_verdict`'s decision; this module only keeps the tick
-going. Heartbeat eviction and step expiry must never end silently: a failed tick is logged and
-the loop restarted, and every failure in a row is reported (the job fails after a few).
+Which member counts as lost is `Job.liveness_verdict`'s decision; this module observes each
+member and keeps the tick going. Heartbeat eviction and step expiry must never end silently: a
+failed tick is logged and the loop restarted, and every failure in a row is reported (the job
+fails after a few).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+
+from .job import Job, Liveness
+from .membership import Member, Membership
+from .streams import Streams, WorkerStream
 
 log = logging.getLogger("gradserver.server")
 
 
 class Monitor:
-    """Calls `tick()` every `interval` seconds until `stop()`; `on_failure(count, error)` hears
-    each failure with the number of failures in a row."""
+    """Every `interval` seconds until `stop()`: each member the job rules lost is passed to
+    `evict(member, why)`, then `expire()` runs. `on_failure(count, error)` hears each failure
+    with the number of failures in a row."""
 
     def __init__(
-        self, interval: float, tick: Callable[[], None], on_failure: Callable[[int, BaseException], None]
+        self,
+        interval: float,
+        watched: tuple[Job, Membership, Streams],
+        evict: Callable[[Member, str], None],
+        expire: Callable[[], None],
+        on_failure: Callable[[int, BaseException], None],
     ) -> None:
         self._interval = interval
-        self._tick = tick
+        self._job, self._membership, self._streams = watched
+        self._evict = evict
+        self._expire = expire
         self._on_failure = on_failure
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -37,6 +51,15 @@ class Monitor:
         self._stopped = True
         if self._task is not None:
             self._task.cancel()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for member in self._membership.members():
+            seen = observe(member, self._streams.of(member), now, world_complete=self._membership.complete)
+            why = self._job.liveness_verdict(seen)
+            if why is not None:
+                self._evict(member, why)
+        self._expire()
 
     async def _loop(self) -> None:
         while True:
@@ -54,3 +77,15 @@ class Monitor:
         self._on_failure(self.failures, exc)
         if not self._stopped:
             self.start()
+
+
+def observe(member: Member, stream: WorkerStream | None, now: float, *, world_complete: bool) -> Liveness:
+    """What `Job.liveness_verdict` needs to know of `member` (`stream`: its own open one)."""
+    return Liveness(
+        silent_s=now - member.last_seen,
+        stalled_s=stream.stalled_for(now) if stream is not None else 0.0,
+        has_stream=stream is not None,
+        paused=stream is not None and stream.paused,
+        streaming=member.streaming,
+        world_complete=world_complete,
+    )

@@ -1,8 +1,9 @@
-"""Outboxes: what each transport adds to the coordinator's delivery, behind one interface.
+"""Outboxes: how the messages the reduction table returns reach the workers, one outbox per
+transport behind one interface.
 
-The coordinator's pure cores (`Job`, `ReductionTable`) return messages as `Outgoing`; the
-coordinator encodes each and queues the bytes on the recipients' gRPC streams. An outbox per
-transport sits in between: it may reroute a message (the shared-memory outbox writes an average
+The table returns messages as `Outgoing`; `Outboxes.deliver` encodes each once and queues the
+same bytes on every recipient's gRPC stream (`streams`). An outbox per other transport sits in
+between: it may reroute a message (the shared-memory outbox writes an average
 once into its output arena and names it to its readers: `ShmOutbox` in `shm`), resolve what a
 chunk names (a range of the sender's arena), hear that a worker left (its memory is never read
 again; other coordinator partitions are told: `ShardRole` in `peers`) and see every step failure
@@ -15,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from gradserver.common.errors import InvalidArgumentError
-from gradserver.common.messages import ChunkIn
+from gradserver.common import codec
+from gradserver.common.errors import InvalidArgumentError, status_code_from_value
+from gradserver.common.messages import ChunkIn, ErrorOut
 
 from .membership import Member
+from .metrics import CoordinatorMetrics
 from .outgoing import Outgoing
 from .reduction import ReductionTable
+from .streams import Streams
 
 
 class Outbox(Protocol):
@@ -54,13 +58,28 @@ class Outbox(Protocol):
 
 
 class Outboxes:
-    """Every outbox of one coordinator, applied in order (gRPC alone needs none)."""
+    """Every outbox of one coordinator, applied in order, in front of the gRPC streams (which
+    need none of their own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: Streams, metrics: CoordinatorMetrics) -> None:
+        self._streams = streams
+        self._metrics = metrics
         self._outboxes: list[Outbox] = []
 
     def add(self, outbox: Outbox) -> None:
         self._outboxes.append(outbox)
+
+    def deliver(self, outgoing: Sequence[Outgoing]) -> None:
+        """Sends every message to its recipients (errors counted by code, per recipient)."""
+        self.sent(outgoing)
+        for item in outgoing:
+            if isinstance(item.event, ErrorOut):
+                code = status_code_from_value(item.event.code)
+                self._metrics.errors.labels(code.name).inc(len(item.to))
+            for part in self.route(item):
+                self._streams.send(part.to, codec.encode_server_event(part.event))
+        if outgoing:
+            self._streams.wake_readers()
 
     def route(self, item: Outgoing) -> list[Outgoing]:
         items = [item]

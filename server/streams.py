@@ -22,7 +22,16 @@ import grpc
 
 from gradserver.common import codec
 from gradserver.common.errors import FailedPreconditionError, GradServerError
-from gradserver.common.messages import ErrorOut, TensorKey, WorkerEvent
+from gradserver.common.messages import (
+    BarrierIn,
+    ChunkIn,
+    ErrorOut,
+    HeartbeatAckOut,
+    HeartbeatIn,
+    LeaveIn,
+    ShardRequestIn,
+    TensorKey,
+)
 
 from .config import CoordinatorConfig
 from .membership import Member
@@ -71,8 +80,8 @@ class WorkerStream:
         return now - self.write_progress if self.outbound_bytes else 0.0
 
 
-# What the coordinator does with one decoded message; True when the worker said goodbye.
-Handle = Callable[[WorkerStream, WorkerEvent], bool]
+# What the coordinator does with one decoded contribution, barrier arrival or request.
+Handle = Callable[[WorkerStream, ChunkIn | BarrierIn | ShardRequestIn], None]
 # Frees the member's place: (stream, why it ended, whether that was expected).
 Ended = Callable[[WorkerStream, str, bool], None]
 
@@ -86,6 +95,7 @@ class Streams:
         metrics: CoordinatorMetrics,
         *,
         handle: Handle,
+        refusal: Callable[[int], str | None],
         buffered: Callable[[int], int],
         stopping: Callable[[], bool],
         ended: Ended,
@@ -96,6 +106,7 @@ class Streams:
             chunk_elements=config.chunk_bytes // 4, max_tensor_elements=config.max_tensor_elements
         )
         self._handle = handle
+        self._refusal = refusal
         self._buffered = buffered
         self._stopping = stopping
         self._ended = ended
@@ -146,6 +157,27 @@ class Streams:
         self._metrics.errors.labels(code.name).inc()
         event = ErrorOut(int(code.value[0]), message, step, key=key, barrier_name=barrier)
         stream.send(codec.encode_server_event(event))
+
+    async def drain(self, pending: Callable[[], bool], deadline: float) -> None:
+        """Waits until nothing is `pending` or no stream is left, at most until `deadline`
+        (loop time): steps in flight complete before a shutdown fails them."""
+        loop = asyncio.get_running_loop()
+        while pending() and self.by_worker:
+            self.progress.clear()
+            try:
+                await asyncio.wait_for(self.progress.wait(), deadline - loop.time())
+            except TimeoutError:
+                return
+
+    async def end_all(self, deadline: float) -> None:
+        """Ends every stream as the shutdown's doing; waits for them to close until `deadline`."""
+        streams = list(self.by_worker.values())
+        for stream in streams:
+            stream.by_shutdown = True
+            stream.end(None)
+        if streams:
+            timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+            await asyncio.wait([s.closed for s in streams], timeout=timeout)
 
     def wake_readers(self) -> None:
         for stream in self.by_worker.values():
@@ -254,12 +286,40 @@ class Streams:
                 stream.end((grpc.StatusCode.RESOURCE_EXHAUSTED, message))
                 return
             try:
-                if self._handle(stream, codec.decode_worker_message(raw, self._limits)):
+                if self._dispatch(stream, codec.decode_worker_message(raw, self._limits)):
                     return
             except GradServerError as exc:
                 log.info("rejected message: %s", exc.message, extra={"worker_id": w, "step": exc.step})
                 key = codec.chunk_key(raw) if exc.key is not None else None
                 self.send_error(stream, exc.code, exc.message, exc.step or 0, key)
+
+    def _dispatch(self, stream: WorkerStream, event: object) -> bool:
+        """Answers what concerns the stream itself (goodbye, heartbeat, a step past the job's
+        final one is refused) and passes the rest on; True when the worker announced that it
+        leaves."""
+        w = stream.member.worker_id
+        if isinstance(event, LeaveIn):
+            log.info("worker %d is leaving: %s", w, event.reason or "no reason given", extra={"worker_id": w})
+            stream.said_goodbye = True
+            return True
+        assert isinstance(event, HeartbeatIn | ChunkIn | BarrierIn | ShardRequestIn)
+        if event.worker_id != w:
+            raise FailedPreconditionError(
+                f"message names worker {event.worker_id}, but this stream belongs to worker {w}",
+                worker_id=event.worker_id,
+            )
+        if isinstance(event, HeartbeatIn):
+            stream.send(codec.encode_server_event(HeartbeatAckOut(event.sequence)))
+            return False
+        if isinstance(event, ChunkIn | BarrierIn):
+            step = event.key.step if isinstance(event, ChunkIn) else event.step
+            refusal = self._refusal(step)
+            if refusal is not None:
+                key, name = (event.key, None) if isinstance(event, ChunkIn) else (None, event.name)
+                self.send_error(stream, grpc.StatusCode.FAILED_PRECONDITION, refusal, step, key, name)
+                return False
+        self._handle(stream, event)
+        return False
 
     async def _write_loop(self, stream: WorkerStream) -> None:
         while True:
