@@ -67,6 +67,14 @@ def bind_port(server: grpc.aio.Server, config: CoordinatorConfig) -> int:
     return port
 
 
+def publish_endpoints(config: CoordinatorConfig, metrics: CoordinatorMetrics, port: int) -> None:
+    """Once bound: the /metrics endpoint (--metrics-port) and the port file (--port-file)."""
+    if config.metrics_port >= 0:
+        metrics.serve(parse_address(config.bind)[0].strip("[]"), config.metrics_port)
+    if config.port_file:
+        write_port_file(config.port_file, port)
+
+
 def write_port_file(path: str, port: int) -> None:
     """Writes the bound port to `path` atomically: a reader sees no file or the whole line."""
     tmp = f"{path}.tmp"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -29,9 +30,7 @@ from grpc_health.v1 import health, health_pb2
 from gradserver.common import codec
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
-    FailedPreconditionError,
     GradServerError,
-    UnavailableError,
 )
 from gradserver.common.messages import (
     BarrierIn,
@@ -44,7 +43,7 @@ from gradserver.common.rpc import SERVICE_NAME
 from . import join
 from .auth import client_identity, peer_host, stream_member
 from .averaging import Averager
-from .binding import bind_port, grpc_server, write_port_file
+from .binding import bind_port, grpc_server, publish_endpoints
 from .config import CoordinatorConfig
 from .events import EventLog
 from .job import (
@@ -58,7 +57,7 @@ from .job import (
     Stop,
     WriteEvent,
 )
-from .liveness import Monitor
+from .liveness import Monitor, Timer
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
 from .outbox import Outboxes
@@ -79,6 +78,39 @@ def _auto_reduce_threads() -> int:
     """Half the cores, 1 to 8: the other half copies the averages out on the workers' side (on
     2 cores, splitting over both made a two-worker shared-memory step slower: 0.19 s -> 0.25 s)."""
     return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+def _new_table(
+    config: CoordinatorConfig, metrics: CoordinatorMetrics, shard: ShardRole | None, averager: Averager
+) -> ReductionTable:
+    """A fresh job's reduction table (this partition's chunks only, with --shard-map)."""
+    return ReductionTable(
+        config.world_size,
+        config.chunk_bytes // 4,
+        config.step_timeout,
+        on_key_reduced=metrics.reduce_latency.observe,
+        on_barrier_released=metrics.barrier_wait.observe,
+        on_worker_loss=config.on_worker_loss,
+        shard=(shard.shard_map, shard.own_index) if shard is not None else None,
+        averager=averager,
+    )
+
+
+def _new_job(config: CoordinatorConfig) -> Job:
+    return Job(
+        config.world_size,
+        rejoin_timeout=config.rejoin_timeout,
+        heartbeat_timeout=config.heartbeat_timeout,
+        max_steps=config.max_steps,
+        on_worker_loss=config.on_worker_loss,
+    )
+
+
+def _log_state_change(change: StateChanged) -> None:
+    if change.new is JobState.FAILED:
+        log.error("job failed: %s", change.why)
+    else:
+        log.info("job %s -> %s: %s", change.old.value, change.new.value, change.why)
 
 
 class GradientServer:
@@ -103,20 +135,15 @@ class GradientServer:
         self._shard = ShardRole(config.shards, config.shard_index, config) if config.shards else None
         self.shm: ShmHub | None = None  # the same-host fast path, when offered
         self._averager = Averager(config.reduce_threads or _auto_reduce_threads())
+        self._new_table = functools.partial(_new_table, config, self.metrics, self._shard, self._averager)
         self._table = self._new_table()
-        self._job = Job(
-            config.world_size,
-            rejoin_timeout=config.rejoin_timeout,
-            heartbeat_timeout=config.heartbeat_timeout,
-            max_steps=config.max_steps,
-            on_worker_loss=config.on_worker_loss,
-        )
+        self._job = _new_job(config)
         self._streams = Streams(
             config,
             self.metrics,
             handle=self._handle,
             refusal=self._job.refusal,
-            buffered=self._buffered,
+            buffered=lambda w: self._table.buffered_bytes(w),  # noqa: PLW0108 - a reset replaces the table
             stopping=lambda: self._stopping is not None,
             ended=self._stream_ended,
         )
@@ -125,35 +152,20 @@ class GradientServer:
             self._outboxes.add(self._shard)
         watched = (self._job, self._membership, self._streams)
         interval = min(1.0, config.heartbeat_timeout / 4)
-        self._monitor = Monitor(interval, watched, self._evict, self._expire, self._monitor_failed)
+        expire = lambda: self._deliver(self._table.expire())  # noqa: E731 - a reset replaces the table
+        self._monitor = Monitor(interval, watched, self._evict, expire, self._monitor_failed)
         self._stopping: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         self.events = EventLog(config.events_file)
-        self._rejoin_timer: asyncio.TimerHandle | None = None
+        self._rejoin_timer = Timer()
         self.metrics.job_state.state(self.state.value)
         self.port = 0
-
-    def _new_table(self) -> ReductionTable:
-        return ReductionTable(
-            self.config.world_size,
-            self.config.chunk_bytes // 4,
-            self.config.step_timeout,
-            on_key_reduced=self.metrics.reduce_latency.observe,
-            on_barrier_released=self.metrics.barrier_wait.observe,
-            on_worker_loss=self.config.on_worker_loss,
-            shard=(self._shard.shard_map, self._shard.own_index) if self._shard is not None else None,
-            averager=self._averager,
-        )
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     @property
     def state(self) -> JobState:
         return self._job.state
-
-    @property
-    def failure(self) -> str | None:
-        return self._job.failure
 
     @property
     def address(self) -> str:
@@ -188,10 +200,7 @@ class GradientServer:
         if self._shard is not None:
             shard = self._shard
             shard.peers.watch(lambda index, why: self._deliver(shard.unreachable(index, why, self._table)))
-        if cfg.metrics_port >= 0:
-            self.metrics.serve(parse_address(cfg.bind)[0].strip("[]"), cfg.metrics_port)
-        if cfg.port_file:
-            write_port_file(cfg.port_file, self.port)
+        publish_endpoints(cfg, self.metrics, self.port)
         log.info(
             "coordinator listening on %s for %d worker(s), session %#x; job %s",
             self.address,
@@ -252,20 +261,13 @@ class GradientServer:
         for effect in effects:
             if isinstance(effect, StateChanged):
                 self.metrics.job_state.state(effect.new.value)
-                if effect.new is JobState.FAILED:
-                    log.error("job failed: %s", effect.why)
-                else:
-                    log.info("job %s -> %s: %s", effect.old.value, effect.new.value, effect.why)
+                _log_state_change(effect)
             elif isinstance(effect, WriteEvent):
                 self.events.write(effect.name, **dict(effect.fields))
-            elif isinstance(effect, ArmTimer | CancelTimer):
-                if self._rejoin_timer is not None:
-                    self._rejoin_timer.cancel()
-                    self._rejoin_timer = None
-                if isinstance(effect, ArmTimer):
-                    self._rejoin_timer = asyncio.get_running_loop().call_later(
-                        effect.delay, lambda: self._apply(self._job.time_passed())
-                    )
+            elif isinstance(effect, ArmTimer):
+                self._rejoin_timer.arm(effect.delay, lambda: self._apply(self._job.time_passed()))
+            elif isinstance(effect, CancelTimer):
+                self._rejoin_timer.cancel()
             elif isinstance(effect, ResetJob):
                 self._table = self._new_table()
                 self.metrics.new_table()
@@ -312,8 +314,7 @@ class GradientServer:
             self.metrics.workers_joined.set(self._membership.joined)
         self._table.worker_joined(member.worker_id)
         self._apply(self._job.world_complete())
-        offers = self._outboxes.offer()
-        return join.accepted(member, self._membership, self.config, self.session_id, offers)
+        return join.accepted(member, self._membership, self.config, self.session_id, self._outboxes.offer())
 
     async def _admit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
         request = codec.decode_join_request(raw)
@@ -323,24 +324,15 @@ class GradientServer:
 
     async def _notify_shard(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         """Another shard failed a step (or lost a worker): fail it here too."""
-
-        async def heard() -> None:
-            if self._shard is None:
-                raise FailedPreconditionError("NotifyShard: this coordinator runs without --shard-map")
-            self._deliver(self._shard.heard(raw, self._table))
-
-        await self._refusing(context, heard())
+        await self._refusing(context, self._heard(raw))
         return b""
 
-    async def _exchange(
-        self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
+    async def _heard(self, raw: bytes) -> None:
+        self._deliver(ShardRole.hear(self._shard, raw, self._table))
+
+    async def _exchange(self, _: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
         async def admit() -> Member:
-            member = stream_member(context, self._membership, self.config.tls_client_ca)
-            self._streams.check_open(member)
-            if self._stopping is not None:
-                raise UnavailableError("the coordinator is shutting down")
-            return member
+            return self._streams.admit(stream_member(context, self._membership, self.config.tls_client_ca))
 
         await self._streams.serve(await self._refusing(context, admit()), context)
 
@@ -353,17 +345,11 @@ class GradientServer:
         else:
             self._deliver(self._table.shard(event))
 
-    def _buffered(self, worker_id: int) -> int:
-        return self._table.buffered_bytes(worker_id)  # of the current job's table
-
     def _stream_ended(self, stream: WorkerStream, why: str, expected: bool) -> None:
         if self._membership.remove(stream.member, why, expected=expected):
             self._worker_gone(stream.member, why, lost=not expected)
 
     # --- liveness -------------------------------------------------------------------------------
-
-    def _expire(self) -> None:
-        self._deliver(self._table.expire())
 
     def _monitor_failed(self, failures: int, error: BaseException) -> None:
         self._apply(self._job.monitor_failed(failures, _MONITOR_RESTARTS, repr(error)))

@@ -89,3 +89,19 @@ def observe(member: Member, stream: WorkerStream | None, now: float, *, world_co
         streaming=member.streaming,
         world_complete=world_complete,
     )
+
+
+class Timer:
+    """One pending call on the running loop (the job's rejoin deadline); arming replaces it."""
+
+    def __init__(self) -> None:
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self, delay: float, callback: Callable[[], None]) -> None:
+        self.cancel()
+        self._handle = asyncio.get_running_loop().call_later(delay, callback)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

@@ -248,6 +248,13 @@ class ShardRole:
             out += table.fail_step(step, message, grpc.StatusCode.UNAVAILABLE)
         return out
 
+    @staticmethod
+    def hear(role: ShardRole | None, raw: bytes, table: ReductionTable) -> list[Outgoing]:
+        """`role.heard`, refused (naming why) on a coordinator without --shard-map."""
+        if role is None:
+            raise FailedPreconditionError("NotifyShard: this coordinator runs without --shard-map")
+        return role.heard(raw, table)
+
     def heard(self, raw: bytes, table: ReductionTable) -> list[Outgoing]:
         """Applies a notice from another shard to `table`: the step (or, for a lost worker, every
         step in flight) fails for every worker, naming the shard that failed it first."""

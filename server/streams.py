@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from gradserver.common import codec
-from gradserver.common.errors import FailedPreconditionError, GradServerError
+from gradserver.common.errors import FailedPreconditionError, GradServerError, UnavailableError
 from gradserver.common.messages import (
     BarrierIn,
     ChunkIn,
@@ -124,12 +124,16 @@ class Streams:
         stream = self.by_worker.get(member.worker_id)
         return stream if stream is not None and stream.member is member else None
 
-    def check_open(self, member: Member) -> None:
+    def admit(self, member: Member) -> Member:
+        """`member` may open its stream: raises when it has one open or the coordinator stops."""
         if self.of(member) is not None:
             raise FailedPreconditionError(
                 f"worker {member.worker_id} already has an Exchange stream open",
                 worker_id=member.worker_id,
             )
+        if self._stopping():
+            raise UnavailableError("the coordinator is shutting down")
+        return member
 
     # --- sending --------------------------------------------------------------------------------
 
