@@ -63,7 +63,8 @@ from .metrics import CoordinatorMetrics
 from .outbox import Outboxes
 from .outgoing import Outgoing
 from .peers import ShardRole
-from .reduction import ReductionTable
+from .reducer import Reducer, Result
+from .reduction import Reduce, ReductionTable
 from .shm import ShmHub, ShmOutbox
 from .streams import Streams, WorkerStream
 
@@ -93,6 +94,7 @@ def _new_table(
         on_worker_loss=config.on_worker_loss,
         shard=(shard.shard_map, shard.own_index) if shard is not None else None,
         averager=averager,
+        defer_reductions=True,  # averaged by the `Reducer`, off the event loop
     )
 
 
@@ -137,6 +139,7 @@ class GradientServer:
         self._averager = Averager(config.reduce_threads or _auto_reduce_threads())
         self._new_table = functools.partial(_new_table, config, self.metrics, self._shard, self._averager)
         self._table = self._new_table()
+        self._reducer = Reducer(self._averager, self._reduced)
         self._job = _new_job(config)
         self._streams = Streams(
             config,
@@ -246,6 +249,7 @@ class GradientServer:
         self._deliver(self._table.fail_all(grpc.StatusCode.UNAVAILABLE, f"coordinator {reason}"))
         await self._streams.end_all(deadline)
         self._monitor.stop()
+        await self._reducer.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self._outboxes.close()
@@ -278,10 +282,17 @@ class GradientServer:
 
     def _deliver(self, outgoing: list[Outgoing]) -> None:
         self._outboxes.deliver(outgoing)
+        for request in self._table.take_reductions():
+            self._reducer.submit(self._table, request)
         self.metrics.count_table(self._table.steps_completed, self._table.keys_reduced)
         if self._job.steps_completed(self._table.last_completed_step):
             log.info("reached --max-steps %d at step %s", self.config.max_steps, self._job.final_step)
         self._streams.progress.set()
+
+    def _reduced(self, table: ReductionTable, request: Reduce, result: Result) -> list[Outgoing]:
+        sent = table.reduced(request, *result) if table is self._table else []  # else: a reset
+        self._deliver(sent)
+        return sent
 
     def _worker_gone(self, member: Member, reason: str, *, lost: bool) -> None:
         worker_id = member.worker_id
