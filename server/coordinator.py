@@ -108,7 +108,8 @@ def _new_job(config: CoordinatorConfig) -> Job:
     )
 
 
-def _log_state_change(change: StateChanged) -> None:
+def _report_state_change(change: StateChanged, metrics: CoordinatorMetrics) -> None:
+    metrics.job_state.state(change.new.value)
     if change.new is JobState.FAILED:
         log.error("job failed: %s", change.why)
     else:
@@ -151,8 +152,7 @@ class GradientServer:
             ended=self._stream_ended,
         )
         self._outboxes = Outboxes(self._streams, self.metrics)
-        if self._shard is not None:
-            self._outboxes.add(self._shard)
+        self._outboxes.add(self._shard)
         watched = (self._job, self._membership, self._streams)
         interval = min(1.0, config.heartbeat_timeout / 4)
         expire = lambda: self._deliver(self._table.expire())  # noqa: E731 - a reset replaces the table
@@ -194,9 +194,8 @@ class GradientServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         shm = await ShmOutbox.open(cfg, self.metrics, self._membership.authenticate, self._averager)
-        if shm is not None:
-            self.shm = shm.hub
-            self._outboxes.add(shm)
+        self._outboxes.add(shm)
+        self.shm = shm.hub if shm is not None else None
         # Where its leftovers would be, for a supervisor that has to SIGKILL it.
         self.events.write("serving", port=self.port, shm_socket=self._outboxes.offer().get("shm_socket", ""))
         self._monitor.start()
@@ -204,13 +203,8 @@ class GradientServer:
             shard = self._shard
             shard.peers.watch(lambda index, why: self._deliver(shard.unreachable(index, why, self._table)))
         publish_endpoints(cfg, self.metrics, self.port)
-        log.info(
-            "coordinator listening on %s for %d worker(s), session %#x; job %s",
-            self.address,
-            cfg.world_size,
-            self.session_id,
-            self.state.value,
-        )
+        facts = (self.address, cfg.world_size, self.session_id, self.state.value)
+        log.info("coordinator listening on %s for %d worker(s), session %#x; job %s", *facts)
         return self.port
 
     async def stop(self, reason: str = "coordinator stopped") -> None:
@@ -253,7 +247,6 @@ class GradientServer:
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await self._outboxes.close()
-        self._averager.close()
         self.metrics.close()
         self.events.close()
         self._stopped.set()
@@ -264,8 +257,7 @@ class GradientServer:
     def _apply(self, effects: list[JobEffect]) -> None:
         for effect in effects:
             if isinstance(effect, StateChanged):
-                self.metrics.job_state.state(effect.new.value)
-                _log_state_change(effect)
+                _report_state_change(effect, self.metrics)
             elif isinstance(effect, WriteEvent):
                 self.events.write(effect.name, **dict(effect.fields))
             elif isinstance(effect, ArmTimer):

@@ -66,8 +66,10 @@ class Outboxes:
         self._metrics = metrics
         self._outboxes: list[Outbox] = []
 
-    def add(self, outbox: Outbox) -> None:
-        self._outboxes.append(outbox)
+    def add(self, outbox: Outbox | None) -> None:
+        """Adds `outbox` (None: its transport is not offered)."""
+        if outbox is not None:
+            self._outboxes.append(outbox)
 
     def deliver(self, outgoing: Sequence[Outgoing]) -> None:
         """Sends every message to its recipients (errors counted by code, per recipient)."""

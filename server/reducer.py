@@ -60,7 +60,8 @@ class Reducer:
             self._drainer = asyncio.create_task(self._drain(), name="gradserver-averages")
 
     async def close(self) -> None:
-        """Waits for the averages under way (a few milliseconds each); drops their results."""
+        """Waits for the averages under way (a few milliseconds each) and drops their results;
+        ends the averaging threads (the coordinator's shutdown)."""
         if self._drainer is not None:
             self._drainer.cancel()
         futures = [future for *_, future in self._queue]
@@ -71,6 +72,7 @@ class Reducer:
         self._queue.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        self._averager.close()
 
     async def _drain(self) -> None:
         while self._queue:

@@ -125,7 +125,6 @@ class ShmHub:
         # Slots handed to the averager to write into (`take`), keyed by the view's id.
         self._reserved: dict[int, tuple[memoryview, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.shared_bytes = 0  # bytes of averages handed out through the output arena
         self.inline_fallbacks = 0  # averages sent inline to shm workers because no slot was free
         self.averaged_in_place = 0  # bytes of averages the averager wrote straight into a slot
 
@@ -210,10 +209,6 @@ class ShmHub:
         self._reserved[id(view)] = (view, offset)
         return view
 
-    @property
-    def free_output_slots(self) -> int:
-        return self._slots.free_slots
-
     def give_back(self, view: memoryview) -> None:
         """Frees a slot from `take` that holds no average after all (the step failed)."""
         entry = self._reserved.pop(id(view), None)
@@ -249,7 +244,6 @@ class ShmHub:
             offset = free
             self._out[offset : offset + len(data)] = data
         self._holders[offset] = set(readers)
-        self.shared_bytes += len(data)
         ref = ShmRef("out", offset, len(data))
         out = [(dataclasses.replace(event, data=b"", shm=ref), readers)]
         rest = tuple(w for w in to if w not in self._peers)

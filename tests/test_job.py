@@ -426,7 +426,7 @@ def test_the_job_and_the_table_keep_their_invariants_under_any_events(
                 lost_since_complete.clear()
         elif kind in ("lost", "left") and worker in cores.members:
             cores.depart(worker, f"fuzzed {kind}", lost=kind == "lost")
-            if kind == "lost":
+            if kind == "lost" and not ended_before:  # a failure names those lost before it
                 lost_since_complete.add(worker)
         elif kind == "chunk" and worker in cores.members:
             cores.contribute(worker, int(arg), float(worker + 1))
