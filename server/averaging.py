@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -50,19 +51,66 @@ class NonFiniteContribution(Exception):
 _BLOCK = 65536
 
 
+class OutputBuffers(Protocol):
+    """Where averages may be written straight away (a transport's outbox offers them, e.g. the
+    shared-memory output arena, so that sending an average copies nothing)."""
+
+    def take(self, nbytes: int) -> memoryview | None: ...
+
+    def give_back(self, view: memoryview) -> None: ...
+
+
 class Averager:
     """Averages chunks; owns a cache-sized float64 scratch buffer (one per thread)."""
 
     def __init__(self, threads: int = 1) -> None:
-        self._scratch = np.empty(_BLOCK, dtype=np.float64)
         self._threads = max(1, threads)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        # Scratch buffers are per thread: the coordinator averages on its loop and off it at once.
         self._local = threading.local()
+        # Set by an outbox while it offers them: float32 averages are written there.
+        self.output_buffers: OutputBuffers | None = None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        """Ends the range-summing threads (the coordinator's shutdown)."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
+
+    def take_output(self, contributions: Sequence[bytes | memoryview], dtype: DType) -> memoryview | None:
+        """A buffer from `output_buffers` for the average of `contributions`, when one is offered
+        (float32 averages of several contributions only: one is returned as is)."""
+        buffers = self.output_buffers
+        if buffers is None or dtype is not DType.FLOAT32 or len(contributions) < 2:
+            return None
+        return buffers.take(_nbytes(contributions[0]))
+
+    def give_back(self, out: memoryview | None) -> None:
+        """Returns a buffer from `take_output` that holds no average after all."""
+        if out is not None and self.output_buffers is not None:
+            self.output_buffers.give_back(out)
+
+    def reduce(
+        self,
+        contributions: Sequence[bytes | memoryview],
+        *,
+        divide: bool = True,
+        dtype: DType = DType.FLOAT32,
+        finite_only: bool = True,
+    ) -> bytes | memoryview:
+        """`average`, written into a buffer from `output_buffers` when one is offered (and given
+        back when the average fails)."""
+        buffers = self.output_buffers
+        out = None
+        if buffers is not None:
+            out = self.take_output(contributions, dtype)
+        try:
+            return self.average(contributions, divide=divide, dtype=dtype, out=out, finite_only=finite_only)
+        except (SumOverflow, NonFiniteContribution):
+            self.give_back(out)
+            raise
 
     def average(
         self,
@@ -92,18 +140,29 @@ class Averager:
         parts = min(self._threads, size // (2 * _BLOCK))
         if parts > 1:
             bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, "gradserver-reduce")
+            pool = self._range_pool()
             jobs = [
-                self._pool.submit(self._sum_range, arrays, result, bounds[i], bounds[i + 1], divide)
+                pool.submit(self._sum_range, arrays, result, bounds[i], bounds[i + 1], divide)
                 for i in range(parts)
             ]
             finite = all([job.result() for job in jobs])
         else:
-            finite = self._sum_range(arrays, result, 0, size, divide, self._scratch)
+            finite = self._sum_range(arrays, result, 0, size, divide)
         if not finite and finite_only:
             raise _locate_non_finite(arrays, overflow_possible=not divide)
         return result.data if out is None else out
+
+    def _range_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, "gradserver-reduce")
+            return self._pool
+
+    def _thread_scratch(self) -> np.ndarray:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = np.empty(_BLOCK, dtype=np.float64)
+        return scratch
 
     def _sum_range(
         self,
@@ -116,9 +175,7 @@ class Averager:
     ) -> bool:
         """Writes the mean (or sum) of elements [begin, end) into `out`; False if any is not finite."""
         if scratch is None:
-            scratch = getattr(self._local, "scratch", None)
-            if scratch is None:
-                scratch = self._local.scratch = np.empty(_BLOCK, dtype=np.float64)
+            scratch = self._thread_scratch()
         # inf - inf is expected input here (reported below), not a numerical accident to warn about.
         with np.errstate(invalid="ignore", over="ignore"):
             if len(arrays) == 2:
@@ -161,7 +218,7 @@ class Averager:
         """The same float64 mean of 16-bit payloads, rounded once to `dtype` (not float32), so
         the bytes returned are what every worker gets. A finite sum beyond the dtype's range (a
         SUM key, or a mean rounding past the largest value) raises `SumOverflow`."""
-        out, finite = reduce_16(contributions, dtype, divide=divide, scratch=self._scratch)
+        out, finite = reduce_16(contributions, dtype, divide=divide, scratch=self._thread_scratch())
         if finite_only and not finite.all():
             bad = first_non_finite(contributions, dtype)
             if bad is not None:
@@ -170,9 +227,8 @@ class Averager:
         return out.data
 
 
-def average_chunk(contributions: Sequence[bytes | memoryview]) -> bytes | memoryview:
-    """One-off average (tests, tools); the coordinator keeps an `Averager` instead."""
-    return Averager().average(contributions)
+def _nbytes(data: bytes | memoryview) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 class SumOverflow(Exception):

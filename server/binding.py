@@ -1,4 +1,5 @@
-"""Binding the coordinator's port: plain or TLS (optionally mutual), exclusive, and the port file.
+"""Binding the coordinator's port: plain or TLS (optionally mutual), exclusive, and the port file;
+and the grpc.aio server it binds, with its handlers, health service and token check.
 
 A port another process listens on is refused up front with one line (`AddressInUseError`)
 instead of gRPC's multi-line core log; port 0 picks a free port, which `write_port_file` records
@@ -7,20 +8,50 @@ atomically for whoever started the coordinator.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
 import grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from gradserver.common.config import parse_address
 from gradserver.common.errors import UnavailableError
+from gradserver.common.rpc import SERVICE_NAME, server_options
 from gradserver.common.security import TlsFiles
 
+from .auth import TokenInterceptor
 from .config import CoordinatorConfig
+from .metrics import CoordinatorMetrics
+
+log = logging.getLogger("gradserver.server")
 
 
 class AddressInUseError(UnavailableError):
     """The coordinator's --bind address cannot be bound (another process holds it)."""
+
+
+def grpc_server(
+    config: CoordinatorConfig,
+    handlers: dict[str, grpc.RpcMethodHandler],
+    health_servicer: health.aio.HealthServicer,
+    metrics: CoordinatorMetrics,
+) -> grpc.aio.Server:
+    """The coordinator's gRPC server (not yet bound): `handlers` by method name, the health
+    service, and with --auth-token the token check (each refusal logged and counted)."""
+
+    def refused(peer: str, code: grpc.StatusCode, check: str) -> None:
+        # The peer and the check, never a secret.
+        metrics.errors.labels(code.name).inc()
+        log.warning("refused a call from %s: %s", peer, check)
+
+    interceptors = [TokenInterceptor(config.auth_token, refused)] if config.auth_token else []
+    server = grpc.aio.server(
+        options=server_options(config.max_message_bytes, config.heartbeat_timeout), interceptors=interceptors
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server
 
 
 def bind_port(server: grpc.aio.Server, config: CoordinatorConfig) -> int:
@@ -34,6 +65,14 @@ def bind_port(server: grpc.aio.Server, config: CoordinatorConfig) -> int:
     if port == 0:
         raise AddressInUseError(f"cannot bind {config.bind}: address in use or invalid")
     return port
+
+
+def publish_endpoints(config: CoordinatorConfig, metrics: CoordinatorMetrics, port: int) -> None:
+    """Once bound: the /metrics endpoint (--metrics-port) and the port file (--port-file)."""
+    if config.metrics_port >= 0:
+        metrics.serve(parse_address(config.bind)[0].strip("[]"), config.metrics_port)
+    if config.port_file:
+        write_port_file(config.port_file, port)
 
 
 def write_port_file(path: str, port: int) -> None:

@@ -1,91 +1,78 @@
-"""GradientServer: the grpc.aio coordinator that averages every worker's gradients.
+"""GradientServer: the grpc.aio coordinator, a thin shell over two pure cores.
 
-Data flow: a worker calls Join (waits for the whole world), then opens one Exchange stream. A
-reader task per stream decodes messages and feeds the `ReductionTable`; whatever the table
-answers is encoded once and queued to each recipient's writer task, so every worker receives the
-same bytes. A monitor task evicts workers whose messages stop (heartbeat timeout) and fails steps
-past their deadline. A reader stops reading while its worker's unreduced contributions plus its
-unsent results exceed the in-flight budget, which turns into HTTP/2 back-pressure on that worker:
-the coordinator's memory is bounded by chunks in flight, not by the model. A paused stream
-whose writes make no progress for the heartbeat timeout counts as lost, and server keepalive
-pings catch a stopped worker even while nothing is read from it (within 2.5 heartbeat timeouts).
+The cores decide, the shell carries out. `Job` (server/job.py) holds the job's lifecycle:
+waiting for joins -> running -> finished | failed, with restarting while a lost worker's place
+may be retaken within `--rejoin-timeout`; it answers events with effects (state changes, event
+lines, the rejoin timer, a reset, stop). `ReductionTable` (server/reduction.py) answers every
+contribution, barrier and loss with the messages to send (`Outgoing`).
 
-The job is a small state machine (docs/RELIABILITY.md): waiting for joins -> running ->
-finished | failed, with restarting while a lost worker's place may be retaken within
-`--rejoin-timeout`. Finished and failed stop the coordinator (exit 0 and 1 from the CLI); a job
-whose workers all left cleanly without `--max-steps` makes way for a fresh job.
-
-Beside it: `auth` (the token interceptor), `binding` (plain/TLS port, exclusive bind, port file),
-`streams` (one worker's outbound queue and write progress), `membership` (join and member
-tokens), `reduction` (the table), `metrics` and `peers` (sharded coordinators: --shard-map).
+The shell: the gRPC servicer (Join, Exchange, NotifyShard) behind one error-mapping boundary,
+the stream loops (`streams`), the liveness tick (`liveness`), and `_deliver`, which hands the
+table's messages to the transports' outboxes (`outbox`: shared memory in `shm`, the other
+coordinator partitions in `peers`), encodes each message once and queues the same bytes to each
+recipient. Finished and failed stop the coordinator (exit 0 and 1 from the CLI).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
+import dataclasses
+import functools
 import logging
 import os
 import secrets
-import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from gradserver.common import codec
-from gradserver.common import shm as shm_support
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
-    FailedPreconditionError,
     GradServerError,
-    InvalidArgumentError,
-    PermissionDeniedError,
-    UnavailableError,
-    status_code_from_value,
 )
 from gradserver.common.messages import (
-    AveragedChunkOut,
     BarrierIn,
     ChunkIn,
-    ErrorOut,
-    HeartbeatAckOut,
-    HeartbeatIn,
-    JoinAccepted,
-    LeaveIn,
     ShardRequestIn,
     ShutdownOut,
-    TensorKey,
-    WorkerEvent,
 )
-from gradserver.common.rpc import (
-    META_MEMBER_TOKEN,
-    META_SESSION_ID,
-    META_WORKER_ID,
-    SERVICE_NAME,
-    server_options,
-)
-from gradserver.common.security import peer_identity
+from gradserver.common.rpc import SERVICE_NAME
 
-from .auth import TokenInterceptor, peer_host
-from .binding import bind_port, write_port_file
+from . import join
+from .auth import client_identity, peer_host, stream_member
+from .averaging import Averager
+from .binding import bind_port, grpc_server, publish_endpoints
 from .config import CoordinatorConfig
 from .events import EventLog
+from .job import (
+    ArmTimer,
+    CancelTimer,
+    Job,
+    JobEffect,
+    JobState,
+    ResetJob,
+    StateChanged,
+    Stop,
+    WriteEvent,
+)
+from .liveness import Monitor, Timer
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics
+from .outbox import Outboxes
 from .outgoing import Outgoing
 from .peers import ShardRole
-from .reduction import ReductionTable
-from .shm import ShmHub
-from .streams import WorkerStream
+from .reducer import Reducer, Result
+from .reduction import Reduce, ReductionTable
+from .shm import ShmHub, ShmOutbox
+from .streams import Streams, WorkerStream
+
+__all__ = ["GradientServer", "JobState"]
 
 log = logging.getLogger("gradserver.server")
-
-_STOP = object()
+T = TypeVar("T")
 _MONITOR_RESTARTS = 5  # consecutive monitor failures before the job fails loudly
-# A client's cancel fails a pending write a moment before the cancellation reaches the handler.
-_CANCEL_AFTER_FAILED_WRITE_S = 1.0
 
 
 def _auto_reduce_threads() -> int:
@@ -94,14 +81,39 @@ def _auto_reduce_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-class JobState(enum.Enum):
-    """Where the coordinator's job is (docs/RELIABILITY.md draws the transitions)."""
+def _new_table(
+    config: CoordinatorConfig, metrics: CoordinatorMetrics, shard: ShardRole | None, averager: Averager
+) -> ReductionTable:
+    """A fresh job's reduction table (this partition's chunks only, with --shard-map)."""
+    return ReductionTable(
+        config.world_size,
+        config.chunk_bytes // 4,
+        config.step_timeout,
+        on_key_reduced=metrics.reduce_latency.observe,
+        on_barrier_released=metrics.barrier_wait.observe,
+        on_worker_loss=config.on_worker_loss,
+        shard=(shard.shard_map, shard.own_index) if shard is not None else None,
+        averager=averager,
+        defer_reductions=True,  # averaged by the `Reducer`, off the event loop
+    )
 
-    WAITING = "waiting"  # for the world to join
-    RUNNING = "running"
-    RESTARTING = "restarting"  # a lost worker's place may be retaken until --rejoin-timeout
-    FINISHED = "finished"
-    FAILED = "failed"
+
+def _new_job(config: CoordinatorConfig) -> Job:
+    return Job(
+        config.world_size,
+        rejoin_timeout=config.rejoin_timeout,
+        heartbeat_timeout=config.heartbeat_timeout,
+        max_steps=config.max_steps,
+        on_worker_loss=config.on_worker_loss,
+    )
+
+
+def _report_state_change(change: StateChanged, metrics: CoordinatorMetrics) -> None:
+    metrics.job_state.state(change.new.value)
+    if change.new is JobState.FAILED:
+        log.error("job failed: %s", change.why)
+    else:
+        log.info("job %s -> %s: %s", change.old.value, change.new.value, change.why)
 
 
 class GradientServer:
@@ -115,61 +127,52 @@ class GradientServer:
         if config is None:
             config = CoordinatorConfig(**overrides)
         elif overrides:
-            import dataclasses
-
             config = dataclasses.replace(config, **overrides)
         self.config = config
         self.session_id = secrets.randbits(64)
-        self._limits = codec.WireLimits(
-            chunk_elements=config.chunk_bytes // 4, max_tensor_elements=config.max_tensor_elements
-        )
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._membership: Membership | None = None
+        self._membership = Membership(config.world_size, config.join_timeout, self.session_id)
         self.metrics = CoordinatorMetrics(config.world_size)
-        shards = config.shards
-        # Sharded coordinators (--shard-map): this process averages only its shard's chunks.
-        self._shard = ShardRole(shards, config.shard_index, config) if shards is not None else None
+        # Sharded coordinators (--shard-map): this process averages only its partition's chunks.
+        self._shard = ShardRole(config.shards, config.shard_index, config) if config.shards else None
         self.shm: ShmHub | None = None  # the same-host fast path, when offered
+        self._averager = Averager(config.reduce_threads or _auto_reduce_threads())
+        self._new_table = functools.partial(_new_table, config, self.metrics, self._shard, self._averager)
         self._table = self._new_table()
-        self._counted = (0, 0)  # steps and keys of this job already added to the metrics
-        self._streams: dict[int, WorkerStream] = {}
-        self._monitor: asyncio.Task[None] | None = None
-        self._monitor_failures = 0
+        self._reducer = Reducer(self._averager, self._reduced)
+        self._job = _new_job(config)
+        self._streams = Streams(
+            config,
+            self.metrics,
+            handle=self._handle,
+            refusal=self._job.refusal,
+            buffered=lambda w: self._table.buffered_bytes(w),  # noqa: PLW0108 - a reset replaces the table
+            stopping=lambda: self._stopping is not None,
+            ended=self._stream_ended,
+        )
+        self._outboxes = Outboxes(self._streams, self.metrics)
+        self._outboxes.add(self._shard)
+        watched = (self._job, self._membership, self._streams)
+        interval = min(1.0, config.heartbeat_timeout / 4)
+        expire = lambda: self._deliver(self._table.expire())  # noqa: E731 - a reset replaces the table
+        self._monitor = Monitor(interval, watched, self._evict, expire, self._monitor_failed)
         self._stopping: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
-        self._progress = asyncio.Event()  # set whenever the reduction table answers or a stream closes
-        self._final_step: int | None = config.max_steps - 1 if config.max_steps else None
-        self.state = JobState.WAITING
-        self.failure: str | None = None
-        self._departures: list[str] = []  # why each worker of this job left, for the failure line
         self.events = EventLog(config.events_file)
-        self._had_loss = False
-        self._limit_logged = False
-        self._rejoin_timer: asyncio.TimerHandle | None = None
+        self._rejoin_timer = Timer()
         self.metrics.job_state.state(self.state.value)
         self.port = 0
-
-    def _new_table(self) -> ReductionTable:
-        table = ReductionTable(
-            self.config.world_size,
-            self.config.chunk_bytes // 4,
-            self.config.step_timeout,
-            on_key_reduced=self.metrics.reduce_latency.observe,
-            on_barrier_released=self.metrics.barrier_wait.observe,
-            on_worker_loss=self.config.on_worker_loss,
-            shard=(self._shard.shard_map, self._shard.own_index) if self._shard is not None else None,
-            reduce_threads=self.config.reduce_threads or _auto_reduce_threads(),
-        )
-        table.output_buffers = self.shm
-        return table
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     @property
+    def state(self) -> JobState:
+        return self._job.state
+
+    @property
     def address(self) -> str:
-        host, _ = parse_address(self.config.bind)
-        return f"{host}:{self.port}"
+        return f"{parse_address(self.config.bind)[0]}:{self.port}"
 
     @property
     def exit_code(self) -> int:
@@ -178,80 +181,37 @@ class GradientServer:
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port. A bound address raises
         `AddressInUseError` (ports are exclusive: no SO_REUSEPORT)."""
-        self._membership = Membership(self.config.world_size, self.config.join_timeout, self.session_id)
-        interceptors = []
-        if self.config.auth_token:
-            interceptors.append(TokenInterceptor(self.config.auth_token, self._auth_refused))
-        server = grpc.aio.server(
-            options=server_options(self.config.max_message_bytes, self.config.heartbeat_timeout),
-            interceptors=interceptors,
-        )
-        handler = grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
-            {
-                "Join": grpc.unary_unary_rpc_method_handler(self._join),
-                "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
-                "NotifyShard": grpc.unary_unary_rpc_method_handler(self._notify_shard),
-            },
-        )
-        server.add_generic_rpc_handlers((handler,))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = bind_port(server, self.config)
+        cfg = self.config
+        handlers = {
+            "Join": grpc.unary_unary_rpc_method_handler(self._join),
+            "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
+            "NotifyShard": grpc.unary_unary_rpc_method_handler(self._notify_shard),
+        }
+        server = grpc_server(cfg, handlers, self._health, self.metrics)
+        self.port = bind_port(server, cfg)
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        await self._start_shm()
+        shm = await ShmOutbox.open(cfg, self.metrics, self._membership.authenticate, self._averager)
+        self._outboxes.add(shm)
+        self.shm = shm.hub if shm is not None else None
         # Where its leftovers would be, for a supervisor that has to SIGKILL it.
-        self.events.write("serving", port=self.port, shm_socket=self.shm.path if self.shm is not None else "")
-        self._start_monitor()
+        self.events.write("serving", port=self.port, shm_socket=self._outboxes.offer().get("shm_socket", ""))
+        self._monitor.start()
         if self._shard is not None:
             shard = self._shard
             shard.peers.watch(lambda index, why: self._deliver(shard.unreachable(index, why, self._table)))
-        if self.config.metrics_port >= 0:
-            host, _ = parse_address(self.config.bind)
-            self.metrics.serve(host.strip("[]"), self.config.metrics_port)
-        if self.config.port_file:
-            write_port_file(self.config.port_file, self.port)
-        log.info(
-            "coordinator listening on %s for %d worker(s), session %#x; job %s",
-            self.address,
-            self.config.world_size,
-            self.session_id,
-            self.state.value,
-        )
+        publish_endpoints(cfg, self.metrics, self.port)
+        facts = (self.address, cfg.world_size, self.session_id, self.state.value)
+        log.info("coordinator listening on %s for %d worker(s), session %#x; job %s", *facts)
         return self.port
-
-    async def _start_shm(self) -> None:
-        """Offers the shared-memory path unless --no-shm or the platform lacks it; a failure to
-        set it up leaves gRPC only, with a warning."""
-        if self.config.no_shm or not shm_support.supported():
-            return
-        hub = ShmHub(
-            self.config.shm_dir,
-            self.config.shm_arena_bytes,
-            self.config.chunk_bytes,
-            self.config.heartbeat_timeout,
-            self._authenticate_shm,
-        )
-        try:
-            await hub.start()
-        except OSError as exc:
-            log.warning("shared memory is off (gRPC only): %r", exc)
-            await hub.stop()
-            return
-        self.shm = hub
-        self._table.output_buffers = hub
-
-    def _authenticate_shm(self, worker_id: int, session_id: int, token: int) -> Member:
-        assert self._membership is not None
-        return self._membership.authenticate(worker_id, session_id, token)
 
     async def stop(self, reason: str = "coordinator stopped") -> None:
         """Graceful shutdown: NOT_SERVING, workers told, steps in flight drained (bounded by
         drain_timeout) or failed, streams closed. Safe to call more than once."""
-        if self._stopping is None:
-            self._stopping = asyncio.create_task(self._shutdown(reason))
+        self.request_stop(reason)
+        assert self._stopping is not None
         await asyncio.shield(self._stopping)
 
     def pending_steps(self) -> set[int]:
@@ -272,584 +232,135 @@ class GradientServer:
         """Starts a graceful shutdown from a signal handler or callback without awaiting it."""
         if self._stopping is None:
             self._stopping = asyncio.create_task(self._shutdown(reason))
+            self._apply(self._job.stop())
 
     async def _shutdown(self, reason: str) -> None:
         log.info("shutting down: %s", reason)
-        self._cancel_rejoin_timer()
         await self._health.enter_graceful_shutdown()
-        self._broadcast(ShutdownOut(reason))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout
-        while self._table.has_pending() and self._streams:
-            self._progress.clear()
-            try:
-                await asyncio.wait_for(self._progress.wait(), deadline - loop.time())
-            except TimeoutError:
-                break
+        self._streams.broadcast(codec.encode_server_event(ShutdownOut(reason)))
+        deadline = asyncio.get_running_loop().time() + self.config.drain_timeout
+        await self._streams.drain(lambda: self._table.has_pending(), deadline)  # noqa: PLW0108 - a reset replaces the table
         self._deliver(self._table.fail_all(grpc.StatusCode.UNAVAILABLE, f"coordinator {reason}"))
-        streams = list(self._streams.values())
-        for stream in streams:
-            stream.by_shutdown = True
-            stream.end(None)
-        if streams:
-            await asyncio.wait([s.closed for s in streams], timeout=max(0.0, deadline - loop.time()))
-        if self._monitor is not None:
-            self._monitor.cancel()
-        if self._shard is not None:
-            await self._shard.close()
+        await self._streams.end_all(deadline)
+        self._monitor.stop()
+        await self._reducer.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
-        if self.shm is not None:
-            await self.shm.stop()
+        await self._outboxes.close()
         self.metrics.close()
         self.events.close()
         self._stopped.set()
         log.info("coordinator stopped")
 
-    # --- job state ----------------------------------------------------------------------------
+    # --- the effect dispatcher ----------------------------------------------------------------
 
-    def _set_state(self, new: JobState, why: str) -> None:
-        if new is self.state:
-            return
-        old, self.state = self.state, new
-        self.metrics.job_state.state(new.value)
-        if new in (JobState.FINISHED, JobState.FAILED):
-            self.events.write("job_ended", state=new.value, reason=why)
-        if new is JobState.FAILED:
-            self.failure = why
-            log.error("job failed: %s", why)
-        else:
-            log.info("job %s -> %s: %s", old.value, new.value, why)
-        if new is not JobState.RESTARTING:
-            self._cancel_rejoin_timer()
-        if new in (JobState.FINISHED, JobState.FAILED):
-            self.request_stop(f"job {new.value}: {why}")
+    def _apply(self, effects: list[JobEffect]) -> None:
+        for effect in effects:
+            if isinstance(effect, StateChanged):
+                _report_state_change(effect, self.metrics)
+            elif isinstance(effect, WriteEvent):
+                self.events.write(effect.name, **dict(effect.fields))
+            elif isinstance(effect, ArmTimer):
+                self._rejoin_timer.arm(effect.delay, lambda: self._apply(self._job.time_passed()))
+            elif isinstance(effect, CancelTimer):
+                self._rejoin_timer.cancel()
+            elif isinstance(effect, ResetJob):
+                self._table = self._new_table()
+                self.metrics.new_table()
+                self._outboxes.reset()
+                log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
+            elif isinstance(effect, Stop):
+                self.request_stop(effect.reason)
 
-    def _world_complete(self) -> None:
-        if self.state in (JobState.WAITING, JobState.RESTARTING):
-            self._departures.clear()
-            self._had_loss = False
-            self._set_state(JobState.RUNNING, f"the world of {self.config.world_size} is complete")
+    def _deliver(self, outgoing: list[Outgoing]) -> None:
+        self._outboxes.deliver(outgoing)
+        for request in self._table.take_reductions():
+            self._reducer.submit(self._table, request)
+        self.metrics.count_table(self._table.steps_completed, self._table.keys_reduced)
+        if self._job.steps_completed(self._table.last_completed_step):
+            log.info("reached --max-steps %d at step %s", self.config.max_steps, self._job.final_step)
+        self._streams.progress.set()
 
-    def _job_done(self) -> bool:
-        last = self._table.last_completed_step
-        return self._final_step is not None and last is not None and last >= self._final_step
-
-    def _after_departure(self, lost: bool) -> None:
-        """Moves the job on after a member left (`lost`: without a goodbye)."""
-        assert self._membership is not None
-        if self._stopping is not None or self.state not in (JobState.RUNNING, JobState.RESTARTING):
-            return
-        self._had_loss = self._had_loss or lost
-        empty = self._membership.joined == 0
-        if empty and self._job_done():
-            self._set_state(
-                JobState.FINISHED,
-                f"step {self._final_step} (--max-steps {self.config.max_steps}) done and every worker left",
-            )
-            return
-        if empty:
-            self._reset_job()
-            if not self._had_loss and self._final_step is None:
-                self._departures.clear()
-                self._set_state(JobState.WAITING, "every worker left; the next Join starts a new job")
-                return
-        if empty or (lost and self.config.on_worker_loss == "abort"):
-            self._restarting()
-
-    def _restarting(self) -> None:
-        self._set_state(JobState.RESTARTING, "; ".join(self._departures))
-        if self._rejoin_timer is None:
-            self._rejoin_timer = asyncio.get_running_loop().call_later(
-                self.config.rejoin_timeout, self._rejoin_expired
-            )
-
-    def _rejoin_expired(self) -> None:
-        self._rejoin_timer = None
-        if self.state is JobState.RESTARTING and self._stopping is None:
-            self._set_state(
-                JobState.FAILED,
-                f"the world of {self.config.world_size} did not complete again within --rejoin-timeout "
-                f"{self.config.rejoin_timeout:g} s: {'; '.join(self._departures)}",
-            )
-
-    def _cancel_rejoin_timer(self) -> None:
-        if self._rejoin_timer is not None:
-            self._rejoin_timer.cancel()
-            self._rejoin_timer = None
-
-    def _reset_job(self) -> None:
-        """No member is left: nothing of this job may leak into the next joiners' (ids, steps,
-        reductions, barriers, shards, fingerprint)."""
-        self._table = self._new_table()
-        self._counted = (0, 0)
-        if self._shard is not None:
-            self._shard.reset()
-        log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
-
-    # --- Join -----------------------------------------------------------------------------------
-
-    async def _join(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        assert self._membership is not None
-        try:
-            request = codec.decode_join_request(raw)
-            if request.protocol_version != codec.PROTOCOL_VERSION:
-                raise FailedPreconditionError(
-                    f"node {request.node_id!r} speaks protocol version {request.protocol_version}, "
-                    f"this coordinator {codec.PROTOCOL_VERSION}"
-                )
-            if self._stopping is not None or self.state in (JobState.FINISHED, JobState.FAILED):
-                raise UnavailableError(f"the coordinator is shutting down (job {self.state.value})")
-            if self._shard is not None:
-                self._shard.check_join(request)
-            elif request.shard_index is not None:
-                raise FailedPreconditionError(
-                    f"node {request.node_id!r} asked for shard {request.shard_index}, but this "
-                    "coordinator runs without --shard-map"
-                )
-            member = await self._membership.join(request, self._identity(context), peer_host(context.peer()))
-        except GradServerError as exc:
-            self.metrics.errors.labels(exc.code.name).inc()
-            await context.abort(exc.code, exc.message)
-            raise  # unreachable: abort raises
-        finally:
-            self.metrics.workers_joined.set(self._membership.joined)
-        self._table.worker_joined(member.worker_id)
-        self._world_complete()
-        cfg = self.config
-        return codec.encode_join_accepted(
-            JoinAccepted(
-                worker_id=member.worker_id,
-                total_workers=cfg.world_size,
-                session_id=self.session_id,
-                member_token=member.token,
-                protocol_version=codec.PROTOCOL_VERSION,
-                chunk_bytes=cfg.chunk_bytes,
-                max_message_bytes=cfg.max_message_bytes,
-                max_tensor_elements=cfg.max_tensor_elements,
-                heartbeat_interval_s=cfg.heartbeat_interval,
-                heartbeat_timeout_s=cfg.heartbeat_timeout,
-                step_timeout_s=cfg.step_timeout,
-                max_steps=cfg.max_steps,
-                resume_step=self._membership.resume_step(),
-                local_workers=self._membership.local_workers(member),
-                shard_map=self._shard.shard_map.addresses if self._shard is not None else (),
-                shard_index=self._shard.own_index if self._shard is not None else 0,
-                shm_socket=self.shm.path if self.shm is not None else "",
-                shm_nonce=self.shm.nonce if self.shm is not None else b"",
-            )
-        )
-
-    async def _notify_shard(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        """Another shard failed a step (or lost a worker): fail it here too."""
-        try:
-            if self._shard is None:
-                raise FailedPreconditionError("NotifyShard: this coordinator runs without --shard-map")
-            self._deliver(self._shard.heard(raw, self._table))
-        except GradServerError as exc:
-            self.metrics.errors.labels(exc.code.name).inc()
-            await context.abort(exc.code, exc.message)
-            raise
-        return b""
-
-    # --- Exchange -------------------------------------------------------------------------------
-
-    async def _exchange(
-        self, _requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
-        assert self._membership is not None
-        try:
-            member = self._authenticate(context)
-            existing = self._streams.get(member.worker_id)
-            if existing is not None and existing.member is member:
-                raise FailedPreconditionError(
-                    f"worker {member.worker_id} already has an Exchange stream open",
-                    worker_id=member.worker_id,
-                )
-            if self._stopping is not None:
-                raise UnavailableError("the coordinator is shutting down")
-        except GradServerError as exc:
-            self.metrics.errors.labels(exc.code.name).inc()
-            await context.abort(exc.code, exc.message)
-            raise
-        if existing is not None:
-            # The stream of this place's previous member is still closing: it cannot block the
-            # new member, who replaces it.
-            existing.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} was replaced"))
-        stream = WorkerStream(member, context)
-        member.streaming = True
-        member.last_seen = time.monotonic()
-        self._streams[member.worker_id] = stream
-        writer = asyncio.create_task(self._write_loop(stream))
-        reader = asyncio.create_task(self._read_loop(stream))
-        reader.add_done_callback(lambda task: self._reader_done(stream, task))
-        status: tuple[grpc.StatusCode, str] | None = None
-        cancelled = True
-        try:
-            status = await stream.ended
-            cancelled = False
-        finally:
-            reader.cancel()
-            self._stream_ended(stream, status, cancelled)
-            await self._finish_writer(stream, writer, drain=not cancelled)
-            if self._streams.get(member.worker_id) is stream:
-                del self._streams[member.worker_id]
-            member.streaming = False
-            stream.closed.set_result(None)
-            self._progress.set()
-        if status is not None:
-            await context.abort(status[0], status[1])
-
-    def _stream_ended(
-        self, stream: WorkerStream, status: tuple[grpc.StatusCode, str] | None, cancelled: bool
-    ) -> None:
-        """Frees the member's place (when it still holds it) with the reason its stream ended."""
-        assert self._membership is not None
-        member = stream.member
-        left = not cancelled and status is None and stream.said_goodbye
-        expected = left or (not cancelled and status is None and stream.by_shutdown)
-        if left:
-            why = "left the job"
-        elif expected:
-            why = "disconnected: the coordinator is shutting down"
-        elif cancelled:
-            why = "disconnected (its stream was cancelled)"
-        elif status is not None:
-            why = status[1]
-        else:
-            why = "disconnected (its stream ended without a goodbye)"
-        if self._stopping is not None and not expected:
-            # Most likely the shutdown's doing (the worker gave up on hearing it): say so, rather
-            # than blame the worker alone to the others.
-            why += " while the coordinator is shutting down"
-        if self._membership.remove(member, why, expected=expected):
-            self._worker_gone(member, why, lost=not expected)
-
-    async def _finish_writer(self, stream: WorkerStream, writer: asyncio.Task[None], *, drain: bool) -> None:
-        """Lets the writer send what is queued (bounded by drain_timeout; not at all for a
-        cancelled stream, whose peer is gone). Never raises: the caller's clean-up must run."""
-        stream.outbound.put_nowait(_STOP)
-        if drain:
-            await asyncio.wait([writer], timeout=self.config.drain_timeout)
-        if not writer.done():
-            writer.cancel()
-            await asyncio.wait([writer])
-
-    def _identity(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
-        """The client certificate's name under mutual TLS; None otherwise."""
-        if not self.config.tls_client_ca:
-            return None
-        return peer_identity(context.auth_context())
+    def _reduced(self, table: ReductionTable, request: Reduce, result: Result) -> list[Outgoing]:
+        sent = table.reduced(request, *result) if table is self._table else []  # else: a reset
+        self._deliver(sent)
+        return sent
 
     def _worker_gone(self, member: Member, reason: str, *, lost: bool) -> None:
-        assert self._membership is not None
         worker_id = member.worker_id
         self.metrics.workers_joined.set(self._membership.joined)
         if lost:
             self.metrics.workers_lost.inc()
-            # Before the others are told (below), so a supervisor finds it when they exit.
-            step = min(self._table.pending_steps(), default=None)
-            self.events.write("worker_lost", worker=worker_id, node=member.node_id, reason=reason, step=step)
-        self._departures.append(f"worker {worker_id} {reason}")
-        if lost and self._shard is not None:
-            self._shard.worker_lost(worker_id, reason, self._table.unsettled_steps())
-        if self.shm is not None:
-            # Its arena may still be written (a zombie): what the table keeps of it is copied.
-            self._table.own_worker_data(worker_id)
-            self.shm.worker_gone(worker_id)
+        # Before the others are told (below), so a supervisor finds it when they exit.
+        step = min(self._table.pending_steps(), default=None)
+        self._apply(self._job.worker_left(worker_id, reason, lost=lost, node=member.node_id, step=step))
+        self._outboxes.worker_gone(worker_id, reason, lost=lost, table=self._table)
         self._deliver(self._table.worker_lost(worker_id, reason))
-        self._after_departure(lost)
+        self._apply(self._job.after_departure(lost=lost, members_left=self._membership.joined))
 
-    def _auth_refused(self, peer: str, code: grpc.StatusCode, check: str) -> None:
-        """Logs and counts a refused credential (the peer and the check, never a secret)."""
-        self.metrics.errors.labels(code.name).inc()
-        log.warning("refused a call from %s: %s", peer, check)
+    # --- the servicer -------------------------------------------------------------------------
 
-    def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
-        assert self._membership is not None
-        metadata = {k: v for k, v in context.invocation_metadata() or ()}
+    async def _refusing(self, context: grpc.aio.ServicerContext[Any, Any], work: Awaitable[T]) -> T:
+        """The one error boundary of the handlers: a refusal is counted and ends the call with
+        its status code and message."""
         try:
-            worker_id = int(metadata[META_WORKER_ID])
-            session_id = int(metadata[META_SESSION_ID])
-            token = int(metadata[META_MEMBER_TOKEN])
-        except (KeyError, ValueError, TypeError):
-            log.warning("refused an Exchange from %s: no membership metadata", context.peer())
-            raise FailedPreconditionError(
-                f"Exchange needs metadata {META_WORKER_ID}, {META_SESSION_ID} and "
-                f"{META_MEMBER_TOKEN} from Join"
-            ) from None
-        try:
-            member = self._membership.authenticate(worker_id, session_id, token)
+            return await work
         except GradServerError as exc:
-            log.warning("refused an Exchange from %s: %s", context.peer(), exc.message)
-            raise
-        presented = self._identity(context)
-        if member.identity is not None and presented != member.identity:
-            log.warning(
-                "refused an Exchange from %s: certificate %r does not match worker %d's %r",
-                context.peer(),
-                presented,
-                worker_id,
-                member.identity,
-            )
-            raise PermissionDeniedError(
-                f"worker {worker_id} joined as certificate {member.identity!r}; this connection "
-                f"presents {presented!r} and cannot act as it",
-                worker_id=worker_id,
-            )
-        return member
+            self.metrics.errors.labels(exc.code.name).inc()
+            await context.abort(exc.code, exc.message)
+            raise  # unreachable: abort raises
 
-    def _reader_done(self, stream: WorkerStream, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is None:
-            stream.end(None)
-        else:
-            log.error("stream reader failed: %r", exc, extra={"worker_id": stream.member.worker_id})
-            stream.end((grpc.StatusCode.INTERNAL, f"coordinator error: {exc!r}"))
+    async def _join(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        try:
+            member = await self._refusing(context, self._admit(raw, context))
+        finally:
+            self.metrics.workers_joined.set(self._membership.joined)
+        self._table.worker_joined(member.worker_id)
+        self._apply(self._job.world_complete())
+        return join.accepted(member, self._membership, self.config, self.session_id, self._outboxes.offer())
 
-    async def _read_loop(self, stream: WorkerStream) -> None:
-        w = stream.member.worker_id
-        while True:
-            while self._over_budget(stream):
-                if not stream.paused:
-                    log.debug(
-                        "holding back worker %d's stream (in-flight budget full)", w, extra={"worker_id": w}
-                    )
-                stream.paused = True
-                stream.room.clear()
-                await stream.room.wait()
-            if stream.paused:
-                stream.paused = False
-                stream.member.last_seen = time.monotonic()
-            raw = await stream.context.read()
-            if raw is grpc.aio.EOF or stream.ended.done():
-                # Ended (evicted, or its job reset) while this read was under way: what it read
-                # belongs to a membership that is gone and must not reach the table.
-                return
-            self.metrics.received_bytes.inc(len(raw))
-            stream.member.last_seen = time.monotonic()
-            if len(raw) > self.config.max_message_bytes:
-                stream.end(
-                    (
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"sent a message of {len(raw)} bytes, above the --max-message-mib "
-                        f"limit of {self.config.max_message_bytes} bytes",
-                    )
-                )
-                return
-            try:
-                event = codec.decode_worker_message(raw, self._limits)
-                if self._handle(stream, event):
-                    return
-            except GradServerError as exc:
-                log.info("rejected message: %s", exc.message, extra={"worker_id": w, "step": exc.step})
-                key = codec.chunk_key(raw) if exc.key is not None else None
-                self._send_error(stream, exc.code, exc.message, exc.step or 0, key)
+    async def _admit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
+        request = codec.decode_join_request(raw)
+        join.check_request(request, self._job, self._shard)
+        identity = client_identity(context, self.config.tls_client_ca)
+        return await self._membership.join(request, identity, peer_host(context.peer()))
 
-    def _handle(self, stream: WorkerStream, event: WorkerEvent) -> bool:
-        """Dispatches one decoded message; True when the worker announced that it leaves."""
-        w = stream.member.worker_id
-        if isinstance(event, LeaveIn):
-            log.info("worker %d is leaving: %s", w, event.reason or "no reason given", extra={"worker_id": w})
-            stream.said_goodbye = True
-            return True
-        if event.worker_id != w:
-            raise FailedPreconditionError(
-                f"message names worker {event.worker_id}, but this stream belongs to worker {w}",
-                worker_id=event.worker_id,
-            )
-        if isinstance(event, HeartbeatIn):
-            stream.send(codec.encode_server_event(HeartbeatAckOut(event.sequence)))
-            return False
+    async def _notify_shard(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """Another shard failed a step (or lost a worker): fail it here too."""
+        await self._refusing(context, self._heard(raw))
+        return b""
+
+    async def _heard(self, raw: bytes) -> None:
+        self._deliver(ShardRole.hear(self._shard, raw, self._table))
+
+    async def _exchange(self, _: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        async def admit() -> Member:
+            return self._streams.admit(stream_member(context, self._membership, self.config.tls_client_ca))
+
+        await self._streams.serve(await self._refusing(context, admit()), context)
+
+    def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | ShardRequestIn) -> None:
+        """Hands one contribution, barrier arrival or request to the table."""
         if isinstance(event, ChunkIn):
-            if self._beyond_final_step(stream, event.key.step, key=event.key):
-                return False
-            if event.shm is not None:
-                if self.shm is None:
-                    raise InvalidArgumentError(
-                        f"worker {w}, {event.key}: chunk names shared memory, which this coordinator "
-                        "does not offer",
-                        step=event.key.step,
-                        key=str(event.key),
-                        worker_id=w,
-                    )
-                event = self.shm.resolve(event, stream.member)
-                self.metrics.shm_received_bytes.inc(len(event.data))
-                self.metrics.received_bytes.inc(len(event.data))
-            self._deliver(self._table.contribute(event))
+            self._deliver(self._table.contribute(self._outboxes.resolve(event, stream.member)))
         elif isinstance(event, BarrierIn):
-            if self._beyond_final_step(stream, event.step, barrier=event.name):
-                return False
             self._deliver(self._table.barrier(event))
-        elif isinstance(event, ShardRequestIn):
+        else:
             self._deliver(self._table.shard(event))
-        return False
 
-    def _beyond_final_step(
-        self, stream: WorkerStream, step: int, *, key: TensorKey | None = None, barrier: str | None = None
-    ) -> bool:
-        if self._final_step is None or step <= self._final_step:
-            return False
-        message = (
-            f"step {step} refused: --max-steps {self.config.max_steps} ends the job after step "
-            f"{self._final_step}"
-        )
-        self._send_error(stream, grpc.StatusCode.FAILED_PRECONDITION, message, step, key, barrier)
-        return True
-
-    def _check_step_limit(self) -> None:
-        if not self._limit_logged and self._job_done():
-            self._limit_logged = True
-            log.info("reached --max-steps %d at step %s", self.config.max_steps, self._final_step)
-
-    async def _write_loop(self, stream: WorkerStream) -> None:
-        while True:
-            item = await stream.outbound.get()
-            if item is _STOP:
-                return
-            assert isinstance(item, bytes)
-            try:
-                await stream.context.write(item)
-                self.metrics.sent_bytes.inc(len(item))
-            except Exception as exc:  # noqa: BLE001 - any failed write (e.g. ExecuteBatchError) means the peer is gone
-                log.info("writing to worker %d failed: %r", stream.member.worker_id, exc)
-                # Wait for that cancellation, if it is one, so the worker is reported as having
-                # cancelled its stream rather than as a failed write (both free its place); the
-                # handler cancels this task when it comes.
-                await asyncio.wait([stream.closed], timeout=_CANCEL_AFTER_FAILED_WRITE_S)
-                stream.end(
-                    (
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"writing to worker {stream.member.worker_id} failed: {exc!r}",
-                    )
-                )
-                return
-            finally:
-                stream.outbound_bytes -= len(item)
-                stream.write_progress = time.monotonic()
-                self._wake_readers()
-
-    def _send_error(
-        self,
-        stream: WorkerStream,
-        code: grpc.StatusCode,
-        message: str,
-        step: int,
-        key: TensorKey | None = None,
-        barrier: str | None = None,
-    ) -> None:
-        """An in-stream error about one message of this worker (counted in the metrics); with
-        `key` (or `barrier`), the worker fails only that result (or barrier wait)."""
-        self.metrics.errors.labels(code.name).inc()
-        event = ErrorOut(int(code.value[0]), message, step, key=key, barrier_name=barrier)
-        stream.send(codec.encode_server_event(event))
-
-    def _over_budget(self, stream: WorkerStream) -> bool:
-        held = self._table.buffered_bytes(stream.member.worker_id) + stream.outbound_bytes
-        return held > self.config.max_inflight_bytes
-
-    def _wake_readers(self) -> None:
-        for stream in self._streams.values():
-            if stream.paused and not self._over_budget(stream):
-                stream.room.set()
-
-    def _deliver(self, outgoing: list[Outgoing]) -> None:
-        if self._shard is not None:
-            self._shard.failed_steps(outgoing)
-        for item in outgoing:
-            if isinstance(item.event, ErrorOut):
-                code = status_code_from_value(item.event.code)
-                self.metrics.errors.labels(code.name).inc(len(item.to))
-            for event, to in self._split_by_transport(item):
-                raw = codec.encode_server_event(event)
-                for worker_id in to:
-                    stream = self._streams.get(worker_id)
-                    if stream is not None:
-                        stream.send(raw)
-        if outgoing:
-            self._wake_readers()
-        steps, keys = self._table.steps_completed, self._table.keys_reduced
-        self.metrics.steps_completed.inc(steps - self._counted[0])
-        self.metrics.keys_reduced.inc(keys - self._counted[1])
-        self._counted = (steps, keys)
-        self._check_step_limit()
-        self._progress.set()
-
-    def _split_by_transport(self, item: Outgoing) -> list[tuple[Any, tuple[int, ...]]]:
-        """Averages go through the output arena to shared-memory workers, inline to the rest."""
-        if self.shm is None or not isinstance(item.event, AveragedChunkOut):
-            return [(item.event, item.to)]
-        parts = self.shm.publish(item.event, item.to)
-        for event, to in parts:
-            if event.shm is not None:
-                self.metrics.shm_bytes.inc(event.shm.length * len(to))
-                self.metrics.sent_bytes.inc(event.shm.length * len(to))
-        return list(parts)
-
-    def _broadcast(self, event: ShutdownOut) -> None:
-        raw = codec.encode_server_event(event)
-        for stream in self._streams.values():
-            stream.send(raw)
+    def _stream_ended(self, stream: WorkerStream, why: str, expected: bool) -> None:
+        if self._membership.remove(stream.member, why, expected=expected):
+            self._worker_gone(stream.member, why, lost=not expected)
 
     # --- liveness -------------------------------------------------------------------------------
 
-    def _start_monitor(self) -> None:
-        self._monitor = asyncio.create_task(self._monitor_loop(), name="gradserver-monitor")
-        self._monitor.add_done_callback(self._monitor_done)
-
-    def _monitor_done(self, task: asyncio.Task[None]) -> None:
-        """Heartbeat eviction and step expiry must never end silently: a failed monitor is
-        logged and restarted; one that keeps failing fails the job."""
-        if task.cancelled() or self._stopping is not None:
-            return
-        exc = task.exception()
-        self._monitor_failures += 1
-        log.error("liveness monitor failed (%d in a row): %r", self._monitor_failures, exc, exc_info=exc)
-        if self._monitor_failures >= _MONITOR_RESTARTS:
-            self._set_state(
-                JobState.FAILED, f"the liveness monitor failed {self._monitor_failures} times: {exc!r}"
-            )
-            return
-        self._start_monitor()
-
-    async def _monitor_loop(self) -> None:
-        tick = min(1.0, self.config.heartbeat_timeout / 4)
-        while True:
-            await asyncio.sleep(tick)
-            self._check_liveness(time.monotonic())
-            self._deliver(self._table.expire())
-            self._monitor_failures = 0
-
-    def _check_liveness(self, now: float) -> None:
-        assert self._membership is not None
-        limit = self.config.heartbeat_timeout
-        for member in self._membership.members():
-            stream = self._streams.get(member.worker_id)
-            if stream is not None and stream.member is member:
-                stalled = stream.stalled_for(now)
-                if stalled > limit:
-                    self._evict(
-                        member,
-                        f"lost: it read nothing of its results for {stalled:.1f} s (heartbeat "
-                        f"timeout {limit:g} s)",
-                    )
-                    continue
-                if stream.paused:
-                    continue  # the coordinator holds it back: its silence is not its fault
-            silent = now - member.last_seen
-            # A member that never opened its stream is silent too, once the world is
-            # complete (before that, Join itself is still waiting for others).
-            watched = member.streaming or self._membership.complete
-            if watched and silent > limit:
-                self._evict(member, f"lost: no message for {silent:.1f} s (heartbeat timeout {limit:g} s)")
+    def _monitor_failed(self, failures: int, error: BaseException) -> None:
+        self._apply(self._job.monitor_failed(failures, _MONITOR_RESTARTS, repr(error)))
 
     def _evict(self, member: Member, reason: str) -> None:
-        assert self._membership is not None
         if not self._membership.remove(member, reason):
             return
         self._worker_gone(member, reason, lost=True)
-        stream = self._streams.get(member.worker_id)
+        stream = self._streams.by_worker.get(member.worker_id)
         if stream is not None:
             stream.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))

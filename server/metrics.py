@@ -79,6 +79,17 @@ class CoordinatorMetrics:
         )
         self._http: Any = None
         self.port = 0
+        self._counted = (0, 0)  # steps and keys of the current job's table already counted
+
+    def count_table(self, steps_completed: int, keys_reduced: int) -> None:
+        """Adds what the current job's table completed since the last call."""
+        self.steps_completed.inc(steps_completed - self._counted[0])
+        self.keys_reduced.inc(keys_reduced - self._counted[1])
+        self._counted = (steps_completed, keys_reduced)
+
+    def new_table(self) -> None:
+        """A fresh job's table counts from 0 again."""
+        self._counted = (0, 0)
 
     def serve(self, host: str, port: int) -> int:
         """Starts the /metrics endpoint; port 0 picks a free port. Returns the bound port."""

@@ -14,19 +14,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError, status_code_from_value
-from gradserver.common.messages import ErrorOut, JoinRequestIn
+from gradserver.common.messages import ChunkIn, ErrorOut, JoinRequestIn
 from gradserver.common.rpc import worker_channel_options
 from gradserver.common.security import bearer_metadata
 from gradserver.common.shard_map import NOTIFY_METHOD, ShardMap, ShardNotice, decode_notice, encode_notice
 
 from .config import CoordinatorConfig
+from .membership import Member
 from .outgoing import Outgoing
 from .reduction import ReductionTable
 
@@ -151,7 +153,8 @@ class ShardPeers:
 class ShardRole:
     """What makes a coordinator one shard of several: the Join checks, the map in JoinAccepted,
     and the step failures it tells the other shards about or hears from them (each step once, so
-    two shards never echo one failure back and forth)."""
+    two shards never echo one failure back and forth). It is the peer outbox
+    (server/outbox.py): it sees every step failure and every lost worker on their way out."""
 
     def __init__(self, shard_map: ShardMap, own_index: int, config: CoordinatorConfig) -> None:
         self.shard_map = shard_map
@@ -183,7 +186,25 @@ class ShardRole:
                 f"node {request.node_id!r} joined {self.me} without the worker id shard 0 gave it"
             )
 
-    def failed_steps(self, outgoing: list[Outgoing]) -> None:
+    # --- the outbox ---------------------------------------------------------------------------
+
+    def route(self, item: Outgoing) -> list[Outgoing]:
+        return [item]
+
+    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn | None:
+        return None
+
+    def sent(self, outgoing: Sequence[Outgoing]) -> None:
+        self.failed_steps(outgoing)
+
+    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
+        if lost:
+            self.worker_lost(worker_id, reason, table.unsettled_steps())
+
+    def offer(self) -> dict[str, Any]:
+        return {"shard_map": self.shard_map.addresses, "shard_index": self.own_index}
+
+    def failed_steps(self, outgoing: Sequence[Outgoing]) -> None:
         """Tells the other shards of every step that `outgoing` fails for the first time."""
         for item in outgoing:
             event = item.event
@@ -226,6 +247,13 @@ class ShardRole:
             message = f"step {step} aborted: {where} is unreachable: {why}"
             out += table.fail_step(step, message, grpc.StatusCode.UNAVAILABLE)
         return out
+
+    @staticmethod
+    def hear(role: ShardRole | None, raw: bytes, table: ReductionTable) -> list[Outgoing]:
+        """`role.heard`, refused (naming why) on a coordinator without --shard-map."""
+        if role is None:
+            raise FailedPreconditionError("NotifyShard: this coordinator runs without --shard-map")
+        return role.heard(raw, table)
 
     def heard(self, raw: bytes, table: ReductionTable) -> list[Outgoing]:
         """Applies a notice from another shard to `table`: the step (or, for a lost worker, every

@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import grpc
 
@@ -79,6 +78,8 @@ class _Slot:
     received: list[set[int]] = dataclasses.field(default_factory=list)
     stats: list[SampleStats | None] = dataclasses.field(default_factory=list)
     reduced: int = 0
+    # Chunks handed out to be averaged (`Reduce`), their parts kept until the result is back.
+    inflight: dict[int, list[bytes | memoryview | None]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.received = [set() for _ in range(self.world_size)]
@@ -90,6 +91,25 @@ class _Slot:
     def chunk_complete(self, index: int) -> bool:
         parts = self.chunks.get(index)
         return parts is not None and all(parts[w] is not None for w in self.expected)
+
+
+@dataclasses.dataclass(eq=False)
+class Reduce:
+    """One complete chunk to average, in worker-id order: computing it reads nothing of the
+    table, so it may run off the event loop; `ReductionTable.reduced` takes its result."""
+
+    key: TensorKey
+    index: int
+    contributors: tuple[int, ...]
+    data: list[bytes | memoryview]
+    dtype: DType
+    divide: bool
+    finite_only: bool
+    to: tuple[int, ...]  # the live workers when it completed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(d) for d in self.data)
 
 
 @dataclasses.dataclass
@@ -114,14 +134,6 @@ class _Failure:
         return self.culprit_code if worker_id == self.culprit else self.code
 
 
-class OutputBuffers(Protocol):
-    """Where averages may be written straight away (the shared-memory output arena)."""
-
-    def take(self, nbytes: int) -> memoryview | None: ...
-
-    def give_back(self, view: memoryview) -> None: ...
-
-
 class ReductionTable:
     """All reductions of one job. Not thread-safe: the coordinator calls it from its event loop."""
 
@@ -136,11 +148,15 @@ class ReductionTable:
         on_barrier_released: Callable[[float], None] | None = None,
         on_worker_loss: str = "abort",
         shard: tuple[ShardMap, int] | None = None,
-        reduce_threads: int = 1,
+        averager: Averager | None = None,
+        defer_reductions: bool = False,
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
         contribution or arrival to completion (for metrics). `shard` (map, own index): this
-        table expects and averages only the chunks the map assigns to that shard."""
+        table expects and averages only the chunks the map assigns to that shard. `averager`
+        (one thread by default) computes the averages; the coordinator shares one across jobs.
+        With `defer_reductions`, complete chunks are not averaged here but queued as `Reduce`
+        requests (`take_reductions`) whose results come back through `reduced`."""
         if on_worker_loss not in ("abort", "continue"):
             raise ValueError(f"on_worker_loss must be abort or continue, got {on_worker_loss!r}")
         self.world_size = world_size
@@ -151,10 +167,9 @@ class ReductionTable:
         self.chunk_elements = chunk_elements
         self.step_timeout = step_timeout
         self._clock = clock
-        self._averager = Averager(reduce_threads)
-        # Set by the coordinator while it offers shared memory: float32 averages are written
-        # into an output slot there, so publishing them copies nothing.
-        self.output_buffers: OutputBuffers | None = None
+        self._averager = averager if averager is not None else Averager()
+        self._defer = defer_reductions
+        self._reductions: list[Reduce] = []
         self._pending: dict[tuple[KeyKind, int], _Slot] = {}
         self._barriers: dict[tuple[int, str], _Barrier] = {}
         self._last_step: dict[tuple[KeyKind, int], int] = {}
@@ -197,6 +212,23 @@ class ReductionTable:
     def live_workers(self) -> tuple[int, ...]:
         return self._roster.live_workers()
 
+    def take_reductions(self) -> list[Reduce]:
+        """The chunks that became complete since the last call (with `defer_reductions`)."""
+        taken, self._reductions = self._reductions, []
+        return taken
+
+    def reduced(
+        self,
+        request: Reduce,
+        result: bytes | memoryview | None,
+        error: SumOverflow | NonFiniteContribution | None = None,
+    ) -> list[Outgoing]:
+        """Takes the average of `request` (or why it has none): sends it, or fails its step. A
+        result whose step failed meanwhile is dropped (nothing is returned for it)."""
+        out = self._reduced(request, result, error)
+        self._settle_steps()
+        return out
+
     # --- membership ---------------------------------------------------------------------------
 
     def worker_lost(self, worker_id: int, reason: str) -> list[Outgoing]:
@@ -215,9 +247,9 @@ class ReductionTable:
         self._settle_steps()
         return out
 
-    def own_worker_data(self, worker_id: int) -> None:
+    def copy_held_data(self, worker_id: int) -> None:
         """Replaces the views of `worker_id`'s contributions still held by private copies, so
-        that memory it can still write (a shared-memory arena) is never read again."""
+        that memory its sender can still write is never read again (its transport decides)."""
         for slot in self._pending.values():
             for parts in slot.chunks.values():
                 part = parts[worker_id]
@@ -239,7 +271,7 @@ class ReductionTable:
             if lost not in slot.expected or len(slot.received[lost]) == slot.num_chunks:
                 continue
             step = slot.key.step
-            if slot.reduced:
+            if slot.reduced or slot.inflight:
                 out += self._fail_step(
                     step,
                     f"step {step} aborted: worker {lost} {reason} after part of {slot.key} was "
@@ -408,7 +440,8 @@ class ReductionTable:
         now = self._clock()
         out: list[Outgoing] = []
         for slot in list(self._pending.values()):
-            if slot.deadline <= now and slot.key.slot in self._pending:
+            # A slot with every chunk received is only being averaged: that is no one's delay.
+            if slot.deadline <= now and slot.key.slot in self._pending and slot.missing_workers():
                 missing = ", ".join(map(str, slot.missing_workers()))
                 out += self._fail_step(
                     slot.key.step,
@@ -617,22 +650,42 @@ class ReductionTable:
         return None
 
     def _reduce(self, slot: _Slot, index: int) -> list[Outgoing]:
-        parts = slot.chunks[index]
-        contributors = sorted(slot.expected)
-        data = [d for d in (parts[w] for w in contributors) if d is not None]
-        out = None
-        if self.output_buffers is not None and slot.header.dtype is DType.FLOAT32 and len(data) > 1:
-            out = self.output_buffers.take(_nbytes(data[0]))
+        parts = slot.inflight[index] = slot.chunks.pop(index)
+        contributors = tuple(sorted(slot.expected))
+        request = Reduce(
+            key=slot.key,
+            index=index,
+            contributors=contributors,
+            data=[d for d in (parts[w] for w in contributors) if d is not None],
+            dtype=slot.header.dtype,
+            divide=slot.key.op is not ReduceOp.SUM,
+            finite_only=not slot.key.propagate_non_finite,
+            to=self.live_workers(),
+        )
+        if self._defer:
+            self._reductions.append(request)
+            return []
         try:
-            averaged = self._averager.average(
-                data,
-                divide=slot.key.op is not ReduceOp.SUM,
-                dtype=slot.header.dtype,
-                out=out,
-                finite_only=not slot.key.propagate_non_finite,
+            averaged = self._averager.reduce(
+                request.data, divide=request.divide, dtype=request.dtype, finite_only=request.finite_only
             )
-        except SumOverflow as exc:
-            self._give_back(out)
+        except (SumOverflow, NonFiniteContribution) as exc:
+            return self._reduced(request, None, exc)
+        return self._reduced(request, averaged)
+
+    def _reduced(
+        self,
+        request: Reduce,
+        averaged: bytes | memoryview | None,
+        error: SumOverflow | NonFiniteContribution | None = None,
+    ) -> list[Outgoing]:
+        slot = self._pending.get(request.key.slot)
+        index = request.index
+        if slot is None or slot.key != request.key or index not in slot.inflight:
+            return []  # its step failed (or its job was reset) while it was averaged
+        contributors = request.contributors
+        if isinstance(error, SumOverflow):
+            exc = error
             element = index * self.chunk_elements + exc.element
             what = "sum" if slot.key.op is ReduceOp.SUM else "average"
             return self._fail_step(
@@ -641,10 +694,9 @@ class ReductionTable:
                 "the step is halted",
                 key=slot.key,
             )
-        except NonFiniteContribution as exc:
-            self._give_back(out)
-            culprit = contributors[exc.position]
-            element = index * self.chunk_elements + exc.element
+        if isinstance(error, NonFiniteContribution):
+            culprit = contributors[error.position]
+            element = index * self.chunk_elements + error.element
             return self._fail_step(
                 slot.key.step,
                 f"worker {culprit} sent a non-finite value (NaN or Inf) in {slot.key} at element "
@@ -653,14 +705,14 @@ class ReductionTable:
                 culprit_code=_INVALID,
                 key=slot.key,
             )
-        del slot.chunks[index]
-        for w, part in enumerate(parts):
+        assert averaged is not None
+        for w, part in enumerate(slot.inflight.pop(index)):
             self._buffered[w] -= _nbytes(part)
         slot.reduced += 1
         stats = self._global_stats(slot) if slot.key.kind is KeyKind.WHOLE_MODEL else None
         outgoing = [
             Outgoing(
-                self.live_workers(),
+                request.to,
                 AveragedChunkOut(
                     key=slot.key,
                     header=slot.header,
@@ -679,10 +731,6 @@ class ReductionTable:
             if self._on_key_reduced is not None:
                 self._on_key_reduced(self._clock() - slot.opened)
         return outgoing
-
-    def _give_back(self, out: memoryview | None) -> None:
-        if out is not None and self.output_buffers is not None:
-            self.output_buffers.give_back(out)
 
     @staticmethod
     def _global_stats(slot: _Slot) -> SampleStats:
@@ -714,8 +762,8 @@ class ReductionTable:
             self._failed.popitem(last=False)
         for ident, slot in list(self._pending.items()):
             if slot.key.step == step:
-                for index in slot.chunks:
-                    for w, part in enumerate(slot.chunks[index]):
+                for parts in [*slot.chunks.values(), *slot.inflight.values()]:
+                    for w, part in enumerate(parts):
                         self._buffered[w] -= _nbytes(part)
                 del self._pending[ident]
                 self._last_step[ident] = step

@@ -14,7 +14,8 @@ views for the reduction table) and averages are written once into a slot of the 
 named to every shared-memory recipient (`publish`). A slot is reused only when every recipient
 released it (over the Unix socket) or left; when no slot is free, the average goes inline, so a
 slow reader never blocks anyone. A departed worker's arena is never read again: its peer entry
-goes, and the table holds copies of whatever of its data it still needs (`own_worker_data`).
+goes, and the table holds copies of whatever of its data it still needs (`copy_held_data`).
+`ShmOutbox` is this transport's outbox (server/outbox.py): what the coordinator calls.
 
 Everything here runs on the coordinator's event loop except the blocking handshake reads, which
 run in a thread bounded by the handshake timeout.
@@ -33,14 +34,19 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from gradserver.common import shm
 from gradserver.common.errors import GradServerError, InvalidArgumentError
 from gradserver.common.messages import AveragedChunkOut, ChunkIn, ShmRef
 
+from .averaging import Averager
+from .config import CoordinatorConfig
 from .membership import Member
+from .metrics import CoordinatorMetrics
+from .outgoing import Outgoing
+from .reduction import ReductionTable
 
 log = logging.getLogger("gradserver.server.shm")
 
@@ -119,7 +125,6 @@ class ShmHub:
         # Slots handed to the averager to write into (`take`), keyed by the view's id.
         self._reserved: dict[int, tuple[memoryview, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.shared_bytes = 0  # bytes of averages handed out through the output arena
         self.inline_fallbacks = 0  # averages sent inline to shm workers because no slot was free
         self.averaged_in_place = 0  # bytes of averages the averager wrote straight into a slot
 
@@ -204,10 +209,6 @@ class ShmHub:
         self._reserved[id(view)] = (view, offset)
         return view
 
-    @property
-    def free_output_slots(self) -> int:
-        return self._slots.free_slots
-
     def give_back(self, view: memoryview) -> None:
         """Frees a slot from `take` that holds no average after all (the step failed)."""
         entry = self._reserved.pop(id(view), None)
@@ -243,7 +244,6 @@ class ShmHub:
             offset = free
             self._out[offset : offset + len(data)] = data
         self._holders[offset] = set(readers)
-        self.shared_bytes += len(data)
         ref = ShmRef("out", offset, len(data))
         out = [(dataclasses.replace(event, data=b"", shm=ref), readers)]
         rest = tuple(w for w in to if w not in self._peers)
@@ -370,3 +370,72 @@ class ShmHub:
                     return
                 self.release(peer.worker_id, offset)
             pending = pending[whole:]
+
+
+class ShmOutbox:
+    """The shared-memory transport's outbox: resolves chunks named in a worker's input arena,
+    publishes averages through the output arena (the slot accounting is the hub's) and drops a
+    departed worker's arena after the table copied what it still holds of it."""
+
+    def __init__(self, hub: ShmHub, metrics: CoordinatorMetrics) -> None:
+        self.hub = hub
+        self._metrics = metrics
+
+    @classmethod
+    async def open(
+        cls,
+        config: CoordinatorConfig,
+        metrics: CoordinatorMetrics,
+        authenticate: Authenticate,
+        averager: Averager,
+    ) -> ShmOutbox | None:
+        """Offers the shared-memory path unless --no-shm or the platform lacks it; a failure to
+        set it up leaves gRPC only, with a warning. `averager` then writes float32 averages
+        straight into output slots, so publishing them copies nothing."""
+        if config.no_shm or not shm.supported():
+            return None
+        hub = ShmHub(
+            config.shm_dir, config.shm_arena_bytes, config.chunk_bytes, config.heartbeat_timeout, authenticate
+        )
+        try:
+            await hub.start()
+        except OSError as exc:
+            log.warning("shared memory is off (gRPC only): %r", exc)
+            await hub.stop()
+            return None
+        averager.output_buffers = hub
+        return cls(hub, metrics)
+
+    def route(self, item: Outgoing) -> list[Outgoing]:
+        """Averages go through the output arena to shared-memory workers, inline to the rest."""
+        if not isinstance(item.event, AveragedChunkOut):
+            return [item]
+        parts = self.hub.publish(item.event, item.to)
+        for event, to in parts:
+            if event.shm is not None:
+                self._metrics.shm_bytes.inc(event.shm.length * len(to))
+                self._metrics.sent_bytes.inc(event.shm.length * len(to))
+        return [Outgoing(to, event) for event, to in parts]
+
+    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn | None:
+        resolved = self.hub.resolve(chunk, member)
+        self._metrics.shm_received_bytes.inc(len(resolved.data))
+        self._metrics.received_bytes.inc(len(resolved.data))
+        return resolved
+
+    def sent(self, outgoing: Sequence[Outgoing]) -> None:
+        pass
+
+    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
+        # Its arena may still be written (a zombie): what the table keeps of it is copied.
+        table.copy_held_data(worker_id)
+        self.hub.worker_gone(worker_id)
+
+    def offer(self) -> dict[str, Any]:
+        return {"shm_socket": self.hub.path, "shm_nonce": self.hub.nonce}
+
+    def reset(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        await self.hub.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradserver.server.averaging import Averager, NonFiniteContribution, average_chunk
+from gradserver.server.averaging import Averager, NonFiniteContribution
 
 
 def _parts(n: int, size: int = 4096) -> list[bytes]:
@@ -18,7 +18,7 @@ def _parts(n: int, size: int = 4096) -> list[bytes]:
 @pytest.mark.parametrize("n", [2, 3, 4, 7])
 def test_matches_float64_mean_within_half_an_ulp(n: int) -> None:
     parts = _parts(n)
-    got = np.frombuffer(bytes(average_chunk(parts)), "<f4").astype(np.float64)
+    got = np.frombuffer(bytes(Averager().average(parts)), "<f4").astype(np.float64)
     want = np.mean([np.frombuffer(p, "<f4").astype(np.float64) for p in parts], axis=0)
     # One rounding of an exact float64 sum: at most half a float32 ulp away.
     ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
@@ -28,20 +28,20 @@ def test_matches_float64_mean_within_half_an_ulp(n: int) -> None:
 def test_cancellation_does_not_lose_relative_accuracy() -> None:
     a = np.array([1e8, 1.0, -3.0], "<f4")
     b = np.array([-1e8, 2.0, 3.0], "<f4")
-    got = np.frombuffer(average_chunk([a.tobytes(), b.tobytes()]), "<f4")
+    got = np.frombuffer(Averager().average([a.tobytes(), b.tobytes()]), "<f4")
     assert got.tolist() == [0.0, 1.5, 0.0]
 
 
 def test_single_contribution_comes_back_byte_for_byte() -> None:
     part = _parts(1)[0]
-    assert average_chunk([part]) is part
+    assert Averager().average([part]) is part
 
 
 def test_scratch_reuse_across_sizes_keeps_results_independent() -> None:
     averager = Averager()
     big, small = _parts(2, 200_000), _parts(3, 100)
     first = bytes(averager.average(big))
-    assert bytes(averager.average(small)) == bytes(average_chunk(small))
+    assert bytes(averager.average(small)) == bytes(Averager().average(small))
     assert bytes(averager.average(big)) == first
 
 
@@ -50,14 +50,14 @@ def test_non_finite_input_names_the_contribution_and_element(value: float) -> No
     parts = [np.ones(10, "<f4"), np.ones(10, "<f4"), np.ones(10, "<f4")]
     parts[2][6] = value
     with pytest.raises(NonFiniteContribution) as info:
-        average_chunk([p.tobytes() for p in parts])
+        Averager().average([p.tobytes() for p in parts])
     assert (info.value.position, info.value.element) == (2, 6)
 
 
 def test_opposite_infinities_are_caught() -> None:
     a, b = np.array([np.inf], "<f4"), np.array([-np.inf], "<f4")
     with pytest.raises(NonFiniteContribution):
-        average_chunk([a.tobytes(), b.tobytes()])
+        Averager().average([a.tobytes(), b.tobytes()])
 
 
 def _finite_float32_bits(rng: np.random.Generator, size: int) -> np.ndarray:

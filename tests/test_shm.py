@@ -213,7 +213,7 @@ def test_averages_are_written_into_the_output_arena_and_a_failed_one_gives_its_s
     """The averager writes straight into an output slot (no copy when it is published); a
     reduction that fails (a NaN) returns the slot it took, so none is lost for the job."""
     server = shm_coordinator(world_size=2)
-    slots = server.call(lambda s: s.shm.free_output_slots if s.shm else -1)
+    slots = server.call(lambda s: s.shm._slots.free_slots if s.shm else -1)
 
     def work(c: CollectiveClient) -> tuple[list[bytes], str]:
         out = _workload(c)
@@ -235,7 +235,7 @@ def test_averages_are_written_into_the_output_arena_and_a_failed_one_gives_its_s
             assert "worker 1 sent a non-finite value" in error and "step 2" in error, error
         assert server.call(lambda s: s.shm.averaged_in_place if s.shm else 0) > 0
         _poll(
-            lambda: server.call(lambda s: s.shm.free_output_slots if s.shm else -1) == slots,
+            lambda: server.call(lambda s: s.shm._slots.free_slots if s.shm else -1) == slots,
             "every slot free",
         )
     finally:
@@ -503,7 +503,7 @@ def test_connect_returns_once_the_coordinator_holds_the_stream(shm_coordinator) 
     server = shm_coordinator(world_size=3)
     clients = _connect(server.address, ["shm", "shm", "grpc"])
     try:
-        assert server.call(lambda s: sorted(s._streams)) == [0, 1, 2]
+        assert server.call(lambda s: sorted(s._streams.by_worker)) == [0, 1, 2]
     finally:
         for c in clients:
             c.close()
