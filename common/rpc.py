@@ -1,4 +1,5 @@
-"""gRPC plumbing shared by both sides: method paths, call metadata and channel options.
+"""gRPC plumbing shared by both sides: method paths, call metadata, channel options, and the one
+conversion between gradserver's `Status` and `grpc.StatusCode`.
 
 Method paths come from the service descriptor of the generated module, so they cannot drift from
 the .proto. Messages travel as raw bytes through gRPC (no serializer is registered) and are
@@ -8,7 +9,10 @@ of a transport error.
 
 from __future__ import annotations
 
+import grpc
+
 from ._pb import gradient_server_pb2 as pb
+from .errors import Status
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["GradientServer"]
 SERVICE_NAME: str = _SERVICE.full_name
@@ -88,3 +92,19 @@ def stream_metadata(worker_id: int, session_id: int, member_token: int) -> tuple
         (META_SESSION_ID, str(session_id)),
         (META_MEMBER_TOKEN, str(member_token)),
     )
+
+
+# Built from the names, so a code gRPC adds later is refused by the test that compares the two
+# enums instead of silently mapping to UNKNOWN.
+_TO_GRPC: dict[Status, grpc.StatusCode] = {status: grpc.StatusCode[status.name] for status in Status}
+_FROM_GRPC: dict[grpc.StatusCode, Status] = {code: status for status, code in _TO_GRPC.items()}
+
+
+def to_grpc(status: Status) -> grpc.StatusCode:
+    """The grpc.StatusCode to abort an RPC with or report on it for `status`."""
+    return _TO_GRPC[status]
+
+
+def from_grpc(code: grpc.StatusCode) -> Status:
+    """The Status of a code gRPC reported (on a failed call, or an RpcError)."""
+    return _FROM_GRPC.get(code, Status.UNKNOWN)

@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from gradserver.common.errors import FailedPreconditionError, GradServerError, PermissionDeniedError
-from gradserver.common.rpc import META_MEMBER_TOKEN, META_SESSION_ID, META_WORKER_ID
+from gradserver.common.errors import FailedPreconditionError, GradServerError, PermissionDeniedError, Status
+from gradserver.common.rpc import META_MEMBER_TOKEN, META_SESSION_ID, META_WORKER_ID, to_grpc
 from gradserver.common.security import AUTH_METADATA, peer_identity, token_matches
 
 from .membership import Member, Membership
@@ -99,8 +99,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         on_reject = self._on_reject
 
         async def deny(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-            on_reject(context.peer(), grpc.StatusCode.UNAUTHENTICATED, f"{details.method}: {check}")
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            on_reject(context.peer(), Status.UNAUTHENTICATED, f"{details.method}: {check}")
+            await context.abort(to_grpc(Status.UNAUTHENTICATED), message)
 
         if handler is not None and handler.request_streaming:
             return grpc.stream_stream_rpc_method_handler(deny)

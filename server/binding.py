@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from gradserver.common.config import parse_address
-from gradserver.common.errors import UnavailableError
+from gradserver.common.errors import Status, UnavailableError
 from gradserver.common.rpc import SERVICE_NAME, server_options
 from gradserver.common.security import TlsFiles
 
@@ -40,7 +40,7 @@ def grpc_server(
     """The coordinator's gRPC server (not yet bound): `handlers` by method name, the health
     service, and with --auth-token the token check (each refusal logged and counted)."""
 
-    def refused(peer: str, code: grpc.StatusCode, check: str) -> None:
+    def refused(peer: str, code: Status, check: str) -> None:
         # The peer and the check, never a secret.
         metrics.errors.labels(code.name).inc()
         log.warning("refused a call from %s: %s", peer, check)

@@ -31,6 +31,7 @@ from gradserver.common import codec
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     GradServerError,
+    Status,
 )
 from gradserver.common.messages import (
     BarrierIn,
@@ -38,7 +39,7 @@ from gradserver.common.messages import (
     ShardRequestIn,
     ShutdownOut,
 )
-from gradserver.common.rpc import SERVICE_NAME
+from gradserver.common.rpc import SERVICE_NAME, to_grpc
 
 from . import join
 from .auth import client_identity, peer_host, stream_member
@@ -240,7 +241,7 @@ class GradientServer:
         self._streams.broadcast(codec.encode_server_event(ShutdownOut(reason)))
         deadline = asyncio.get_running_loop().time() + self.config.drain_timeout
         await self._streams.drain(lambda: self._table.has_pending(), deadline)  # noqa: PLW0108 - a reset replaces the table
-        self._deliver(self._table.fail_all(grpc.StatusCode.UNAVAILABLE, f"coordinator {reason}"))
+        self._deliver(self._table.fail_all(Status.UNAVAILABLE, f"coordinator {reason}"))
         await self._streams.end_all(deadline)
         self._monitor.stop()
         await self._reducer.close()
@@ -307,7 +308,7 @@ class GradientServer:
             return await work
         except GradServerError as exc:
             self.metrics.errors.labels(exc.code.name).inc()
-            await context.abort(exc.code, exc.message)
+            await context.abort(to_grpc(exc.code), exc.message)
             raise  # unreachable: abort raises
 
     async def _join(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -363,4 +364,4 @@ class GradientServer:
         self._worker_gone(member, reason, lost=True)
         stream = self._streams.by_worker.get(member.worker_id)
         if stream is not None:
-            stream.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))
+            stream.end((Status.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import grpc
-
+from gradserver.common.errors import Status
 from gradserver.common.messages import ErrorOut, ServerEvent, TensorKey
 
 
@@ -24,7 +23,7 @@ class Outgoing:
 def error_to(
     w: int,
     step: int,
-    code: grpc.StatusCode,
+    code: Status,
     message: str,
     subject: TensorKey | str,
     culprit: int | None = None,
@@ -34,7 +33,7 @@ def error_to(
     key = subject if isinstance(subject, TensorKey) else None
     barrier = subject if isinstance(subject, str) else None
     event = ErrorOut(
-        int(code.value[0]),
+        int(code),
         message,
         step,
         key=key,

@@ -21,7 +21,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError, status_code_from_value
+from gradserver.common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    Status,
+    status_code_from_value,
+)
 from gradserver.common.messages import ChunkIn, ErrorOut, JoinRequestIn
 from gradserver.common.rpc import worker_channel_options
 from gradserver.common.security import bearer_metadata
@@ -230,7 +235,7 @@ class ShardRole:
                 self.own_index,
                 self.shard_map.count,
                 min(pending, default=0),
-                int(grpc.StatusCode.ABORTED.value[0]),
+                int(Status.ABORTED),
                 f"worker {worker_id} {reason}",
                 worker_id,
                 worker_lost=True,
@@ -245,7 +250,7 @@ class ShardRole:
         for step in sorted(table.unsettled_steps()):
             self._mark_told(step)
             message = f"step {step} aborted: {where} is unreachable: {why}"
-            out += table.fail_step(step, message, grpc.StatusCode.UNAVAILABLE)
+            out += table.fail_step(step, message, Status.UNAVAILABLE)
         return out
 
     @staticmethod

@@ -31,9 +31,8 @@ import logging
 import time
 from collections.abc import Callable
 
-import grpc
-
 from gradserver.common.chunking import chunk_count
+from gradserver.common.errors import Status
 from gradserver.common.messages import (
     AveragedChunkOut,
     BarrierIn,
@@ -59,10 +58,10 @@ from .step_stats import StepStatistics
 log = logging.getLogger("gradserver.server.reduction")
 
 _FAILED_STEPS_KEPT = 64
-_ABORTED = grpc.StatusCode.ABORTED
-_INVALID = grpc.StatusCode.INVALID_ARGUMENT
-_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
-_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+_ABORTED = Status.ABORTED
+_INVALID = Status.INVALID_ARGUMENT
+_PRECONDITION = Status.FAILED_PRECONDITION
+_DEADLINE = Status.DEADLINE_EXCEEDED
 
 
 @dataclasses.dataclass
@@ -124,13 +123,13 @@ class _Barrier:
 
 @dataclasses.dataclass
 class _Failure:
-    code: grpc.StatusCode
+    code: Status
     message: str
     culprit: int | None
-    culprit_code: grpc.StatusCode
+    culprit_code: Status
     answered: set[tuple[int, TensorKey | str]] = dataclasses.field(default_factory=set)
 
-    def code_for(self, worker_id: int) -> grpc.StatusCode:
+    def code_for(self, worker_id: int) -> Status:
         return self.culprit_code if worker_id == self.culprit else self.code
 
 
@@ -460,16 +459,14 @@ class ReductionTable:
                 )
         return out
 
-    def fail_all(self, code: grpc.StatusCode, reason: str) -> list[Outgoing]:
+    def fail_all(self, code: Status, reason: str) -> list[Outgoing]:
         """Fails every step in flight (used by a shutdown that cannot wait any longer)."""
         out: list[Outgoing] = []
         for step in sorted(self.pending_steps()):
             out += self._fail_step(step, f"step {step} aborted: {reason}", code=code)
         return out
 
-    def fail_step(
-        self, step: int, message: str, code: grpc.StatusCode, culprit: int | None = None
-    ) -> list[Outgoing]:
+    def fail_step(self, step: int, message: str, code: Status, culprit: int | None = None) -> list[Outgoing]:
         """Fails `step` for every worker (sharded coordinators: another shard failed it)."""
         culprit_code = code if culprit is None else _ABORTED
         out = self._fail_step(step, message, culprit=culprit, code=code, culprit_code=culprit_code)
@@ -748,8 +745,8 @@ class ReductionTable:
         message: str,
         *,
         culprit: int | None = None,
-        culprit_code: grpc.StatusCode = _ABORTED,
-        code: grpc.StatusCode = _ABORTED,
+        culprit_code: Status = _ABORTED,
+        code: Status = _ABORTED,
         key: TensorKey | None = None,
     ) -> list[Outgoing]:
         """Drops everything of `step` and tells every live worker once."""
@@ -775,12 +772,12 @@ class ReductionTable:
         others = tuple(w for w in live if w != culprit)
         for code_, to in ((code, others), (culprit_code, (culprit,) if culprit in live else ())):
             if to:
-                event = ErrorOut(int(code_.value[0]), message, step, key, culprit, step_failed=True)
+                event = ErrorOut(int(code_), message, step, key, culprit, step_failed=True)
                 out.append(Outgoing(to, event))
         return out
 
     def _reject(
-        self, w: int, step: int, code: grpc.StatusCode, subject: TensorKey | str, message: str
+        self, w: int, step: int, code: Status, subject: TensorKey | str, message: str
     ) -> list[Outgoing]:
         """Refuses one message (about a key, or a barrier name) to its sender only."""
         log.info("rejected: %s", message, extra={"step": step, "worker_id": w})

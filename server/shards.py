@@ -7,9 +7,7 @@ set size and batch size, and a worker that describes another data set is refused
 
 from __future__ import annotations
 
-import grpc
-
-from gradserver.common.errors import GradServerError
+from gradserver.common.errors import GradServerError, Status
 from gradserver.common.messages import ErrorOut, ShardAssignmentOut, ShardRequestIn
 from gradserver.common.sharding import step_shard
 
@@ -42,7 +40,7 @@ class ShardAssigner:
                 Outgoing(
                     (w,),
                     ErrorOut(
-                        int(grpc.StatusCode.INVALID_ARGUMENT.value[0]),
+                        int(Status.INVALID_ARGUMENT),
                         exc.message,
                         request.step,
                         shard_step=request.step,

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from gradserver.common import codec
-from gradserver.common.errors import FailedPreconditionError, GradServerError, UnavailableError
+from gradserver.common.errors import FailedPreconditionError, GradServerError, Status, UnavailableError
 from gradserver.common.messages import (
     BarrierIn,
     ChunkIn,
@@ -32,6 +32,7 @@ from gradserver.common.messages import (
     ShardRequestIn,
     TensorKey,
 )
+from gradserver.common.rpc import to_grpc
 
 from .config import CoordinatorConfig
 from .membership import Member
@@ -43,7 +44,7 @@ _STOP = object()
 # A client's cancel fails a pending write a moment before the cancellation reaches the handler.
 _CANCEL_AFTER_FAILED_WRITE_S = 1.0
 
-Status = tuple[grpc.StatusCode, str]
+Ending = tuple[Status, str]
 
 
 class WorkerStream:
@@ -62,7 +63,7 @@ class WorkerStream:
         # When the oldest unsent byte was queued or the last write completed, whichever is later.
         self.write_progress = time.monotonic()
         loop = asyncio.get_running_loop()
-        self.ended: asyncio.Future[Status | None] = loop.create_future()
+        self.ended: asyncio.Future[Ending | None] = loop.create_future()
         self.closed: asyncio.Future[None] = loop.create_future()
 
     def send(self, raw: bytes) -> None:
@@ -71,7 +72,7 @@ class WorkerStream:
         self.outbound_bytes += len(raw)
         self.outbound.put_nowait(raw)
 
-    def end(self, status: Status | None) -> None:
+    def end(self, status: Ending | None) -> None:
         if not self.ended.done():
             self.ended.set_result(status)
 
@@ -150,7 +151,7 @@ class Streams:
     def send_error(
         self,
         stream: WorkerStream,
-        code: grpc.StatusCode,
+        code: Status,
         message: str,
         step: int,
         key: TensorKey | None = None,
@@ -159,7 +160,7 @@ class Streams:
         """An in-stream error about one message of this worker (counted in the metrics); with
         `key` (or `barrier`), the worker fails only that result (or barrier wait)."""
         self._metrics.errors.labels(code.name).inc()
-        event = ErrorOut(int(code.value[0]), message, step, key=key, barrier_name=barrier)
+        event = ErrorOut(int(code), message, step, key=key, barrier_name=barrier)
         stream.send(codec.encode_server_event(event))
 
     async def drain(self, pending: Callable[[], bool], deadline: float) -> None:
@@ -196,7 +197,7 @@ class Streams:
         if existing is not None:
             # The stream of this place's previous member is still closing: it cannot block the
             # new member, who replaces it.
-            existing.end((grpc.StatusCode.FAILED_PRECONDITION, f"worker {member.worker_id} was replaced"))
+            existing.end((Status.FAILED_PRECONDITION, f"worker {member.worker_id} was replaced"))
         stream = WorkerStream(member, context)
         member.streaming = True
         member.last_seen = time.monotonic()
@@ -204,7 +205,7 @@ class Streams:
         writer = asyncio.create_task(self._write_loop(stream))
         reader = asyncio.create_task(self._read_loop(stream))
         reader.add_done_callback(lambda task: self._reader_done(stream, task))
-        status: Status | None = None
+        status: Ending | None = None
         cancelled = True
         try:
             status = await stream.ended
@@ -219,9 +220,9 @@ class Streams:
             stream.closed.set_result(None)
             self.progress.set()
         if status is not None:
-            await context.abort(status[0], status[1])
+            await context.abort(to_grpc(status[0]), status[1])
 
-    def _stream_ended(self, stream: WorkerStream, status: Status | None, cancelled: bool) -> None:
+    def _stream_ended(self, stream: WorkerStream, status: Ending | None, cancelled: bool) -> None:
         """Frees the member's place (when it still holds it) with the reason its stream ended."""
         left = not cancelled and status is None and stream.said_goodbye
         expected = left or (not cancelled and status is None and stream.by_shutdown)
@@ -259,7 +260,7 @@ class Streams:
             stream.end(None)
         else:
             log.error("stream reader failed: %r", exc, extra={"worker_id": stream.member.worker_id})
-            stream.end((grpc.StatusCode.INTERNAL, f"coordinator error: {exc!r}"))
+            stream.end((Status.INTERNAL, f"coordinator error: {exc!r}"))
 
     async def _read_loop(self, stream: WorkerStream) -> None:
         w = stream.member.worker_id
@@ -287,7 +288,7 @@ class Streams:
                 message = (
                     f"sent a message of {len(raw)} bytes, above the --max-message-mib limit of {limit} bytes"
                 )
-                stream.end((grpc.StatusCode.RESOURCE_EXHAUSTED, message))
+                stream.end((Status.RESOURCE_EXHAUSTED, message))
                 return
             try:
                 if self._dispatch(stream, codec.decode_worker_message(raw, self._limits)):
@@ -320,7 +321,7 @@ class Streams:
             refusal = self._refusal(step)
             if refusal is not None:
                 key, name = (event.key, None) if isinstance(event, ChunkIn) else (None, event.name)
-                self.send_error(stream, grpc.StatusCode.FAILED_PRECONDITION, refusal, step, key, name)
+                self.send_error(stream, Status.FAILED_PRECONDITION, refusal, step, key, name)
                 return False
         self._handle(stream, event)
         return False
@@ -342,7 +343,7 @@ class Streams:
                 await asyncio.wait([stream.closed], timeout=_CANCEL_AFTER_FAILED_WRITE_S)
                 stream.end(
                     (
-                        grpc.StatusCode.UNAVAILABLE,
+                        Status.UNAVAILABLE,
                         f"writing to worker {stream.member.worker_id} failed: {exc!r}",
                     )
                 )

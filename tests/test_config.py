@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-import grpc
 import pytest
 
 from gradserver.common import errors
 from gradserver.common.config import add_config_arguments, config_from_sources
-from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.errors import InvalidArgumentError, Status
 from gradserver.common.timeouts import Timeouts
 from gradserver.server.config import CoordinatorConfig
 
@@ -57,18 +56,18 @@ def test_timeouts_value_object() -> None:
 @pytest.mark.parametrize(
     ("status", "cls", "builtin"),
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgumentError, ValueError),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceededError, TimeoutError),
-        (grpc.StatusCode.UNAVAILABLE, errors.UnavailableError, ConnectionError),
-        (grpc.StatusCode.ABORTED, errors.AbortedError, errors.GradServerError),
-        (grpc.StatusCode.FAILED_PRECONDITION, errors.FailedPreconditionError, errors.GradServerError),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError, errors.GradServerError),
-        (grpc.StatusCode.UNAUTHENTICATED, errors.UnauthenticatedError, PermissionError),
-        (grpc.StatusCode.DATA_LOSS, errors.InternalError, errors.GradServerError),
+        (Status.INVALID_ARGUMENT, errors.InvalidArgumentError, ValueError),
+        (Status.DEADLINE_EXCEEDED, errors.DeadlineExceededError, TimeoutError),
+        (Status.UNAVAILABLE, errors.UnavailableError, ConnectionError),
+        (Status.ABORTED, errors.AbortedError, errors.GradServerError),
+        (Status.FAILED_PRECONDITION, errors.FailedPreconditionError, errors.GradServerError),
+        (Status.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError, errors.GradServerError),
+        (Status.UNAUTHENTICATED, errors.UnauthenticatedError, PermissionError),
+        (Status.DATA_LOSS, errors.InternalError, errors.GradServerError),
     ],
 )
 def test_every_status_maps_to_one_class_of_the_hierarchy(status, cls, builtin) -> None:
     error = errors.error_from_status(status, "what happened", step=3)
     assert type(error) is cls and isinstance(error, builtin) and isinstance(error, errors.GradServerError)
     assert "what happened" in str(error) and error.step == 3
-    assert errors.status_code_from_value(status.value[0]) is status
+    assert errors.status_code_from_value(int(status)) is status

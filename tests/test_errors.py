@@ -7,7 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gradserver.common import errors
+from gradserver.common import errors, rpc
+from gradserver.common.errors import Status
 
 MEANINGS = (errors.StepFailed, errors.Refused, errors.ConnectionLost, errors.Timeout, errors.InternalError)
 
@@ -15,24 +16,24 @@ MEANINGS = (errors.StepFailed, errors.Refused, errors.ConnectionLost, errors.Tim
 @pytest.mark.parametrize(
     ("status", "meaning"),
     [
-        (grpc.StatusCode.ABORTED, errors.StepFailed),
-        (grpc.StatusCode.INVALID_ARGUMENT, errors.Refused),
-        (grpc.StatusCode.ALREADY_EXISTS, errors.Refused),
-        (grpc.StatusCode.OUT_OF_RANGE, errors.Refused),
-        (grpc.StatusCode.FAILED_PRECONDITION, errors.Refused),
-        (grpc.StatusCode.UNIMPLEMENTED, errors.Refused),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.Refused),
-        (grpc.StatusCode.UNAUTHENTICATED, errors.Refused),
-        (grpc.StatusCode.PERMISSION_DENIED, errors.Refused),
-        (grpc.StatusCode.UNAVAILABLE, errors.ConnectionLost),
-        (grpc.StatusCode.CANCELLED, errors.ConnectionLost),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, errors.Timeout),
-        (grpc.StatusCode.INTERNAL, errors.InternalError),
-        (grpc.StatusCode.DATA_LOSS, errors.InternalError),
-        (grpc.StatusCode.UNKNOWN, errors.InternalError),
+        (Status.ABORTED, errors.StepFailed),
+        (Status.INVALID_ARGUMENT, errors.Refused),
+        (Status.ALREADY_EXISTS, errors.Refused),
+        (Status.OUT_OF_RANGE, errors.Refused),
+        (Status.FAILED_PRECONDITION, errors.Refused),
+        (Status.UNIMPLEMENTED, errors.Refused),
+        (Status.RESOURCE_EXHAUSTED, errors.Refused),
+        (Status.UNAUTHENTICATED, errors.Refused),
+        (Status.PERMISSION_DENIED, errors.Refused),
+        (Status.UNAVAILABLE, errors.ConnectionLost),
+        (Status.CANCELLED, errors.ConnectionLost),
+        (Status.DEADLINE_EXCEEDED, errors.Timeout),
+        (Status.INTERNAL, errors.InternalError),
+        (Status.DATA_LOSS, errors.InternalError),
+        (Status.UNKNOWN, errors.InternalError),
     ],
 )
-def test_every_status_has_exactly_one_meaning(status: grpc.StatusCode, meaning: type[Exception]) -> None:
+def test_every_status_has_exactly_one_meaning(status: Status, meaning: type[Exception]) -> None:
     error = errors.error_from_status(status, "what happened", step=7, worker_id=2)
     assert [m for m in MEANINGS if isinstance(error, m)] == [meaning]
     assert error.step == 7 and "what happened" in str(error)
@@ -40,7 +41,7 @@ def test_every_status_has_exactly_one_meaning(status: grpc.StatusCode, meaning: 
 
 def test_a_failed_step_names_its_step_culprit_and_reason() -> None:
     error = errors.error_from_status(
-        grpc.StatusCode.ABORTED, "step 25 aborted: worker 1 disconnected", step=25, worker_id=1
+        Status.ABORTED, "step 25 aborted: worker 1 disconnected", step=25, worker_id=1
     )
     assert isinstance(error, errors.StepFailed)
     assert (error.step, error.culprit, error.reason) == (25, 1, "step 25 aborted: worker 1 disconnected")
@@ -62,3 +63,27 @@ def test_meanings_keep_their_built_in_bases() -> None:
     assert issubclass(errors.InvalidArgumentError, ValueError)
     assert issubclass(errors.UnauthenticatedError, PermissionError)
     assert not issubclass(errors.StepFailed, errors.Refused)
+
+
+def test_status_has_exactly_the_grpc_code_names_and_numbers() -> None:
+    # The wire carries the numeric value, so it must stay gRPC's for every code.
+    assert {s.name: int(s) for s in Status} == {c.name: c.value[0] for c in grpc.StatusCode}
+
+
+@pytest.mark.parametrize("code", list(grpc.StatusCode))
+def test_the_grpc_edge_converts_every_code_both_ways(code: grpc.StatusCode) -> None:
+    status = rpc.from_grpc(code)
+    assert status.name == code.name and rpc.to_grpc(status) is code
+
+
+def test_an_error_reads_as_its_code_name_and_message_and_travels_as_the_grpc_number() -> None:
+    error = errors.error_from_status(int(Status.FAILED_PRECONDITION), "worker 3 was evicted", step=4)
+    assert isinstance(error, errors.FailedPreconditionError) and error.code is Status.FAILED_PRECONDITION
+    assert str(error) == "FAILED_PRECONDITION: worker 3 was evicted"
+    assert int(error.code) == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+
+
+def test_a_status_number_that_no_code_has_is_an_internal_error_naming_unknown() -> None:
+    error = errors.error_from_status(99, "what happened")
+    assert errors.status_code_from_value(99) is Status.UNKNOWN
+    assert type(error) is errors.InternalError and str(error) == "INTERNAL: UNKNOWN: what happened"

@@ -101,7 +101,7 @@ def _decode(raw: bytes) -> object:
     try:
         return codec.decode_worker_message(raw, LIMITS)
     except GradServerError as exc:
-        assert exc.code.value[0] in STATUS_VALUES and exc.message
+        assert int(exc.code) in STATUS_VALUES and exc.message
         return exc
 
 

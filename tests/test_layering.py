@@ -6,7 +6,7 @@
 `common` imports nothing above it, `server` and `worker` never import each other or `train`, the
 client library imports torch only inside functions, and the torch.distributed backend
 `torch_backend/` imports torch freely but nothing of server or train; no other package but cli
-imports it. The static part reads every module's
+imports it; only the gRPC edge (GRPC_EDGE) of common and server imports grpc. The static part reads every module's
 imports (AST, so nothing is executed); the dynamic part runs in a subprocess where torch,
 matplotlib and tqdm cannot be imported, as in a `pip install gradserver` without the `train` extra.
 """
@@ -111,6 +111,58 @@ def test_the_scan_sees_a_forbidden_import(tmp_path: Path, monkeypatch: pytest.Mo
         "worker/eager.py:12 imports gradserver.torch",
     ]
     assert _violations("torch_backend") == ["torch_backend/app.py:3 imports gradserver.train.model"]
+
+
+# The gRPC edge: the only modules of common and server that may import grpc (the servicer and its
+# streams, auth and binding, the peers' RPCs, the CLI's health probe, and the one conversion
+# between `Status` and `grpc.StatusCode` in common/rpc.py). Everything else, the pure cores first
+# among them, passes `gradserver.common.errors.Status` around.
+GRPC_EDGE = {
+    "common/rpc.py",
+    "server/auth.py",
+    "server/binding.py",
+    "server/cli.py",
+    "server/coordinator.py",
+    "server/peers.py",
+    "server/streams.py",
+}
+PURE_MODULES = (
+    "common/errors.py",
+    "server/reduction.py",
+    "server/job.py",
+    "server/outgoing.py",
+    "server/outbox.py",
+    "server/shards.py",
+)
+
+
+def _grpc_imports(packages: tuple[str, ...]) -> list[str]:
+    """Every grpc import (any scope, TYPE_CHECKING included) of a module outside GRPC_EDGE."""
+    problems = []
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            where = path.relative_to(ROOT).as_posix()
+            if "_pb" in path.parts or where in GRPC_EDGE:
+                continue
+            for name, node in _imports(ast.parse(path.read_text(), str(path))):
+                if name.partition(".")[0] in ("grpc", "grpc_health"):
+                    problems.append(f"{where}:{node.lineno} imports {name}")
+    return problems
+
+
+def test_only_the_grpc_edge_of_common_and_server_imports_grpc() -> None:
+    assert all((ROOT / module).is_file() and module not in GRPC_EDGE for module in PURE_MODULES)
+    assert _grpc_imports(("common", "server")) == []
+
+
+def test_the_grpc_scan_sees_an_import_outside_the_edge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "job.py").write_text("def f():\n    from grpc import StatusCode\n")
+    (tmp_path / "server" / "streams.py").write_text("import grpc\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _grpc_imports(("server",)) == ["server/job.py:2 imports grpc.StatusCode"]
 
 
 # Installed first in every subprocess below: the training extra's modules cannot be imported.

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import numpy as np
 
 from gradserver.common.components import NonBlockComponent
+from gradserver.common.errors import Status
 from gradserver.common.messages import AveragedChunkOut, ChunkHeader, ChunkIn, DType, ErrorOut, TensorKey
 from gradserver.server.averaging import Averager
 from gradserver.server.outgoing import Outgoing
@@ -63,9 +63,7 @@ async def _reduce_all(
             waiting += 1
             reducer.submit(table, request)
     if fail_step is not None:
-        sent.extend(
-            table.fail_step(fail_step, f"step {fail_step} failed by the test", grpc.StatusCode.ABORTED)
-        )
+        sent.extend(table.fail_step(fail_step, f"step {fail_step} failed by the test", Status.ABORTED))
     await asyncio.wait_for(finished.wait(), 30)
     await reducer.close()
     return sent

@@ -25,6 +25,7 @@ from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
     InvalidArgumentError,
+    Status,
 )
 from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ReduceOp, TensorKey
 from gradserver.common.security import TlsFiles
@@ -333,7 +334,7 @@ def _whole_model(client: WorkerClient, step: int, size: int = 8 * CHUNK_ELEMENTS
 
 def _fail_step_on(server: ServerThread, step: int, why: str) -> None:
     """Fails `step` on that shard's coordinator as its own table would (ABORTED, `why`)."""
-    server.call(lambda g: g._deliver(g._table.fail_step(step, why, grpc.StatusCode.ABORTED)))
+    server.call(lambda g: g._deliver(g._table.fail_step(step, why, Status.ABORTED)))
 
 
 def _averaged_step(client: WorkerClient, step: int) -> bytes:

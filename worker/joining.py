@@ -9,9 +9,9 @@ import time
 import grpc
 
 from gradserver.common import codec
-from gradserver.common.errors import UnavailableError, error_from_status
+from gradserver.common.errors import Status, UnavailableError, error_from_status
 from gradserver.common.messages import JoinAccepted, JoinRequestIn
-from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
+from gradserver.common.rpc import JOIN_METHOD, from_grpc, worker_channel_options
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 
@@ -79,8 +79,8 @@ def join_at(
         try:
             raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            if code is grpc.StatusCode.DEADLINE_EXCEEDED and "join timed out" not in details:
+            code, details = from_grpc(exc.code()), exc.details() or ""
+            if code is Status.DEADLINE_EXCEEDED and "join timed out" not in details:
                 details = f"join did not complete within {timeouts.join:g} s ({details})"
             raise error_from_status(code, details) from exc
         accepted = codec.decode_join_accepted(raw)

@@ -39,6 +39,7 @@ from gradserver.common.errors import (
     GradServerError,
     InternalError,
     InvalidArgumentError,
+    Status,
     UnavailableError,
     error_from_status,
     status_code_from_value,
@@ -62,7 +63,7 @@ from gradserver.common.messages import (
     TensorKey,
     WorkerEvent,
 )
-from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
+from gradserver.common.rpc import EXCHANGE_METHOD, from_grpc, stream_metadata
 from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import widen
 
@@ -384,10 +385,10 @@ class GrpcLink:
             reason = self.shutdown_reason or "the coordinator closed the stream"
             self._break(CoordinatorShutdownError(f"stream ended: {reason}"))
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            if self._closing and code is grpc.StatusCode.CANCELLED:
+            code, details = from_grpc(exc.code()), exc.details() or ""
+            if self._closing and code is Status.CANCELLED:
                 self._break(UnavailableError("the client was closed"))
-            elif code is grpc.StatusCode.UNAVAILABLE:
+            elif code is Status.UNAVAILABLE:
                 self._coordinator_lost()
                 self._break(UnavailableError(f"lost the connection to the coordinator: {details}"))
             else:
