@@ -6,9 +6,10 @@
 `common` imports nothing above it, `server` and `worker` never import each other or `train`, the
 client library imports torch only inside functions, and the torch.distributed backend
 `torch_backend/` imports torch freely but nothing of server or train; no other package but cli
-imports it; only the gRPC edge (GRPC_EDGE) of common and server imports grpc. The static part reads every module's
-imports (AST, so nothing is executed); the dynamic part runs in a subprocess where torch,
-matplotlib and tqdm cannot be imported, as in a `pip install gradserver` without the `train` extra.
+imports it. Of common and server only the gRPC edge (GRPC_EDGE) imports grpc. The static part
+reads every module's imports (AST, so nothing is executed); the dynamic part runs in a subprocess
+where torch, matplotlib and tqdm cannot be imported, as in a `pip install gradserver` without the
+`train` extra.
 """
 
 from __future__ import annotations
