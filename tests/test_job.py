@@ -5,13 +5,13 @@ deadline, --max-steps, a fresh job after everyone left cleanly), then fuzzed for
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradserver.common.components import NonBlockComponent
+from gradserver.common.errors import Status
 from gradserver.common.messages import AveragedChunkOut, ChunkHeader, ChunkIn, DType, ErrorOut, TensorKey
 from gradserver.server.job import (
     ArmTimer,
@@ -182,7 +182,7 @@ def test_row1_a_lost_worker_aborts_the_step_for_the_others_naming_it() -> None:
     cores.depart(2, "disconnected (its stream was cancelled)", lost=True)
     [(to, failure)] = cores.step_failures(0)
     assert to == (0, 1) and "worker 2 disconnected" in failure.message
-    assert failure.code == grpc.StatusCode.ABORTED.value[0] and failure.culprit_worker_id == 2
+    assert failure.code == Status.ABORTED and failure.culprit_worker_id == 2
     assert cores.job.state is JobState.RESTARTING and cores.timer_at == 10.0
     assert cores.events("worker_lost") == [
         {"worker": 2, "node": "", "reason": "disconnected (its stream was cancelled)", "step": 0}

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-import grpc
 import numpy as np
 import pytest
 
 from gradserver.common.components import NonBlockComponent
+from gradserver.common.errors import Status
 from gradserver.common.messages import (
     AveragedChunkOut,
     BarrierIn,
@@ -55,7 +55,7 @@ def errors(out) -> list[tuple[tuple[int, ...], ErrorOut]]:
 
 
 def code(name: str) -> int:
-    return grpc.StatusCode[name].value[0]
+    return int(Status[name])
 
 
 KEY = TensorKey.non_block(0, NonBlockComponent.LM_HEAD)
