@@ -94,8 +94,8 @@ def stream_metadata(worker_id: int, session_id: int, member_token: int) -> tuple
     )
 
 
-# Built from the names, so a code gRPC adds later is refused by the test that compares the two
-# enums instead of silently mapping to UNKNOWN.
+# Built from the names: a name grpc lacks fails at import, and a code a later grpc adds fails
+# tests/test_errors.py's comparison of the two enums instead of passing silently as UNKNOWN.
 _TO_GRPC: dict[Status, grpc.StatusCode] = {status: grpc.StatusCode[status.name] for status in Status}
 _FROM_GRPC: dict[grpc.StatusCode, Status] = {code: status for status, code in _TO_GRPC.items()}
 

@@ -44,6 +44,7 @@ _STOP = object()
 # A client's cancel fails a pending write a moment before the cancellation reaches the handler.
 _CANCEL_AFTER_FAILED_WRITE_S = 1.0
 
+# How a stream is ended by the coordinator: the status and message its RPC is aborted with.
 Ending = tuple[Status, str]
 
 
