@@ -42,7 +42,6 @@ from gradserver.common.errors import (
     Status,
     UnavailableError,
     error_from_status,
-    status_code_from_value,
 )
 from gradserver.common.messages import (
     AveragedChunkOut,
@@ -494,7 +493,7 @@ class GrpcLink:
     def _on_error(self, event: ErrorOut) -> None:
         """Routes an in-stream error to what it is about (called with the lock held)."""
         exc = error_from_status(
-            status_code_from_value(event.code),
+            event.code,
             event.message,
             step=event.step,
             key=str(event.key) if event.key is not None else None,
