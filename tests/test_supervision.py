@@ -40,6 +40,30 @@ def test_an_exception_line_is_found_through_torchs_rank_prefix() -> None:
     )
 
 
+def test_launch_names_the_exception_line_of_a_traceback() -> None:
+    from gradserver.worker.supervisor import error_line
+
+    traceback = [
+        "2026-01-01 INFO [worker] starting",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "    raise KeyError('a')",
+        "KeyError: 'a'",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 3, in <module>',
+        "RuntimeError: boom",
+        "some line printed after",
+    ]
+    assert error_line(traceback) == "RuntimeError: boom"
+    assert error_line(["log", "gradserver worker: --out 'x' is not a directory", "log"]) == (
+        "gradserver worker: --out 'x' is not a directory"
+    )
+    assert error_line(["2026-01-01 INFO [worker] nothing wrong"]) == ""
+
+
 def _failed_child(name: str) -> Child:
     child = start_child(
         [sys.executable, "-c", "raise RuntimeError('my collective failed')"], name, lambda prefix, line: None

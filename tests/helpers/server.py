@@ -119,3 +119,8 @@ def run_each_outcome(
             except Exception as exc:
                 outcomes.append(exc)
         return outcomes
+
+
+def metric(server: GradientServer, name: str, labels: dict[str, str] | None = None) -> float:
+    """The coordinator's current value of one Prometheus sample (0 when it was never set)."""
+    return server.metrics.registry.get_sample_value(name, labels or {}) or 0.0

@@ -1,4 +1,4 @@
-"""Training helpers for tests: start `gradserver worker --job train` processes, compare their
+"""Training helpers for tests: start `gradserver worker` training processes, compare their
 checkpoints."""
 
 from __future__ import annotations
@@ -54,3 +54,28 @@ def assert_identical(paths: list[Path]) -> list[Checkpoint]:
         for path, other in zip(paths[1:], states[1:], strict=True):
             assert torch.equal(tensor, other.model_state[name]), f"{name} differs: {paths[0]} vs {path}"
     return states
+
+
+def train_worker(
+    processes: ProcessGroup,
+    address: str,
+    name: str,
+    *flags: str,
+    steps: int = 2,
+    threads: str | None = "1",
+) -> ManagedProcess:
+    """A tiny training worker; `threads` is its OMP_NUM_THREADS (None: unset, the worker chooses)."""
+    return processes.gradserver(
+        "worker",
+        "--coordinator",
+        address,
+        "--model",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--steps",
+        str(steps),
+        *flags,
+        name=name,
+        env={"OMP_NUM_THREADS": threads},
+    )
