@@ -1,12 +1,34 @@
-"""Workers on one host: each logs how many torch threads it uses and why, and workers started by
-hand on one host share its cores."""
+"""Workers on one host: the coordinator tells each joiner how many workers share its host, each
+worker logs how many torch threads it uses and why, and workers started by hand on one host share
+its cores."""
 
 from __future__ import annotations
 
 import pytest
 
+from gradserver.server import coordinator as coordinator_module
+
 from .helpers.processes import ProcessGroup
+from .helpers.server import connect_all
 from .helpers.training import train_worker
+
+
+def test_join_reports_how_many_workers_share_the_joiners_host(coordinator) -> None:
+    server = coordinator(world_size=2, heartbeat_timeout=60.0)
+    clients = connect_all(server.address, 2)
+    try:
+        assert [c.local_workers for c in clients] == [2, 2]
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_peer_host_drops_the_port() -> None:
+    peer_host = coordinator_module.peer_host
+    assert peer_host("ipv4:127.0.0.1:5555") == "ipv4:127.0.0.1"
+    assert peer_host("ipv6:[::1]:5555") == "ipv6:[::1]"
+    assert peer_host("ipv6:%5B::1%5D:5555") == "ipv6:%5B::1%5D"
+    assert peer_host("unix:/tmp/socket") == peer_host("unix-abstract:x") == "unix"
 
 
 @pytest.mark.processes

@@ -1,14 +1,78 @@
-"""Workers that differ from the job are refused at Join, naming every differing field with both
-values, without disturbing the members already joined."""
+"""Workers that differ from the job (their fingerprint: model, seed, lr, ...) are refused at Join,
+naming every differing field with both values, without disturbing the members already joined;
+checked with bare Joins and with the real worker CLI."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+from collections.abc import Mapping
 
+import grpc
 import pytest
 
+from gradserver.common import codec
+from gradserver.common.messages import JoinAccepted, JoinRequestIn
+from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
+from gradserver.server import membership as membership_module
+
+from .helpers.fingerprints import JOB
+from .helpers.logwait import log_waiter
 from .helpers.processes import ProcessGroup
 from .helpers.training import train_worker
+
+
+def _join(address: str, node: str, fingerprint: Mapping[str, str], timeout: float = 20.0) -> JoinAccepted:
+    """A bare Join with a fingerprint (raises grpc.RpcError when refused)."""
+    with grpc.insecure_channel(address, options=worker_channel_options()) as channel:
+        request = JoinRequestIn(node, 0, "cpu", codec.PROTOCOL_VERSION, None, dict(fingerprint))
+        raw = channel.unary_unary(JOIN_METHOD)(codec.encode_join_request(request), timeout=timeout)
+    return codec.decode_join_accepted(raw)
+
+
+@pytest.mark.parametrize(
+    ("fingerprint", "differences"),
+    [
+        ({**JOB, "seed": "1", "lr": "0.01"}, "lr 0.01 != 0.003 (job), seed 1 != 0 (job)"),
+        ({"model": "tiny", "seed": "0"}, "lr (missing) != 0.003 (job)"),
+        ({**JOB, "accumulate": "2"}, "accumulate 2 != (missing) (job)"),
+        ({**JOB, "model": "small"}, "model small != tiny (job)"),
+    ],
+    ids=["different-values", "missing-field", "extra-field", "one-value"],
+)
+def test_a_joiner_that_differs_from_the_job_is_refused(coordinator, fingerprint, differences) -> None:
+    server = coordinator(world_size=2, heartbeat_timeout=60.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_join, server.address, "a", JOB)
+        with log_waiter() as logs:
+            logs.wait_for(r"worker 0 joined: node 'a'")
+        with pytest.raises(grpc.RpcError) as refused:
+            _join(server.address, "b", fingerprint)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.details() == f"node 'b' does not match the job: {differences}"
+        # The refusal took no place and disturbed nobody: a matching joiner completes the world.
+        matching = pool.submit(_join, server.address, "c", JOB)
+        ids = sorted([first.result(30).worker_id, matching.result(30).worker_id])
+    assert ids == [0, 1]
+    assert (
+        server.call(
+            lambda s: s.metrics.registry.get_sample_value(
+                "gradserver_errors_total", {"code": "FAILED_PRECONDITION"}
+            )
+        )
+        == 1
+    )
+
+
+def test_fingerprint_differences_name_every_field() -> None:
+    fingerprint_differences = membership_module.fingerprint_differences
+    assert fingerprint_differences(JOB, JOB) == []
+    assert fingerprint_differences({}, {}) == []
+    assert fingerprint_differences({"a": "1", "b": "2"}, {"b": "3", "c": "4"}) == [
+        "a 1 != (missing) (job)",
+        "b 2 != 3 (job)",
+        "c (missing) != 4 (job)",
+    ]
 
 
 @pytest.mark.processes

@@ -1,4 +1,5 @@
-"""TLS, mutual TLS and the shared token, with a CA and certificates made at test time."""
+"""TLS, mutual TLS and the shared token, with a CA and certificates made at test time; refused
+calls and streams are logged with the peer and the check that failed, and counted."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from gradserver.server.config import CoordinatorConfig
 from gradserver.train.synthetic import SHAPES, run_exchange
 from gradserver.worker import Timeouts, WorkerClient
 
+from .helpers.logwait import log_waiter
 from .helpers.processes import ROOT
-from .helpers.server import run_each
+from .helpers.raw import RawWorker, join
+from .helpers.server import TEST_TIMEOUTS, run_each
 
 QUICK = Timeouts(connect=2.0, join=20.0, receive=20.0, send=20.0, close=5.0)
 TOKEN = "s3cret-token-value"
@@ -203,3 +206,42 @@ def test_security_helpers() -> None:
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.org")
     with pytest.raises(InvalidArgumentError, match="cannot be read"):
         TlsFiles.load(ca="/nonexistent/ca.pem")
+
+
+def test_auth_refusals_are_logged_with_peer_and_check_and_counted(coordinator) -> None:
+    token = "s3cret-token-value"
+    server = coordinator(world_size=1, auth_token=token, heartbeat_timeout=60.0)
+    quick = TEST_TIMEOUTS
+    with log_waiter() as logs:
+        with pytest.raises(Exception, match="UNAUTHENTICATED"):
+            WorkerClient.connect(server.address, timeout=quick)
+        with pytest.raises(Exception, match="UNAUTHENTICATED"):
+            WorkerClient.connect(server.address, timeout=quick, auth_token="wrong")
+        missing = logs.wait_for(r"refused a call from ipv4:127\.0\.0\.1:\d+: .*Join: missing auth token")
+        wrong = logs.wait_for(r"refused a call from ipv4:127\.0\.0\.1:\d+: .*Join: wrong auth token")
+        messages = logs.messages()
+    assert missing.levelno == wrong.levelno == logging.WARNING
+    assert not any(token in m for m in messages)
+    assert not any("Bearer" in m for m in messages)
+    count = server.call(
+        lambda s: s.metrics.registry.get_sample_value("gradserver_errors_total", {"code": "UNAUTHENTICATED"})
+    )
+    assert count == 2
+
+
+def test_a_stream_with_a_wrong_member_token_is_logged(coordinator) -> None:
+    server = coordinator(world_size=1, heartbeat_timeout=60.0)
+    with log_waiter() as logs:
+        channel, accepted = join(server.address)
+        try:
+            from gradserver.common.rpc import stream_metadata
+
+            intruder = RawWorker(
+                channel,
+                accepted,
+                metadata=stream_metadata(accepted.worker_id, accepted.session_id, accepted.member_token + 1),
+            )
+            assert isinstance(intruder.recv(20), grpc.RpcError)
+            logs.wait_for(r"refused an Exchange from ipv4:127\.0\.0\.1:\d+: worker 0 is not a member")
+        finally:
+            channel.close()
