@@ -1,4 +1,6 @@
-"""Integration in one process: a real grpc.aio coordinator on port 0 and real WorkerClients."""
+"""Exchanging gradients in one process, a real grpc.aio coordinator on port 0 and real
+WorkerClients: averages of blocks, non-block components, whole models and the loss, whatever the
+order and size, barriers, disjoint data sample ranges, and the client's own checks of its input."""
 
 from __future__ import annotations
 
@@ -188,20 +190,3 @@ def test_client_side_checks_name_the_problem(workers) -> None:
         client.send_non_block_gradient(0, 7, np.zeros(5, np.float32))
     with pytest.raises(FailedPreconditionError, match="nothing to receive"):
         client.receive_averaged_block()
-
-
-def test_a_refused_key_fails_only_that_key_and_the_step_goes_on(workers) -> None:
-    """An in-stream error that names a key (step not failed) fails that key's receive only."""
-    clients = workers(2)
-    sizes = compute_block_sizes(8, 4, 16)
-    ones = np.ones(sum(sizes), np.float32)
-    run_each(clients, lambda c: (c.send_block_gradient(0, 0, 2, ones, sizes), c.receive_averaged_block()))
-    clients[0].send_block_gradient(0, 1, 2, ones, sizes)
-    clients[0].send_block_gradient(0, 0, 2, ones, sizes)  # again: refused, the first copy counts
-    clients[1].send_block_gradient(0, 1, 2, ones * 3, sizes)
-    np.testing.assert_array_equal(clients[0].receive_averaged_block().gradients, 2.0)
-    with pytest.raises(InvalidArgumentError, match="again after it was reduced") as info:
-        clients[0].receive_averaged_block()
-    assert (info.value.step, info.value.key) == (0, "step 0 block 0 of 2")
-    assert clients[1].receive_averaged_block().block_idx == 1
-    run_each(clients, lambda c: c.barrier(0, "commit"))

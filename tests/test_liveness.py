@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import re
 import time
 
@@ -20,6 +21,7 @@ HEARTBEAT = 2.0
 # bounds allow this much beyond the heartbeat timeout, for a loaded machine.
 MARGIN = 10.0
 TINY = SHAPES["tiny"]
+PROGRESS = r"still trying to reach the coordinator at 127\.0\.0\.1:1 \(\d+\.\d s of 1 s\)"
 
 
 def _join_with_scripted(processes, coordinator, *script_args: str):
@@ -124,6 +126,16 @@ def test_join_times_out_naming_how_many_joined(coordinator) -> None:
 def test_unreachable_coordinator_is_a_clear_connection_error() -> None:
     with pytest.raises(UnavailableError, match=r"cannot reach the coordinator at 127\.0\.0\.1:1"):
         WorkerClient.connect("127.0.0.1:1", timeout=Timeouts(connect=0.5))
+
+
+def test_unreachable_coordinator_logs_progress_and_names_address_and_time(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="gradserver.worker")
+    with pytest.raises(UnavailableError) as info:
+        WorkerClient.connect("127.0.0.1:1", timeout=Timeouts(connect=1.0))
+    assert "127.0.0.1:1" in str(info.value) and "tried for 1 s" in str(info.value)
+    progress = [r.getMessage() for r in caplog.records if "still trying to reach" in r.getMessage()]
+    assert progress, "no progress line while trying to reach the coordinator"
+    assert all(re.fullmatch(PROGRESS, line) for line in progress), progress
 
 
 def test_receive_deadline_is_a_timeout_and_can_be_retried(workers) -> None:
