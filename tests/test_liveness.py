@@ -1,4 +1,5 @@
-"""Dead, hung and missing peers: nobody waits forever, and every error names who and which step."""
+"""Dead, hung and missing peers: nobody waits forever, and every error names who and which step;
+the liveness monitor survives its own failure, and a worker trying to reach a coordinator says so."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import numpy as np
 import pytest
 
 from gradserver.common.errors import AbortedError, DeadlineExceededError, UnavailableError
+from gradserver.server import GradientServer
 from gradserver.train.synthetic import SHAPES, run_exchange, synthetic_gradient
 from gradserver.worker import Timeouts, WorkerClient
 
+from .helpers.logwait import log_waiter
+from .helpers.raw import RawWorker, join
 from .helpers.server import TEST_TIMEOUTS, connect_all
 
 HEARTBEAT = 2.0
@@ -121,6 +125,32 @@ def test_join_times_out_naming_how_many_joined(coordinator) -> None:
     with pytest.raises(DeadlineExceededError, match="1 of 3 workers joined") as info:
         WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
     assert isinstance(info.value, TimeoutError)
+
+
+def test_a_failing_monitor_is_restarted_and_eviction_goes_on(coordinator) -> None:
+    """One exception in the liveness monitor must not end heartbeat eviction for good."""
+    server = coordinator(world_size=1, heartbeat_timeout=2.0)
+    with log_waiter() as logs:
+        silent = RawWorker(*join(server.address, node_id="silent"))  # sends no heartbeat
+        try:
+
+            def break_expiry_once(s: GradientServer) -> None:
+                original = s._table.expire
+                calls = [0]
+
+                def expire() -> list:
+                    calls[0] += 1
+                    if calls[0] == 1:
+                        raise RuntimeError("injected monitor failure")
+                    return original()
+
+                s._table.expire = expire  # type: ignore[method-assign]
+
+            server.call(break_expiry_once)
+            logs.wait_for(r"worker 0 \(node 'silent'\) lost: no message for", timeout=30)
+            assert logs.matching(r"liveness monitor failed")
+        finally:
+            silent.close()
 
 
 def test_unreachable_coordinator_is_a_clear_connection_error() -> None:

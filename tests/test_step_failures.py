@@ -4,16 +4,21 @@ receive, and the next step gets its own averages."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from gradserver.common import compute_block_sizes
+from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import AbortedError, InvalidArgumentError
+from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ErrorOut, JoinAccepted, TensorKey
 from gradserver.worker import WorkerClient
 
 from .helpers.raising import raised
+from .helpers.raw import RawWorker, join
 from .helpers.server import run_each
 
 SIZES = compute_block_sizes(8, 4, 16)
@@ -67,3 +72,29 @@ def test_a_refused_key_fails_only_that_key_and_the_step_goes_on(workers) -> None
     assert (info.value.step, info.value.key) == (0, "step 0 block 0 of 2")
     assert clients[1].receive_averaged_block().block_idx == 1
     run_each(clients, lambda c: c.barrier(0, "commit"))
+
+
+@pytest.fixture
+def raw_pair(coordinator) -> Iterator[tuple[RawWorker, JoinAccepted]]:
+    server = coordinator(world_size=1, heartbeat_timeout=60.0, chunk_mib=1 / 256, max_message_mib=1.0)
+    raw = RawWorker(*join(server.address))
+    try:
+        yield raw, raw.accepted
+    finally:
+        raw.close()
+
+
+def test_a_codec_rejection_carries_its_key(raw_pair) -> None:
+    """An error about a chunk whose key could be parsed names that key, so the worker fails only
+    that result instead of every pending one."""
+    raw, _accepted = raw_pair
+    key = TensorKey.non_block(3, NonBlockComponent.FINAL_NORM)
+    header = ChunkHeader(DType.FLOAT32, 8, ())
+    raw.send(ChunkIn(raw.worker_id, key, header, 3, np.ones(4, "<f4").tobytes()))  # not a boundary
+    error = raw.recv_error()
+    assert error.key == key and not error.step_failed and error.step == 3
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    # A message whose key itself is bad still gets an error, without a key.
+    raw.send_raw(b"\xff garbage")
+    garbage = raw.recv_error()
+    assert isinstance(garbage, ErrorOut) and garbage.key is None
