@@ -1,5 +1,5 @@
-"""The issue's bad-input table: each case gets a clear error naming what was wrong, nothing
-already accepted is lost, the coordinator stays up, and the next step works afterwards.
+"""Bad input from a buggy or hostile worker: each case gets a clear error naming what was wrong,
+nothing already accepted is lost, the coordinator stays up, and the next step works afterwards.
 
 Each test pairs one WorkerClient (worker 0 or 1) with a RawWorker, which sends what a buggy or
 hostile worker would and sees the coordinator's answers directly.

@@ -24,20 +24,12 @@ from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
 
 from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
+from .helpers.shm import dev_shm, memfd_mappings
 
 pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
 
 CHUNK_MIB = 1 / 64  # 4096 elements: every tensor below spans several chunks
 SIZES = compute_block_sizes(32, 16, 64)
-
-
-def _dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _memfd_mappings() -> list[str]:
-    with open("/proc/self/maps") as maps:
-        return [line for line in maps if "memfd:gradserver" in line]
 
 
 def _connect(address: str, transports: Sequence[str], **kwargs: Any) -> list[CollectiveClient]:
@@ -159,7 +151,7 @@ def _run(
 def test_averages_are_bit_identical_to_the_numpy_reference_on_every_transport(
     shm_coordinator, transports
 ) -> None:
-    before = _dev_shm()
+    before = dev_shm()
     server = shm_coordinator(world_size=3)
     results = _run(server, transports, _workload)
     want = _reference(3)
@@ -167,7 +159,7 @@ def test_averages_are_bit_identical_to_the_numpy_reference_on_every_transport(
         assert got == want
     moved = server.call(lambda s: s.metrics.shm_bytes._value.get())
     assert (moved > 0) == ("shm" in transports)
-    assert _dev_shm() == before
+    assert dev_shm() == before
 
 
 @pytest.mark.parametrize("transports", [("grpc", "grpc"), ("shm", "shm"), ("shm", "grpc")])
@@ -418,7 +410,7 @@ def test_nothing_stays_mapped_after_the_job(shm_coordinator) -> None:
     _run(server, ["shm", "shm"], lambda c: c.send_heartbeat())
     server.stop()
     gc.collect()
-    assert _memfd_mappings() == []
+    assert memfd_mappings() == []
 
 
 def test_a_chunk_naming_shared_memory_without_an_arena_is_refused(shm_coordinator) -> None:

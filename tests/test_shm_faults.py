@@ -17,6 +17,7 @@ from gradserver.server.shm import remove_stale_dirs
 from gradserver.worker import WorkerClient
 
 from .helpers.server import TEST_TIMEOUTS
+from .helpers.shm import dev_shm, memfd_mappings
 
 pytestmark = [
     pytest.mark.processes,
@@ -51,15 +52,6 @@ _WRITER = textwrap.dedent(
 )
 
 
-def _dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _memfd_mappings() -> list[str]:
-    with open("/proc/self/maps") as maps:
-        return [line for line in maps if "memfd:gradserver" in line]
-
-
 def _assert_nothing_mapped(within: float = 10.0) -> None:
     """No gradserver memory is mapped in this process once the clients' last references go: a
     mapping is released when the last array viewing it is collected, which a helper thread of a
@@ -67,7 +59,7 @@ def _assert_nothing_mapped(within: float = 10.0) -> None:
     deadline = time.monotonic() + within
     while True:
         gc.collect()
-        left = _memfd_mappings()
+        left = memfd_mappings()
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -77,7 +69,7 @@ def _assert_nothing_mapped(within: float = 10.0) -> None:
 def test_row_s1_a_worker_killed_while_writing_its_arena_fails_the_step_naming_it(
     processes, coordinator, tmp_path
 ) -> None:
-    before = _dev_shm()
+    before = dev_shm()
     server = coordinator(world_size=2, heartbeat_timeout=HEARTBEAT, step_timeout=120.0, shm_dir=str(tmp_path))
     proc = processes.start([sys.executable, "-c", _WRITER, server.address], "writer")
     client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, transport="shm")
@@ -99,11 +91,11 @@ def test_row_s1_a_worker_killed_while_writing_its_arena_fails_the_step_naming_it
         assert not server.call(lambda s: s.shm.registered(victim) if s.shm else True)
     finally:
         client.close()
-    assert _dev_shm() == before
+    assert dev_shm() == before
 
 
 def test_row_s2_a_killed_coordinator_ends_shm_workers_without_a_hang(processes, tmp_path) -> None:
-    before = _dev_shm()
+    before = dev_shm()
     proc, address = processes.coordinator(
         "--world-size", "1", "--heartbeat-timeout", str(HEARTBEAT), "--shm-dir", str(tmp_path)
     )
@@ -129,7 +121,7 @@ def test_row_s2_a_killed_coordinator_ends_shm_workers_without_a_hang(processes, 
         client.close()
     del client
     _assert_nothing_mapped()  # nothing of the dead coordinator's memory is held here
-    assert _dev_shm() == before
+    assert dev_shm() == before
     # SIGKILL left the socket directory; the worker, which saw the socket end, removed it.
     deadline = time.monotonic() + 10
     while any(p.name.startswith("gradserver-shm-") for p in tmp_path.iterdir()):
