@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from .helpers.processes import ManagedProcess, ProcessGroup, descendants, pid_alive
+from .helpers.training import tiny_training
 
 pytestmark = pytest.mark.processes
 
@@ -27,12 +28,7 @@ def _launch(
         "launch",
         "--workers",
         "2",
-        "--model",
-        "tiny",
-        "--batch-size",
-        "2",
-        "--steps",
-        str(steps),
+        *tiny_training(steps),
         "--out",
         str(out),
         "--no-progress",

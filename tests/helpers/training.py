@@ -56,6 +56,12 @@ def assert_identical(paths: list[Path]) -> list[Checkpoint]:
     return states
 
 
+def tiny_training(steps: int) -> tuple[str, ...]:
+    """The flags of a quick training job that `launch` and `worker` share: the tiny model, batches
+    of 2, `steps` steps."""
+    return ("--model", "tiny", "--batch-size", "2", "--steps", str(steps))
+
+
 def train_worker(
     processes: ProcessGroup,
     address: str,
@@ -69,12 +75,7 @@ def train_worker(
         "worker",
         "--coordinator",
         address,
-        "--model",
-        "tiny",
-        "--batch-size",
-        "2",
-        "--steps",
-        str(steps),
+        *tiny_training(steps),
         *flags,
         name=name,
         env={"OMP_NUM_THREADS": threads},
