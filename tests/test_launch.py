@@ -16,7 +16,8 @@ import pytest
 from .helpers.processes import ManagedProcess, ProcessGroup, descendants, pid_alive
 from .helpers.training import tiny_training
 
-pytestmark = pytest.mark.processes
+# A launch trains twice (up to 240 s and 150 s by its own bounds): more than the global timeout.
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
 _STARTED = re.compile(r"started (\S+) \(pid (\d+)\)")
 
