@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -49,4 +50,7 @@ def print_result(
         "param_sum": param_sum,
         "param_sha256": param_sha256,
     }
-    print(PREFIX + json.dumps(line), flush=True)
+    # One write of the whole line: print() writes the text and the newline apart, and the ranks'
+    # lines then interleave in torchrun's shared stdout.
+    sys.stdout.write(PREFIX + json.dumps(line) + "\n")
+    sys.stdout.flush()
