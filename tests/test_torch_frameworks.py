@@ -38,6 +38,8 @@ STEPS = 10
 RANK_TIMEOUT_S = 180.0
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLE_TIMEOUT_S = 240.0
+# Two runs of an example (gradserver, then gloo), each bounded by EXAMPLE_TIMEOUT_S.
+EXAMPLE_TEST_TIMEOUT_S = 2 * EXAMPLE_TIMEOUT_S + 60
 # Ray prefixes what its workers print ("(RayTrainWorker pid=...) ") and may colour it; a RESULT's
 # JSON object holds no nested object.
 _RESULT = re.compile(r"RESULT (\{[^{}]*\})")
@@ -218,33 +220,38 @@ def _assert_trains_exactly_as_with_gloo(tmp: Path, command: list[str], world: in
     assert len(losses) >= 2 and losses[0] != losses[-1], losses
 
 
+@pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)
 def test_the_fsdp2_example_trains_exactly_as_with_gloo(tmp_path: Path) -> None:
     _assert_trains_exactly_as_with_gloo(tmp_path, _torchrun("fsdp2.py", 2, "--steps", "5"))
 
 
+@pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)
 def test_the_fsdp2_example_on_a_4_rank_hsdp_mesh_trains_exactly_as_with_gloo(tmp_path: Path) -> None:
     # Sub-groups of one job: the mesh's replicate and shard dimensions each get their own groups.
     command = _torchrun("fsdp2.py", 4, "--steps", "5", "--mesh", "2", "2")
     _assert_trains_exactly_as_with_gloo(tmp_path, command, world=4)
 
 
+@pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)
 def test_the_lightning_ddp_example_trains_exactly_as_with_gloo(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     _assert_trains_exactly_as_with_gloo(tmp_path, _torchrun("lightning_ddp.py", 2, "--steps", "5"))
 
 
+@pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)
 def test_the_hf_trainer_example_trains_exactly_as_with_gloo(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # the Trainer needs it for torch
     _assert_trains_exactly_as_with_gloo(tmp_path, _torchrun("hf_trainer.py", 2, "--steps", "4"))
 
 
+@pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)
 def test_the_accelerate_example_trains_exactly_as_with_gloo(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     _assert_trains_exactly_as_with_gloo(tmp_path, _torchrun("accelerate_loop.py", 2, "--steps", "5"))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)
 def test_the_ray_train_example_trains_exactly_as_with_gloo(tmp_path: Path) -> None:
     # Not in the `frameworks` extra (it installs in about a minute and starts a local Ray
     # instance per run, about a minute on 2 cores): runs where Ray Train is installed.
