@@ -31,7 +31,7 @@ def train_loop(config: dict[str, Any]) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     width, batch = config["width"], config["batch_size"]
     torch.manual_seed(0)  # the same initial parameters on every rank
     model = DistributedDataParallel(nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)))
@@ -46,7 +46,6 @@ def train_loop(config: dict[str, Any]) -> None:
         optimizer.step()
         losses.append(loss.item())
     print_result(rank, config["backend"], losses, model.module.named_parameters())
-    del world
 
 
 def main() -> None:
