@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: a looser spec would pull a CUDA build of several GB.
 	$(BIN)/python -m pip install -q -c constraints.txt torch
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[train,dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[train,dev,frameworks]'
 	touch $(STAMP)
 
 venv: $(STAMP)
