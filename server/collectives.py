@@ -54,6 +54,7 @@ class ByteCollective:
         self.totals: list[int | None] = [None] * ranks
         self.splits: list[tuple[int, ...]] = [()] * ranks
         self._held: dict[tuple[int, int], Data] = {}  # (rank, chunk index) -> bytes not forwarded
+        self._held_bytes = [0] * ranks  # per rank, the bytes in `_held`
         self._received = [0] * ranks  # chunks per rank
         self._forwarded_indices = 0  # ALL_GATHER: chunk indices sent
         self._relayed = 0  # BROADCAST: root chunks sent
@@ -72,7 +73,7 @@ class ByteCollective:
 
     def held_bytes(self, rank: int) -> int:
         """Bytes of `rank`'s contribution held here (not forwarded yet)."""
-        return sum(_nbytes(d) for (w, _), d in self._held.items() if w == rank)
+        return self._held_bytes[rank]
 
     def complete(self) -> bool:
         """Every rank's every chunk arrived and everything was sent."""
@@ -101,11 +102,17 @@ class ByteCollective:
             self.splits[rank] = splits
         self._received[rank] += 1
         self._held[(rank, index)] = data
+        self._held_bytes[rank] += _nbytes(data)
         if self.kind is CollectiveKind.ALL_GATHER:
             return self._gather_ready()
         if self.kind is CollectiveKind.BROADCAST:
             return self._relay_ready()
         return self._route_ready()
+
+    def _take(self, rank: int, index: int) -> Data:
+        data = self._held.pop((rank, index))
+        self._held_bytes[rank] -= _nbytes(data)
+        return data
 
     def _all_received(self) -> bool:
         return all(self._received[w] == self.expected_chunks(w) for w in range(self.ranks))
@@ -120,7 +127,7 @@ class ByteCollective:
             index = self._forwarded_indices
             if not all((w, index) in self._held for w in range(self.ranks)):
                 return out
-            parts = [self._held.pop((w, index)) for w in range(self.ranks)]
+            parts = [self._take(w, index) for w in range(self.ranks)]
             self._forwarded_indices += 1
             if total == 0:
                 return [Piece(self._everyone(), 0, 0, b"")]  # one empty piece for an empty result
@@ -133,10 +140,11 @@ class ByteCollective:
         if not all(self._received[w] for w in others):
             return []
         for w in others:
-            self._held.pop((w, 0), None)  # header-only: nothing to send
+            if (w, 0) in self._held:
+                self._take(w, 0)  # header-only: nothing to send
         out: list[Piece] = []
         while (root, self._relayed) in self._held:
-            data = self._held.pop((root, self._relayed))
+            data = self._take(root, self._relayed)
             out.append(Piece(self._everyone(), self.size, self._relayed * self.chunk, data))
             self._relayed += 1
         return out
@@ -145,9 +153,8 @@ class ByteCollective:
         if any(total is None for total in self.totals):
             return []
         out: list[Piece] = []
-        for (source, index), data in sorted(self._held.items(), key=lambda item: item[0]):
-            del self._held[(source, index)]
-            out += self._route(source, index, data)
+        for source, index in sorted(self._held):
+            out += self._route(source, index, self._take(source, index))
         if self._all_received():
             for rank in range(self.ranks):
                 kept = self._kept.pop(rank, [])

@@ -7,7 +7,9 @@ is averaged as soon as the last worker's copy arrives and its buffers are freed.
 
 Beside the table: `participation` (which workers a step waits for: lost, rejoined, live),
 `shards` (the answers to shard requests), `step_stats` (per-step counts, logged at DEBUG),
-`outgoing` (what the table returns) and `averaging` (the float64 mean of one chunk).
+`outgoing` (what the table returns), `averaging` (the float64 mean of one chunk) and `collectives`
+(the routing of the byte-moving collective kinds: ALL_GATHER, BROADCAST, ALL_TO_ALL; a
+REDUCE_SCATTER is reduced here like any key and each rank gets its part once all is reduced).
 
 Rules (docs/PROTOCOL.md lists them with their status codes):
 - A step either completes for every key or fails for all workers at once; the failure is
@@ -281,7 +283,7 @@ class ReductionTable:
         without it, that step fails instead: no average is ever a mixture."""
         out: list[Outgoing] = []
         for slot in list(self._pending.values()):
-            if lost not in slot.expected or len(slot.received[lost]) == slot.num_chunks:
+            if lost not in slot.expected or len(slot.received[lost]) == slot.chunks_of(lost):
                 continue
             step = slot.key.step
             if slot.key.kind is KeyKind.COLLECTIVE and slot.key.collective_kind is not CollectiveKind.REDUCE:
