@@ -353,6 +353,29 @@ def test_a_lost_rank_fails_the_operation_naming_it_and_frees_what_was_held(key: 
     assert not t.has_pending() and t.buffered_bytes(0) == 0
 
 
+def test_a_native_collective_without_every_rank_fails_naming_the_absent_one() -> None:
+    t = ReductionTable(3, CHUNK, 10.0, lambda: 0.0, on_worker_loss="continue")
+    t.worker_lost(2, "disconnected")
+    out = t.contribute(byte_chunks(0, key_of(CollectiveKind.ALL_GATHER), payload(0, 4))[0])
+    [err] = [e for to, e in errors(out) if to == (0,)]
+    assert err.code == int(Status.ABORTED) and err.step_failed and "worker(s) 2" in err.message
+    assert "needs every rank" in err.message and not t.has_pending()
+
+
+def test_a_byte_chunk_sent_twice_is_refused_and_forwarded_once() -> None:
+    key = key_of(CollectiveKind.ALL_GATHER)
+    data = [payload(r, 6) for r in range(2)]
+    t = table(2)
+    first = byte_chunks(0, key, data[0])
+    t.contribute(first[0])
+    [(to, err)] = errors(t.contribute(ChunkIn(0, key, first[0].header, 0, b"zzzz")))
+    assert to == (0,) and err.code == int(Status.INVALID_ARGUMENT) and "twice" in err.message
+    got = Results(2)
+    for c in first[1:] + byte_chunks(1, key, data[1]):
+        got.take(t.contribute(c))
+    assert got.of(0) == got.of(1) == b"".join(data)
+
+
 def test_a_missing_broadcast_rank_is_named_at_the_step_timeout() -> None:
     now = [0.0]
     t = ReductionTable(3, CHUNK, 5.0, lambda: now[0])
