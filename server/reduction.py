@@ -121,6 +121,11 @@ class Reduce:
     to: tuple[int, ...]  # the live workers when it completed
 
     @property
+    def scattered(self) -> bool:
+        """A REDUCE_SCATTER chunk: its result is copied into the rank parts, not sent as is."""
+        return self.key.collective_kind is CollectiveKind.REDUCE_SCATTER
+
+    @property
     def nbytes(self) -> int:
         return sum(_nbytes(d) for d in self.data)
 
@@ -797,7 +802,10 @@ class ReductionTable:
             self._reductions.append(request)
             return []
         try:
-            averaged = self._averager.reduce(
+            # A reduce-scatter's chunks are copied into its result, never sent as they are: no
+            # output buffer (the shared-memory arena) is worth taking for them.
+            average = self._averager.average if request.scattered else self._averager.reduce
+            averaged = average(
                 request.data, divide=request.divide, dtype=request.dtype, finite_only=request.finite_only
             )
         except (SumOverflow, NonFiniteContribution) as exc:
