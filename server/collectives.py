@@ -186,3 +186,45 @@ class ByteCollective:
                     out.append(piece)
             begin += length
         return out
+
+
+class ScatterParts:
+    """Cuts the reduced chunks of one REDUCE_SCATTER into the ranks' parts as they come: rank r
+    gets elements [r·P, (r+1)·P) of the result (P = S / ranks), pieces at offsets within its part.
+    The piece that would complete a rank's part is kept (copied) until every chunk is reduced,
+    so no rank sees its part complete while others' inputs are still being read."""
+
+    def __init__(self, ranks: int, size: int, item_size: int, num_chunks: int) -> None:
+        self.ranks = ranks
+        self.part = size // ranks
+        self.item = item_size
+        self._chunks_left = num_chunks
+        self._sent = [0] * ranks  # elements of each part sent or kept
+        self._kept: list[Piece] = []
+
+    def reduced(self, start: int, data: Data) -> list[Piece]:
+        """Takes the reduced elements from `start` (`data`, whole elements); returns the pieces
+        ready to send (with every chunk reduced, the kept ones too)."""
+        self._chunks_left -= 1
+        view = memoryview(data).cast("B")
+        stop = start + len(view) // self.item
+        out: list[Piece] = []
+        for rank in range(self.ranks):
+            lo, hi = max(start, rank * self.part), min(stop, (rank + 1) * self.part)
+            if lo >= hi and not (self.part == 0 and self._chunks_left == 0):
+                continue
+            piece = Piece(
+                (rank,),
+                self.part,
+                lo - rank * self.part,
+                view[(lo - start) * self.item : (hi - start) * self.item],
+            )
+            self._sent[rank] += max(0, hi - lo)
+            if self._sent[rank] == self.part and self._chunks_left:
+                self._kept.append(dataclasses.replace(piece, data=bytes(piece.data)))
+            else:
+                out.append(piece)
+        if not self._chunks_left:
+            out += self._kept
+            self._kept = []
+        return out

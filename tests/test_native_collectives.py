@@ -208,17 +208,19 @@ def test_reduce_scatter_gives_each_rank_its_part_of_the_exact_reduction(
         assert not t.has_pending() and all(t.buffered_bytes(r) == 0 for r in range(world))
 
 
-def test_reduce_scatter_sends_nothing_before_the_whole_sum_is_reduced() -> None:
+def test_no_reduce_scatter_part_is_complete_before_the_whole_sum_is_reduced() -> None:
     key = key_of(CollectiveKind.REDUCE_SCATTER)
-    data = [floats(r, 12) for r in range(2)]
+    data = [floats(r, 24) for r in range(2)]
     t = table(2)
-    out = []
+    got = Results(2)
     chunks = [float_chunks(r, key, data[r]) for r in range(2)]
     for c in chunks[0] + chunks[1][:-1]:
-        out += t.contribute(c)
-    assert not any(isinstance(o.event, AveragedChunkOut) for o in out)
-    out = t.contribute(chunks[1][-1])
-    assert {o.to for o in out} == {(0,), (1,)}
+        got.take(t.contribute(c))
+        assert not got.complete(0) and not got.complete(1)
+    assert got.buffers, "no piece was sent before the last chunk: parts are not streamed"
+    got.take(t.contribute(chunks[1][-1]))
+    whole = reduce_bytes(2, data, ReduceOp.SUM)
+    assert [got.of(0), got.of(1)] == [whole[:48], whole[48:]]
 
 
 def all_to_all_expected(splits: list[list[int]], data: list[bytes]) -> list[bytes]:
