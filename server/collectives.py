@@ -1,9 +1,11 @@
-"""Routing of the byte-moving collectives (ALL_GATHER, BROADCAST, ALL_TO_ALL) of one operation.
+"""Where the result pieces of one native collective go, and when.
 
-Pure bookkeeping for the reduction table: it holds the contributions' chunks that cannot be
-forwarded yet and answers each arriving chunk with the result pieces that became ready (no float
-work: bytes are only sliced and routed). The table does the checks that concern every key (step
-order, duplicates, liveness, headers across ranks) before a chunk gets here.
+Pure bookkeeping for the reduction table. `ByteCollective` (ALL_GATHER, BROADCAST, ALL_TO_ALL)
+holds the contributions' chunks that cannot be forwarded yet and answers each arriving chunk with
+the result pieces that became ready (no float work: bytes are only sliced and routed).
+`ScatterParts` cuts a REDUCE_SCATTER's reduced chunks into the ranks' parts. The table does the
+checks that concern every key (step order, duplicates, liveness, headers across ranks) before a
+chunk gets here.
 
 - ALL_GATHER: chunk i of every rank is forwarded (to every rank, as rank j's bytes at j·S + i·C)
   once every rank sent its chunk i.

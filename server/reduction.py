@@ -8,8 +8,9 @@ is averaged as soon as the last worker's copy arrives and its buffers are freed.
 Beside the table: `participation` (which workers a step waits for: lost, rejoined, live),
 `shards` (the answers to shard requests), `step_stats` (per-step counts, logged at DEBUG),
 `outgoing` (what the table returns), `averaging` (the float64 mean of one chunk) and `collectives`
-(the routing of the byte-moving collective kinds: ALL_GATHER, BROADCAST, ALL_TO_ALL; a
-REDUCE_SCATTER is reduced here like any key and each rank gets its part once all is reduced).
+(where the result pieces of the native collective kinds go: ALL_GATHER, BROADCAST, ALL_TO_ALL
+are routed there without float work; a REDUCE_SCATTER is reduced here like any key and its
+reduced chunks are cut into the ranks' parts there).
 
 Rules (docs/PROTOCOL.md lists them with their status codes):
 - A step either completes for every key or fails for all workers at once; the failure is
