@@ -23,12 +23,14 @@ from .components import BLOCK_GRAD_COMPONENTS, NonBlockComponent
 from .errors import GradServerError, InternalError, InvalidArgumentError, ResourceExhaustedError
 from .messages import (
     ALLOWED_DTYPES,
+    BYTE_KINDS,
     ITEM_SIZE,
     AveragedChunkOut,
     BarrierIn,
     BarrierReleaseOut,
     ChunkHeader,
     ChunkIn,
+    CollectiveKind,
     DType,
     ErrorOut,
     HeartbeatAckOut,
@@ -61,6 +63,9 @@ class WireLimits:
     chunk_elements: int
     max_tensor_elements: int
     max_blocks: int = 65536
+    # The job's worker count when the decoder knows it (0: unknown): a collective's root and
+    # split_bytes are then checked against it here, else only by the reduction table.
+    world_size: int = 0
 
 
 # Field numbers of the payload-carrying fields, read from the descriptors so they cannot drift.
@@ -85,6 +90,9 @@ def _key_to_pb(key: TensorKey) -> pb.TensorKey:
                 group=key.index,
                 op=int(key.op),  # type: ignore[arg-type]
                 propagate_non_finite=key.propagate_non_finite,
+                kind=int(key.collective_kind),  # type: ignore[arg-type]
+                root=key.root,
+                split_bytes=key.split_bytes,
             ),
         )
     return pb.TensorKey(step=key.step, whole_model=pb.WholeModelKey())
@@ -127,10 +135,51 @@ def _key_from_pb(msg: pb.TensorKey, *, who: str, limits: WireLimits | None) -> T
                 f"{msg.collective.op} (known: {names})",
                 step=msg.step,
             ) from None
-        return TensorKey.collective(
-            msg.step, msg.collective.group, op, propagate_non_finite=msg.collective.propagate_non_finite
-        )
+        return _collective_from_pb(msg.step, msg.collective, op, who=who, limits=limits)
     raise InvalidArgumentError(f"{who}, step {msg.step}: key names no tensor kind", step=msg.step)
+
+
+def _collective_from_pb(
+    step: int, msg: pb.CollectiveKey, op: ReduceOp, *, who: str, limits: WireLimits | None
+) -> TensorKey:
+    """A collective key; refuses an unknown kind, a root or split_bytes where the kind has none,
+    and (when the world size is known) a root or split_bytes that does not fit the world."""
+    context = f"{who}, operation {step} of group {msg.group}"
+    try:
+        kind = CollectiveKind(msg.kind)
+    except ValueError:
+        names = ", ".join(f"{k.name}={k.value}" for k in CollectiveKind)
+        raise InvalidArgumentError(
+            f"{context}: unknown collective kind {msg.kind} (known: {names})", step=step
+        ) from None
+    splits = tuple(msg.split_bytes)
+    if msg.root and kind is not CollectiveKind.BROADCAST:
+        raise InvalidArgumentError(
+            f"{context}: root {msg.root} is only for BROADCAST, not {kind.name}", step=step
+        )
+    if splits and kind is not CollectiveKind.ALL_TO_ALL:
+        raise InvalidArgumentError(
+            f"{context}: split_bytes are only for ALL_TO_ALL, not {kind.name}", step=step
+        )
+    world = limits.world_size if limits is not None else 0
+    if world and kind is CollectiveKind.BROADCAST and msg.root >= world:
+        raise InvalidArgumentError(
+            f"{context}: BROADCAST root {msg.root} is out of range for {world} workers", step=step
+        )
+    if world and kind is CollectiveKind.ALL_TO_ALL and len(splits) != world:
+        raise InvalidArgumentError(
+            f"{context}: ALL_TO_ALL has {len(splits)} split_bytes, one per worker needs {world}",
+            step=step,
+        )
+    return TensorKey.collective(
+        step,
+        msg.group,
+        op,
+        propagate_non_finite=msg.propagate_non_finite,
+        kind=kind,
+        root=msg.root,
+        split_bytes=splits,
+    )
 
 
 def chunk_key(raw: bytes) -> TensorKey | None:
@@ -145,11 +194,24 @@ def chunk_key(raw: bytes) -> TensorKey | None:
         return None
 
 
-def _dtype_from_pb(value: int, *, context: str) -> DType:
+def _dtype_from_pb(value: int, *, context: str, key: TensorKey | None = None) -> DType:
+    """The dtype of a chunk of `key`: BYTES for the byte-moving collective kinds and only for
+    them, a float wire dtype for every reduction."""
     try:
         dtype = DType(value)
     except ValueError:
         raise InvalidArgumentError(f"{context}: unknown dtype {value}") from None
+    if key is not None and key.kind is KeyKind.COLLECTIVE and key.collective_kind in BYTE_KINDS:
+        if dtype is not DType.BYTES:
+            raise InvalidArgumentError(
+                f"{context}: {key.collective_kind.name} moves raw bytes: dtype must be BYTES, "
+                f"got {dtype.name}"
+            )
+        return dtype
+    if dtype is DType.BYTES:
+        raise InvalidArgumentError(
+            f"{context}: dtype BYTES is never reduced; only ALL_GATHER, BROADCAST and ALL_TO_ALL carry it"
+        )
     if dtype not in ALLOWED_DTYPES:
         allowed = ", ".join(d.name for d in sorted(ALLOWED_DTYPES))
         state = "missing" if dtype is DType.UNSPECIFIED else f"{dtype.name} is reserved"
@@ -338,7 +400,11 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
     who = f"worker {chunk.worker_id}"
     key = _key_from_pb(chunk.key, who=who, limits=limits)
     context = f"{who}, {key}"
-    dtype = _dtype_from_pb(chunk.dtype, context=context)
+    try:
+        dtype = _dtype_from_pb(chunk.dtype, context=context, key=key)
+    except InvalidArgumentError as exc:
+        exc.step, exc.key, exc.worker_id = key.step, str(key), chunk.worker_id
+        raise
     total = chunk.total_elements
     if total > limits.max_tensor_elements:
         raise ResourceExhaustedError(
@@ -389,6 +455,7 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
             worker_id=chunk.worker_id,
         )
     length = shm.length if shm is not None else len(data)
+    _check_collective_chunk(key, chunk.worker_id, total, chunk.offset, length, context=context)
     item_size = ITEM_SIZE[dtype]
     if length % item_size:
         raise InvalidArgumentError(
@@ -397,11 +464,14 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
             key=str(key),
             worker_id=chunk.worker_id,
         )
-    try:
-        check_chunk_length(total, limits.chunk_elements, chunk.offset, length // item_size, context=context)
-    except (InvalidArgumentError, ResourceExhaustedError) as exc:
-        exc.step, exc.key, exc.worker_id = key.step, str(key), chunk.worker_id
-        raise
+    if not _header_only(key, chunk.worker_id):
+        try:
+            check_chunk_length(
+                total, limits.chunk_elements, chunk.offset, length // item_size, context=context
+            )
+        except (InvalidArgumentError, ResourceExhaustedError) as exc:
+            exc.step, exc.key, exc.worker_id = key.step, str(key), chunk.worker_id
+            raise
     stats = None
     if chunk.HasField("stats"):
         if key.kind is not KeyKind.WHOLE_MODEL:
@@ -436,6 +506,36 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
         stats=stats,
         shm=shm,
     )
+
+
+def _header_only(key: TensorKey, worker_id: int) -> bool:
+    """A BROADCAST's non-root ranks send one chunk with the root's size and no payload."""
+    return (
+        key.kind is KeyKind.COLLECTIVE
+        and key.collective_kind is CollectiveKind.BROADCAST
+        and worker_id != key.root
+    )
+
+
+def _check_collective_chunk(
+    key: TensorKey, worker_id: int, total: int, offset: int, length: int, *, context: str
+) -> None:
+    """What one chunk of a byte-moving collective must satisfy on its own."""
+    if key.kind is not KeyKind.COLLECTIVE:
+        return
+    problem = None
+    if _header_only(key, worker_id) and (offset or length):
+        problem = (
+            f"worker {worker_id} is not the root ({key.root}) of a BROADCAST: it sends one "
+            f"header-only chunk (offset 0, no payload), got {length} bytes at offset {offset}"
+        )
+    elif key.collective_kind is CollectiveKind.ALL_TO_ALL and sum(key.split_bytes) != total:
+        problem = (
+            f"ALL_TO_ALL split_bytes {list(key.split_bytes)} sum to {sum(key.split_bytes)}, "
+            f"but the contribution declares {total} bytes"
+        )
+    if problem is not None:
+        raise InvalidArgumentError(f"{context}: {problem}", step=key.step, key=str(key), worker_id=worker_id)
 
 
 def _shm_to_pb(ref: ShmRef) -> pb.SharedMemoryRef:

@@ -28,17 +28,33 @@ class ReduceOp(enum.IntEnum):
     SUM = 1
 
 
+class CollectiveKind(enum.IntEnum):
+    """What a collective key does with the contributions; values are those of the proto's
+    CollectiveKind (docs/PROTOCOL.md, "Native collectives")."""
+
+    REDUCE = 0
+    ALL_GATHER = 1
+    BROADCAST = 2
+    REDUCE_SCATTER = 3
+    ALL_TO_ALL = 4
+
+
 class DType(enum.IntEnum):
-    """Wire dtypes; values are those of the proto's DType enum."""
+    """Wire dtypes; values are those of the proto's DType enum. BYTES: raw bytes of any tensor
+    dtype, never reduced (only the byte-moving collective kinds carry it)."""
 
     UNSPECIFIED = 0
     FLOAT32 = 1
     BFLOAT16 = 2
     FLOAT16 = 3
+    BYTES = 4
 
 
+# The dtypes a reduction (REDUCE, REDUCE_SCATTER and the training keys) accepts.
 ALLOWED_DTYPES = frozenset({DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16})
-ITEM_SIZE = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2}
+ITEM_SIZE = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2, DType.BYTES: 1}
+# The collective kinds that move bytes unreduced, and so carry DType.BYTES (and only it).
+BYTE_KINDS = frozenset({CollectiveKind.ALL_GATHER, CollectiveKind.BROADCAST, CollectiveKind.ALL_TO_ALL})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +70,11 @@ class TensorKey:
     # Collective keys only: NaN/Inf in, or a float32 overflow, give NaN/Inf out (torch's
     # semantics) instead of failing the step.
     propagate_non_finite: bool = dataclasses.field(default=False, compare=False)
+    # Collective keys only, like `op`: what the operation does, the broadcast root, and the
+    # all-to-all byte counts this worker sends to each rank.
+    collective_kind: CollectiveKind = dataclasses.field(default=CollectiveKind.REDUCE, compare=False)
+    root: int = dataclasses.field(default=0, compare=False)
+    split_bytes: tuple[int, ...] = dataclasses.field(default=(), compare=False)
 
     @classmethod
     def block(cls, step: int, block_idx: int, num_blocks: int) -> TensorKey:
@@ -69,10 +90,27 @@ class TensorKey:
 
     @classmethod
     def collective(
-        cls, sequence: int, group: int, op: ReduceOp = ReduceOp.AVG, *, propagate_non_finite: bool = False
+        cls,
+        sequence: int,
+        group: int,
+        op: ReduceOp = ReduceOp.AVG,
+        *,
+        propagate_non_finite: bool = False,
+        kind: CollectiveKind = CollectiveKind.REDUCE,
+        root: int = 0,
+        split_bytes: tuple[int, ...] = (),
     ) -> TensorKey:
         """Operation `sequence` of process group `group`: the sequence number is the step."""
-        return cls(sequence, KeyKind.COLLECTIVE, group, op=op, propagate_non_finite=propagate_non_finite)
+        return cls(
+            sequence,
+            KeyKind.COLLECTIVE,
+            group,
+            op=op,
+            propagate_non_finite=propagate_non_finite,
+            collective_kind=kind,
+            root=root,
+            split_bytes=tuple(split_bytes),
+        )
 
     @property
     def slot(self) -> tuple[KeyKind, int]:
@@ -88,7 +126,14 @@ class TensorKey:
             except ValueError:
                 return f"non-block component {self.index}"
         if self.kind is KeyKind.COLLECTIVE:
-            return f"collective {self.op.name} of group {self.index}"
+            kind = self.collective_kind
+            if kind is CollectiveKind.REDUCE:
+                return f"collective {self.op.name} of group {self.index}"
+            if kind is CollectiveKind.REDUCE_SCATTER:
+                return f"collective REDUCE_SCATTER {self.op.name} of group {self.index}"
+            if kind is CollectiveKind.BROADCAST:
+                return f"collective BROADCAST from rank {self.root} of group {self.index}"
+            return f"collective {kind.name} of group {self.index}"
         return "whole-model gradient"
 
     def __str__(self) -> str:

@@ -31,11 +31,20 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BYTES: _ClassVar[DType]
 
 class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REDUCE_OP_AVG: _ClassVar[ReduceOp]
     REDUCE_OP_SUM: _ClassVar[ReduceOp]
+
+class CollectiveKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLLECTIVE_KIND_REDUCE: _ClassVar[CollectiveKind]
+    COLLECTIVE_KIND_ALL_GATHER: _ClassVar[CollectiveKind]
+    COLLECTIVE_KIND_BROADCAST: _ClassVar[CollectiveKind]
+    COLLECTIVE_KIND_REDUCE_SCATTER: _ClassVar[CollectiveKind]
+    COLLECTIVE_KIND_ALL_TO_ALL: _ClassVar[CollectiveKind]
 BLOCK_COMPONENT_W_Q: BlockComponent
 BLOCK_COMPONENT_W_K: BlockComponent
 BLOCK_COMPONENT_W_V: BlockComponent
@@ -52,8 +61,14 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
+DTYPE_BYTES: DType
 REDUCE_OP_AVG: ReduceOp
 REDUCE_OP_SUM: ReduceOp
+COLLECTIVE_KIND_REDUCE: CollectiveKind
+COLLECTIVE_KIND_ALL_GATHER: CollectiveKind
+COLLECTIVE_KIND_BROADCAST: CollectiveKind
+COLLECTIVE_KIND_REDUCE_SCATTER: CollectiveKind
+COLLECTIVE_KIND_ALL_TO_ALL: CollectiveKind
 
 class JoinRequest(_message.Message):
     __slots__ = ("node_id", "gpu_count", "backend", "protocol_version", "committed_step", "job_fingerprint", "rank", "shard_index")
@@ -149,14 +164,20 @@ class WholeModelKey(_message.Message):
     def __init__(self) -> None: ...
 
 class CollectiveKey(_message.Message):
-    __slots__ = ("group", "op", "propagate_non_finite")
+    __slots__ = ("group", "op", "propagate_non_finite", "kind", "root", "split_bytes")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     PROPAGATE_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     group: int
     op: ReduceOp
     propagate_non_finite: bool
-    def __init__(self, group: _Optional[int] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., propagate_non_finite: _Optional[bool] = ...) -> None: ...
+    kind: CollectiveKind
+    root: int
+    split_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group: _Optional[int] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., propagate_non_finite: _Optional[bool] = ..., kind: _Optional[_Union[CollectiveKind, str]] = ..., root: _Optional[int] = ..., split_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SharedMemoryRef(_message.Message):
     __slots__ = ("name", "offset", "length")
