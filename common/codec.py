@@ -172,8 +172,8 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
     msg.job_fingerprint.update(request.fingerprint)
     if request.rank is not None:
         msg.rank = request.rank
-    if request.shard_index is not None:
-        msg.shard_index = request.shard_index
+    if request.partition_index is not None:
+        msg.partition_index = request.partition_index
     return msg.SerializeToString()
 
 
@@ -193,7 +193,7 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
             f"{MAX_FINGERPRINT_FIELDS} fields of at most {MAX_NAME_LENGTH} characters each"
         )
     rank = msg.rank if msg.HasField("rank") else None
-    shard_index = msg.shard_index if msg.HasField("shard_index") else None
+    partition_index = msg.partition_index if msg.HasField("partition_index") else None
     return JoinRequestIn(
         msg.node_id,
         msg.gpu_count,
@@ -202,7 +202,7 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         committed,
         fingerprint,
         rank,
-        shard_index,
+        partition_index,
     )
 
 
@@ -222,8 +222,8 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         max_steps=accepted.max_steps,
         resume_step=accepted.resume_step,
         local_workers=accepted.local_workers,
-        shard_map=accepted.shard_map,
-        shard_index=accepted.shard_index,
+        partition_map=accepted.partition_map,
+        partition_index=accepted.partition_index,
         shm_socket=accepted.shm_socket,
         shm_nonce=accepted.shm_nonce,
     ).SerializeToString()
@@ -252,8 +252,8 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         max_steps=msg.max_steps,
         resume_step=msg.resume_step if msg.HasField("resume_step") else None,
         local_workers=max(1, msg.local_workers),
-        shard_map=tuple(msg.shard_map),
-        shard_index=msg.shard_index,
+        partition_map=tuple(msg.partition_map),
+        partition_index=msg.partition_index,
         shm_socket=msg.shm_socket,
         shm_nonce=msg.shm_nonce,
     )

@@ -242,8 +242,8 @@ class JoinRequestIn:
     fingerprint: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # The worker id asked for (a torch rank); None: the lowest free one.
     rank: int | None = None
-    # Sharded coordinators: the shard index the joiner believes it reaches (shards 1..K-1).
-    shard_index: int | None = None
+    # Partitioned coordinators: the partition index the joiner believes it reaches (partitions 1..K-1).
+    partition_index: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,10 +264,10 @@ class JoinAccepted:
     max_steps: int
     resume_step: int | None = None
     local_workers: int = 1
-    # Sharded coordinators: every shard's address in shard order (empty: one coordinator), and
-    # the answering shard's index in it.
-    shard_map: tuple[str, ...] = ()
-    shard_index: int = 0
+    # Partitioned coordinators: every partition's address in partition order (empty: one coordinator), and
+    # the answering partition's index in it.
+    partition_map: tuple[str, ...] = ()
+    partition_index: int = 0
     # Same-host fast path: the coordinator's Unix socket and its nonce ("" and b"" when off).
     shm_socket: str = ""
     shm_nonce: bytes = b""

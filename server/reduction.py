@@ -47,7 +47,7 @@ from gradserver.common.messages import (
     ShardRequestIn,
     TensorKey,
 )
-from gradserver.common.shard_map import ShardMap
+from gradserver.common.partition_map import PartitionMap
 
 from .averaging import Averager, NonFiniteContribution, SumOverflow
 from .outgoing import Outgoing, error_to
@@ -146,13 +146,13 @@ class ReductionTable:
         on_key_reduced: Callable[[float], None] | None = None,
         on_barrier_released: Callable[[float], None] | None = None,
         on_worker_loss: str = "abort",
-        shard: tuple[ShardMap, int] | None = None,
+        partition: tuple[PartitionMap, int] | None = None,
         averager: Averager | None = None,
         defer_reductions: bool = False,
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
-        contribution or arrival to completion (for metrics). `shard` (map, own index): this
-        table expects and averages only the chunks the map assigns to that shard. `averager`
+        contribution or arrival to completion (for metrics). `partition` (map, own index): this
+        table expects and averages only the chunks the map assigns to that partition. `averager`
         (one thread by default) computes the averages; the coordinator shares one across jobs.
         With `defer_reductions`, complete chunks are not averaged here but queued as `Reduce`
         requests (`take_reductions`) whose results come back through `reduced`."""
@@ -183,7 +183,7 @@ class ReductionTable:
         self.keys_reduced = 0
         self.contributions_counted = 0
         self._last_completed_step: int | None = None
-        self._shard = shard
+        self._partition = partition
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class ReductionTable:
 
     def unsettled_steps(self) -> set[int]:
         """Steps still pending, or done here but not yet counted complete (a worker expected at
-        them has not moved on): sharded coordinators fail these when another shard lost a worker."""
+        them has not moved on): partitioned coordinators fail these when another partition lost a worker."""
         return self.pending_steps() | self._open_steps
 
     @property
@@ -467,7 +467,7 @@ class ReductionTable:
         return out
 
     def fail_step(self, step: int, message: str, code: Status, culprit: int | None = None) -> list[Outgoing]:
-        """Fails `step` for every worker (sharded coordinators: another shard failed it)."""
+        """Fails `step` for every worker (partitioned coordinators: another partition failed it)."""
         culprit_code = code if culprit is None else _ABORTED
         out = self._fail_step(step, message, culprit=culprit, code=code, culprit_code=culprit_code)
         self._settle_steps()
@@ -566,22 +566,22 @@ class ReductionTable:
         return slot
 
     def _owned_chunks(self, key: TensorKey, num_chunks: int) -> int:
-        if self._shard is None:
+        if self._partition is None:
             return num_chunks
-        shard_map, own = self._shard
-        return shard_map.owned_chunks(key, num_chunks, own)
+        partition_map, own = self._partition
+        return partition_map.owned_chunks(key, num_chunks, own)
 
     def _foreign_chunk(self, key: TensorKey, index: int) -> str | None:
-        """What is wrong when chunk `index` of `key` belongs to another shard; None when ours."""
-        if self._shard is None:
+        """What is wrong when chunk `index` of `key` belongs to another partition; None when ours."""
+        if self._partition is None:
             return None
-        shard_map, own = self._shard
-        owner = shard_map.owner(key, index)
+        partition_map, own = self._partition
+        owner = partition_map.owner(key, index)
         if owner == own:
             return None
         return (
-            f"chunk {index} of {key} to {shard_map.describe(own)}, but the shard map assigns it "
-            f"to {shard_map.describe(owner)}"
+            f"chunk {index} of {key} to {partition_map.describe(own)}, but the partition map assigns it "
+            f"to {partition_map.describe(owner)}"
         )
 
     def _left_behind(

@@ -1,8 +1,8 @@
 """Every worker transport, driven through the `Link` interface alone against real coordinators.
 
 Each test runs the same workload over the three links `open_link` can pick: gRPC, shared memory
-(one coordinator with a socket directory) and sharded coordinators (two partitions, each behind a
-proxy so the shard map can name them before they start). Whatever carries the bytes, the results,
+(one coordinator with a socket directory) and partitioned coordinators (two partitions, each behind a
+proxy so the partition map can name them before they start). Whatever carries the bytes, the results,
 the errors and the cleanup must be the same.
 """
 
@@ -37,9 +37,9 @@ CHUNK_MIB = CHUNK_ELEMENTS * 4 / (1 << 20)
 SIZE = 5 * CHUNK_ELEMENTS + 17  # several chunks and a short last one, spread over partitions
 WORLD = 2
 STEPS = 3
-LINKS = ("grpc", "shm", "sharded")
+LINKS = ("grpc", "shm", "partitioned")
 # Which concrete link `open_link` must have picked for each setup.
-LINK_CLASSES = {"grpc": "GrpcLink", "shm": "ShmLink", "sharded": "ShardedLink"}
+LINK_CLASSES = {"grpc": "GrpcLink", "shm": "ShmLink", "partitioned": "PartitionedLink"}
 THREADS_END_WITHIN = 15.0
 
 pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux
 
 @dataclasses.dataclass
 class Setup:
-    """The coordinators of one job (behind proxies when sharded) and how workers reach them."""
+    """The coordinators of one job (behind proxies when partitioned) and how workers reach them."""
 
     address: str
     choice: str
@@ -81,13 +81,13 @@ def setups(tmp_path: Path) -> Iterator[Callable[[str], Setup]]:
     made: list[Setup] = []
 
     def make(link: str) -> Setup:
-        if link == "sharded":
+        if link == "partitioned":
             proxies = [FaultProxy("127.0.0.1", 0).start() for _ in range(2)]
             setup = Setup(proxies[0].address, "auto", [], proxies)
             made.append(setup)
-            shard_map = ",".join(p.address for p in proxies)
+            partition_map = ",".join(p.address for p in proxies)
             for index, proxy in enumerate(proxies):
-                server = ServerThread(_config(shard_map=shard_map, shard_index=index))
+                server = ServerThread(_config(partition_map=partition_map, partition_index=index))
                 setup.servers.append(server)
                 server.start()
                 proxy.target = ("127.0.0.1", server.server.port if server.server else 0)
@@ -117,7 +117,7 @@ def _open(setup: Setup, rank: int) -> Link:
     channel, accepted = join(setup.address, request)
 
     def join_partition(index: int, at: str) -> Any:
-        return join(at, dataclasses.replace(request, rank=accepted.worker_id, shard_index=index))
+        return join(at, dataclasses.replace(request, rank=accepted.worker_id, partition_index=index))
 
     link = open_link(
         channel,

@@ -127,6 +127,38 @@ def test_an_old_flag_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) ->
     ]
 
 
+def test_the_coordinators_old_shard_flags_and_variables_set_its_partitions_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Coordinator partitions were "shards", a word that also named data sample ranges: the old
+    names still work for one release, each with a warning naming its new one, and no process reads
+    an old name as a current one of its own."""
+    caplog.set_level(logging.WARNING, "gradserver.config")
+    two = "127.0.0.1:1,127.0.0.1:2"
+    old_env = {
+        "GRADSERVER_SHARD_MAP": two,
+        "GRADSERVER_SHARD_INDEX": "1",
+        "GRADSERVER_SHARD_TLS_CA": "ca.pem",
+    }
+    config = config_from_sources(CoordinatorConfig, None, old_env)
+    assert (config.partition_map, config.partition_index, config.partition_tls_ca) == (two, 1, "ca.pem")
+    assert sorted(r.getMessage().split(" (")[0] for r in caplog.records) == [
+        "GRADSERVER_SHARD_INDEX is deprecated and goes in the next release: use GRADSERVER_PARTITION_INDEX",
+        "GRADSERVER_SHARD_MAP is deprecated and goes in the next release: use GRADSERVER_PARTITION_MAP",
+        "GRADSERVER_SHARD_TLS_CA is deprecated and goes in the next release: use GRADSERVER_PARTITION_TLS_CA",
+    ]
+    caplog.clear()
+    args = _subcommands()["coordinator"].parse_args(["--shard-map", two, "--shard-index", "1"])
+    config = config_from_sources(CoordinatorConfig, args, {"GRADSERVER_PARTITION_INDEX": "0"})
+    assert (config.partition_map, config.partition_index) == (two, 1)
+    assert sorted(r.getMessage().split(" is deprecated")[0] for r in caplog.records) == [
+        "--shard-index",
+        "--shard-map",
+    ]
+    meanings = _meanings()
+    assert not set(deprecated_names_of(CoordinatorConfig)) & set(meanings)
+
+
 # --- launch and worker flags ----------------------------------------------------------------------
 
 

@@ -119,7 +119,7 @@ class WorkerClient:
         must use the same wire dtype (the coordinator fails a step whose workers differ).
         `transport` is "auto" (default, or $GRADSERVER_TRANSPORT): shared memory when the
         coordinator proves it is on this host, else gRPC; "grpc"; or "shm", which raises when
-        shared memory is not available (also with a 16-bit wire or sharded coordinators, which
+        shared memory is not available (also with a 16-bit wire or partitioned coordinators, which
         are for networks). `shm_arena_mib` bounds this worker's input arena."""
         timeouts = Timeouts.of(timeout)
         choice = transports.transport_choice(transport)
@@ -144,8 +144,8 @@ class WorkerClient:
             return join_at(at, request, timeouts, tls, server_name, metadata)
 
         def join_partition(index: int, at: str) -> tuple[grpc.Channel, JoinAccepted]:
-            # Every other coordinator partition is joined as the worker id shard 0 gave.
-            again = dataclasses.replace(request, rank=accepted.worker_id, shard_index=index)
+            # Every other coordinator partition is joined as the worker id partition 0 gave.
+            again = dataclasses.replace(request, rank=accepted.worker_id, partition_index=index)
             return join(at, again)
 
         channel, accepted = join(address, request)

@@ -56,7 +56,7 @@ REDUCE_OP_AVG: ReduceOp
 REDUCE_OP_SUM: ReduceOp
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "gpu_count", "backend", "protocol_version", "committed_step", "job_fingerprint", "rank", "shard_index")
+    __slots__ = ("node_id", "gpu_count", "backend", "protocol_version", "committed_step", "job_fingerprint", "rank", "partition_index")
     class JobFingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,7 +71,7 @@ class JoinRequest(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
-    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu_count: int
     backend: str
@@ -79,11 +79,11 @@ class JoinRequest(_message.Message):
     committed_step: int
     job_fingerprint: _containers.ScalarMap[str, str]
     rank: int
-    shard_index: int
-    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., backend: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    partition_index: int
+    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., backend: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., partition_index: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "shard_map", "shard_index", "shm_socket", "shm_nonce")
+    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -98,8 +98,8 @@ class JoinResponse(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
-    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
-    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_MAP_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
@@ -116,11 +116,11 @@ class JoinResponse(_message.Message):
     max_steps: int
     resume_step: int
     local_workers: int
-    shard_map: _containers.RepeatedScalarFieldContainer[str]
-    shard_index: int
+    partition_map: _containers.RepeatedScalarFieldContainer[str]
+    partition_index: int
     shm_socket: str
     shm_nonce: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., shard_map: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., partition_map: _Optional[_Iterable[str]] = ..., partition_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class TensorKey(_message.Message):
     __slots__ = ("step", "block", "non_block", "whole_model", "collective")
@@ -346,24 +346,24 @@ class ServerMessage(_message.Message):
     error: Error
     def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., shard_assignment: _Optional[_Union[ShardAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
-class ShardNotice(_message.Message):
-    __slots__ = ("from_shard", "shard_count", "step", "code", "message", "culprit_worker_id", "worker_lost")
-    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
-    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+class PartitionNotice(_message.Message):
+    __slots__ = ("from_partition", "partition_count", "step", "code", "message", "culprit_worker_id", "worker_lost")
+    FROM_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_COUNT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_LOST_FIELD_NUMBER: _ClassVar[int]
-    from_shard: int
-    shard_count: int
+    from_partition: int
+    partition_count: int
     step: int
     code: int
     message: str
     culprit_worker_id: int
     worker_lost: bool
-    def __init__(self, from_shard: _Optional[int] = ..., shard_count: _Optional[int] = ..., step: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., culprit_worker_id: _Optional[int] = ..., worker_lost: _Optional[bool] = ...) -> None: ...
+    def __init__(self, from_partition: _Optional[int] = ..., partition_count: _Optional[int] = ..., step: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., culprit_worker_id: _Optional[int] = ..., worker_lost: _Optional[bool] = ...) -> None: ...
 
-class ShardNoticeAck(_message.Message):
+class PartitionNoticeAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

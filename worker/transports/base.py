@@ -70,7 +70,7 @@ class Link(Protocol):
 
     @property
     def accepted(self) -> JoinAccepted:
-        """The coordinator's answer to this worker's Join (for sharded coordinators: shard 0's)."""
+        """The coordinator's answer to this worker's Join (for partitioned coordinators: partition 0's)."""
         ...
 
     @property

@@ -146,8 +146,8 @@ class GrpcLink:
         cond: threading.Condition | None = None,
         on_break: Callable[[ErrorRecord], None] | None = None,
     ) -> None:
-        """Opens the Exchange stream on `channel` (which the link owns and closes). Sharded
-        coordinators (`ShardedLink`) give every partition's link one shared `cond`, so a waiter
+        """Opens the Exchange stream on `channel` (which the link owns and closes). Partitioned
+        coordinators (`PartitionedLink`) give every partition's link one shared `cond`, so a waiter
         wakes on any partition's news, and `on_break`, called once when this link breaks (not
         when it is closed), so the other partitions' links break too."""
         self._channel = channel
@@ -242,7 +242,7 @@ class GrpcLink:
         array: np.ndarray | None = None,
         num_chunks: int | None = None,
     ) -> None:
-        """Registers `key`'s average, arriving in `dtype`; `ShardedLink` passes the `array` every
+        """Registers `key`'s average, arriving in `dtype`; `PartitionedLink` passes the `array` every
         partition fills and the `num_chunks` this partition owns."""
         pending = PendingResult(
             key=key,
