@@ -39,10 +39,10 @@ from .messages import (
     LeaveIn,
     ReduceOp,
     SampleRange,
+    SampleRangeAssignmentOut,
+    SampleRangeRequestIn,
     SampleStats,
     ServerEvent,
-    ShardAssignmentOut,
-    ShardRequestIn,
     ShmRef,
     ShutdownOut,
     TensorKey,
@@ -282,9 +282,9 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
         msg = pb.WorkerMessage(
             barrier=pb.Barrier(worker_id=event.worker_id, step=event.step, name=event.name)
         )
-    elif isinstance(event, ShardRequestIn):
+    elif isinstance(event, SampleRangeRequestIn):
         msg = pb.WorkerMessage(
-            shard_request=pb.ShardRequest(
+            sample_range_request=pb.SampleRangeRequest(
                 worker_id=event.worker_id,
                 step=event.step,
                 dataset_size=event.dataset_size,
@@ -317,16 +317,16 @@ def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
                 worker_id=b.worker_id,
             )
         return BarrierIn(b.worker_id, b.step, b.name)
-    if kind == "shard_request":
-        s = msg.shard_request
+    if kind == "sample_range_request":
+        s = msg.sample_range_request
         if s.dataset_size == 0 or s.batch_size == 0:
             raise InvalidArgumentError(
-                f"worker {s.worker_id}, step {s.step}: shard request needs a positive dataset_size "
+                f"worker {s.worker_id}, step {s.step}: sample-range request needs a positive dataset_size "
                 f"and batch_size, got {s.dataset_size} and {s.batch_size}",
                 step=s.step,
                 worker_id=s.worker_id,
             )
-        return ShardRequestIn(s.worker_id, s.step, s.dataset_size, s.batch_size)
+        return SampleRangeRequestIn(s.worker_id, s.step, s.dataset_size, s.batch_size)
     if kind == "heartbeat":
         return HeartbeatIn(msg.heartbeat.worker_id, msg.heartbeat.sequence)
     if kind == "shutdown":
@@ -480,9 +480,9 @@ def encode_server_event(event: ServerEvent) -> bytes:
         return with_payload(_SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data)
     if isinstance(event, BarrierReleaseOut):
         msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
-    elif isinstance(event, ShardAssignmentOut):
+    elif isinstance(event, SampleRangeAssignmentOut):
         msg = pb.ServerMessage(
-            shard_assignment=pb.ShardAssignment(
+            sample_range_assignment=pb.SampleRangeAssignment(
                 step=event.step,
                 worker_id=event.worker_id,
                 ranges=[pb.SampleRange(start=r.start, stop=r.stop, stride=r.stride) for r in event.ranges],
@@ -500,8 +500,8 @@ def encode_server_event(event: ServerEvent) -> bytes:
             err.culprit_worker_id = event.culprit_worker_id
         if event.barrier_name is not None:
             err.barrier.CopyFrom(pb.Barrier(step=event.step, name=event.barrier_name))
-        if event.shard_step is not None:
-            err.shard_request.CopyFrom(pb.ShardRequest(step=event.shard_step))
+        if event.sample_range_step is not None:
+            err.sample_range_request.CopyFrom(pb.SampleRangeRequest(step=event.sample_range_step))
         msg = pb.ServerMessage(error=err)
     return msg.SerializeToString()
 
@@ -543,10 +543,10 @@ def decode_server_message(raw: bytes) -> ServerEvent:
             )
         if kind == "barrier_release":
             return BarrierReleaseOut(msg.barrier_release.step, msg.barrier_release.name)
-        if kind == "shard_assignment":
-            s = msg.shard_assignment
+        if kind == "sample_range_assignment":
+            s = msg.sample_range_assignment
             ranges = tuple(SampleRange(r.start, r.stop, r.stride) for r in s.ranges)
-            return ShardAssignmentOut(s.step, s.worker_id, ranges)
+            return SampleRangeAssignmentOut(s.step, s.worker_id, ranges)
         if kind == "heartbeat_ack":
             return HeartbeatAckOut(msg.heartbeat_ack.sequence)
         if kind == "shutdown":
@@ -561,7 +561,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
                 key=_key_from_pb(e.key, who="coordinator", limits=None) if e.HasField("key") else None,
                 culprit_worker_id=e.culprit_worker_id if e.HasField("culprit_worker_id") else None,
                 barrier_name=e.barrier.name if subject == "barrier" else None,
-                shard_step=e.shard_request.step if subject == "shard_request" else None,
+                sample_range_step=e.sample_range_request.step if subject == "sample_range_request" else None,
                 step_failed=e.step_failed,
             )
     except (InvalidArgumentError, ValueError) as exc:

@@ -146,7 +146,7 @@ class BarrierIn:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardRequestIn:
+class SampleRangeRequestIn:
     worker_id: int
     step: int
     dataset_size: int
@@ -164,7 +164,7 @@ class LeaveIn:
     reason: str
 
 
-WorkerEvent = ChunkIn | BarrierIn | ShardRequestIn | HeartbeatIn | LeaveIn
+WorkerEvent = ChunkIn | BarrierIn | SampleRangeRequestIn | HeartbeatIn | LeaveIn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,7 @@ class SampleRange:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardAssignmentOut:
+class SampleRangeAssignmentOut:
     step: int
     worker_id: int
     ranges: tuple[SampleRange, ...]
@@ -214,7 +214,7 @@ class ShutdownOut:
 
 @dataclasses.dataclass(frozen=True)
 class ErrorOut:
-    """An error inside the stream. Exactly what it concerns: a key, a barrier, a shard request,
+    """An error inside the stream. Exactly what it concerns: a key, a barrier, a sample-range request,
     or (all of them unset) the whole step."""
 
     code: int
@@ -223,12 +223,12 @@ class ErrorOut:
     key: TensorKey | None = None
     culprit_worker_id: int | None = None
     barrier_name: str | None = None
-    shard_step: int | None = None
+    sample_range_step: int | None = None
     step_failed: bool = False
 
 
 ServerEvent = (
-    AveragedChunkOut | BarrierReleaseOut | ShardAssignmentOut | HeartbeatAckOut | ShutdownOut | ErrorOut
+    AveragedChunkOut | BarrierReleaseOut | SampleRangeAssignmentOut | HeartbeatAckOut | ShutdownOut | ErrorOut
 )
 
 

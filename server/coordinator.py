@@ -36,7 +36,7 @@ from gradserver.common.errors import (
 from gradserver.common.messages import (
     BarrierIn,
     ChunkIn,
-    ShardRequestIn,
+    SampleRangeRequestIn,
     ShutdownOut,
 )
 from gradserver.common.rpc import SERVICE_NAME, to_grpc
@@ -347,14 +347,14 @@ class GradientServer:
 
         await self._streams.serve(await self._refusing(context, admit()), context)
 
-    def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | ShardRequestIn) -> None:
+    def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | SampleRangeRequestIn) -> None:
         """Hands one contribution, barrier arrival or request to the table."""
         if isinstance(event, ChunkIn):
             self._deliver(self._table.contribute(self._outboxes.resolve(event, stream.member)))
         elif isinstance(event, BarrierIn):
             self._deliver(self._table.barrier(event))
         else:
-            self._deliver(self._table.shard(event))
+            self._deliver(self._table.sample_ranges(event))
 
     def _stream_ended(self, stream: WorkerStream, why: str, expected: bool) -> None:
         if self._membership.remove(stream.member, why, expected=expected):

@@ -6,7 +6,7 @@ component, the whole model) and holds only the chunks that not every worker has 
 is averaged as soon as the last worker's copy arrives and its buffers are freed.
 
 Beside the table: `participation` (which workers a step waits for: lost, rejoined, live),
-`shards` (the answers to shard requests), `step_stats` (per-step counts, logged at DEBUG),
+`sample_ranges` (the answers to sample-range requests), `step_stats` (per-step counts, logged at DEBUG),
 `outgoing` (what the table returns) and `averaging` (the float64 mean of one chunk).
 
 Rules (docs/PROTOCOL.md lists them with their status codes):
@@ -43,8 +43,8 @@ from gradserver.common.messages import (
     ErrorOut,
     KeyKind,
     ReduceOp,
+    SampleRangeRequestIn,
     SampleStats,
-    ShardRequestIn,
     TensorKey,
 )
 from gradserver.common.partition_map import PartitionMap
@@ -52,7 +52,7 @@ from gradserver.common.partition_map import PartitionMap
 from .averaging import Averager, NonFiniteContribution, SumOverflow
 from .outgoing import Outgoing, error_to
 from .participation import Participation
-from .shards import ShardAssigner
+from .sample_ranges import SampleRangeAssigner
 from .step_stats import StepStatistics
 
 log = logging.getLogger("gradserver.server.reduction")
@@ -176,7 +176,7 @@ class ReductionTable:
         self._worker_step: list[int | None] = [None] * world_size
         self._failed: collections.OrderedDict[int, _Failure] = collections.OrderedDict()
         self._buffered = [0] * world_size
-        self._shards = ShardAssigner(world_size)
+        self._sample_ranges = SampleRangeAssigner(world_size)
         self._step_stats = StepStatistics(clock)
         self._open_steps: set[int] = set()  # steps seen, neither failed nor counted yet
         self.steps_completed = 0
@@ -430,9 +430,9 @@ class ReductionTable:
             self._on_barrier_released(self._clock() - bar.opened)
         return [Outgoing(self.live_workers(), BarrierReleaseOut(bar.step, bar.name))]
 
-    def shard(self, request: ShardRequestIn) -> list[Outgoing]:
-        """Answers a shard request (see `ShardAssigner`)."""
-        return self._shards.answer(request)
+    def sample_ranges(self, request: SampleRangeRequestIn) -> list[Outgoing]:
+        """Answers a sample-range request (see `SampleRangeAssigner`)."""
+        return self._sample_ranges.answer(request)
 
     def expire(self) -> list[Outgoing]:
         """Fails every step that has a key or barrier past its deadline."""

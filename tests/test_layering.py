@@ -133,7 +133,7 @@ PURE_MODULES = (
     "server/job.py",
     "server/outgoing.py",
     "server/outbox.py",
-    "server/shards.py",
+    "server/sample_ranges.py",
 )
 
 

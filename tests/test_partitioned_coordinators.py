@@ -156,7 +156,7 @@ def _one_step(client: WorkerClient, step: int) -> list[bytes]:
     whole = client.receive_averaged()
     out += [whole.gradients.tobytes(), np.float64(whole.global_loss).tobytes()]
     client.barrier(step, "after")
-    samples = client.get_shard(step, dataset_size=97, batch_size=4)
+    samples = client.get_sample_ranges(step, dataset_size=97, batch_size=4)
     out.append(repr((samples.worker_id, samples.ranges)).encode())
     return out
 

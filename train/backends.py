@@ -34,7 +34,7 @@ from gradserver.common.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from gradserver.common.sharding import step_shard
+from gradserver.common.sample_ranges import step_sample_ranges
 from gradserver.worker import WorkerClient
 
 Key = tuple[str, int]  # ("block", idx) or ("non_block", component)
@@ -101,9 +101,9 @@ class GradientBackend(abc.ABC):
         """Joins a restarted coordinator; returns the step every worker resumes from."""
         raise InternalError(f"the {self.name} backend cannot reconnect")
 
-    def shard(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
+    def sample_indices(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
         """The sample indices this worker trains on at `step` (interleaved, like the coordinator)."""
-        ranges = step_shard(step, self.rank, self.world_size, dataset_size, batch_size)
+        ranges = step_sample_ranges(step, self.rank, self.world_size, dataset_size, batch_size)
         return [i for r in ranges for i in r.indices()]
 
     def gradient_allocator(self) -> Callable[[int], torch.Tensor] | None:
@@ -208,17 +208,17 @@ class RemoteBackend(GradientBackend):
     def global_loss(self) -> float:
         return self.client.receive_averaged().global_loss
 
-    def shard(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
-        """Asks the coordinator, and asks for the next step's shard at once, so that the answer
+    def sample_indices(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
+        """Asks the coordinator, and asks for the next step's sample ranges at once, so that the answer
         is already here when the next step starts."""
         if self._requested is None or self._requested < step:
-            self.client.request_shard(step, dataset_size, batch_size)
-        self.client.request_shard(step + 1, dataset_size, batch_size)
+            self.client.request_sample_ranges(step, dataset_size, batch_size)
+        self.client.request_sample_ranges(step + 1, dataset_size, batch_size)
         self._requested = step + 1
-        shard = self.client.receive_shard()
-        if shard.step != step:
-            raise InternalError(f"asked for the shard of step {step}, got step {shard.step}")
-        return shard.indices()
+        answer = self.client.receive_sample_ranges()
+        if answer.step != step:
+            raise InternalError(f"asked for the sample ranges of step {step}, got step {answer.step}")
+        return answer.indices()
 
 
 class LocalHub:

@@ -1,6 +1,6 @@
 """The training job: a model trained on the shipped corpus through any GradientBackend.
 
-Every worker builds the same model from the same seed, takes its interleaved shard of each step's
+Every worker builds the same model from the same seed, takes its interleaved sample ranges of each step's
 global batch (from the coordinator for the remote backend), and runs DistributedTrainer steps.
 With an output directory it appends one line per step to metrics.jsonl and saves a checkpoint
 per worker identity (`checkpoint-{node_id}.pt`, or `checkpoint-rank{r}.pt` without a node id)
@@ -185,7 +185,7 @@ def train(
             step = trainer.step
             set_log_context(step=step)
             try:
-                indices = backend.shard(step, data.num_samples, per_worker)
+                indices = backend.sample_indices(step, data.num_samples, per_worker)
                 micro = [
                     data.batch(indices[i * config.batch_size : (i + 1) * config.batch_size])
                     for i in range(config.accumulation_steps)

@@ -14,14 +14,18 @@ from .results import (
     AveragedGradients,
     AveragedNonBlock,
     AveragedTensor,
-    ShardAssignment,
+    SampleRangeAssignment,
 )
+
+# The old name of SampleRangeAssignment ("shard" now names nothing); goes in the next release.
+ShardAssignment = SampleRangeAssignment
 
 __all__ = [
     "AveragedBlock",
     "AveragedGradients",
     "AveragedNonBlock",
     "AveragedTensor",
+    "SampleRangeAssignment",
     "ShardAssignment",
     "Timeouts",
     "WorkerClient",

@@ -43,8 +43,8 @@ from gradserver.common.messages import (
     JoinAccepted,
     JoinRequestIn,
     KeyKind,
+    SampleRangeRequestIn,
     SampleStats,
-    ShardRequestIn,
     TensorKey,
 )
 from gradserver.common.security import TlsFiles, bearer_metadata
@@ -59,7 +59,7 @@ from .results import (
     AveragedGradients,
     AveragedNonBlock,
     AveragedTensor,
-    ShardAssignment,
+    SampleRangeAssignment,
 )
 from .tensors import as_float32_array, as_result_buffer
 from .transports import DEFAULT_SHM_ARENA_MIB, TRANSPORTS, Link
@@ -368,15 +368,15 @@ class WorkerClient:
             num_contributors=result.num_contributors,
         )
 
-    # --- barrier, shards, heartbeat -----------------------------------------------------------
+    # --- barrier, sample ranges, heartbeat ----------------------------------------------------
 
     def barrier(self, step: int, name: str = "", timeout: float | None = None) -> None:
         """Returns when every worker has reached barrier `name` of `step`."""
         self._check_step(step)
         self._link.barrier(step, name, timeout)
 
-    def request_shard(self, step: int, dataset_size: int, batch_size: int) -> None:
-        """Asks which samples this worker trains on at `step`; see `receive_shard`."""
+    def request_sample_ranges(self, step: int, dataset_size: int, batch_size: int) -> None:
+        """Asks which samples this worker trains on at `step`; see `receive_sample_ranges`."""
         self._check_step(step)
         if dataset_size < 1 or batch_size < 1:
             raise InvalidArgumentError(
@@ -384,15 +384,15 @@ class WorkerClient:
                 f"{dataset_size} and {batch_size}",
                 step=step,
             )
-        self._link.send(ShardRequestIn(self.worker_id, step, dataset_size, batch_size))
+        self._link.send(SampleRangeRequestIn(self.worker_id, step, dataset_size, batch_size))
 
-    def receive_shard(self, timeout: float | None = None) -> ShardAssignment:
-        shard = self._link.wait_samples(timeout)
-        return ShardAssignment(shard.step, shard.worker_id, shard.ranges)
+    def receive_sample_ranges(self, timeout: float | None = None) -> SampleRangeAssignment:
+        answer = self._link.wait_samples(timeout)
+        return SampleRangeAssignment(answer.step, answer.worker_id, answer.ranges)
 
-    def get_shard(self, step: int, dataset_size: int, batch_size: int) -> ShardAssignment:
-        self.request_shard(step, dataset_size, batch_size)
-        return self.receive_shard()
+    def get_sample_ranges(self, step: int, dataset_size: int, batch_size: int) -> SampleRangeAssignment:
+        self.request_sample_ranges(step, dataset_size, batch_size)
+        return self.receive_sample_ranges()
 
     def send_heartbeat(self) -> None:
         """Sends one heartbeat now (a background thread already sends them periodically)."""

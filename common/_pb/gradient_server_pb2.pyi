@@ -244,7 +244,7 @@ class BarrierRelease(_message.Message):
     name: str
     def __init__(self, step: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
-class ShardRequest(_message.Message):
+class SampleRangeRequest(_message.Message):
     __slots__ = ("worker_id", "step", "dataset_size", "batch_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -266,7 +266,7 @@ class SampleRange(_message.Message):
     stride: int
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
 
-class ShardAssignment(_message.Message):
+class SampleRangeAssignment(_message.Message):
     __slots__ = ("step", "worker_id", "ranges")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -297,14 +297,14 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "shard_request", "step_failed")
+    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "sample_range_request", "step_failed")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
-    SHARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     STEP_FAILED_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
@@ -312,39 +312,39 @@ class Error(_message.Message):
     key: TensorKey
     culprit_worker_id: int
     barrier: Barrier
-    shard_request: ShardRequest
+    sample_range_request: SampleRangeRequest
     step_failed: bool
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., shard_request: _Optional[_Union[ShardRequest, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("chunk", "barrier", "shard_request", "heartbeat", "shutdown")
+    __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
-    SHARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     chunk: GradientChunk
     barrier: Barrier
-    shard_request: ShardRequest
+    sample_range_request: SampleRangeRequest
     heartbeat: Heartbeat
     shutdown: Shutdown
-    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., shard_request: _Optional[_Union[ShardRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("averaged_chunk", "barrier_release", "shard_assignment", "heartbeat_ack", "shutdown", "error")
+    __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error")
     AVERAGED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_RELEASE_FIELD_NUMBER: _ClassVar[int]
-    SHARD_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RANGE_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     averaged_chunk: AveragedChunk
     barrier_release: BarrierRelease
-    shard_assignment: ShardAssignment
+    sample_range_assignment: SampleRangeAssignment
     heartbeat_ack: HeartbeatAck
     shutdown: Shutdown
     error: Error
-    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., shard_assignment: _Optional[_Union[ShardAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class PartitionNotice(_message.Message):
     __slots__ = ("from_partition", "partition_count", "step", "code", "message", "culprit_worker_id", "worker_lost")

@@ -35,8 +35,8 @@ from gradserver.common.messages import (
     ChunkHeader,
     DType,
     JoinAccepted,
+    SampleRangeAssignmentOut,
     SampleStats,
-    ShardAssignmentOut,
     TensorKey,
     WorkerEvent,
 )
@@ -293,7 +293,7 @@ class PartitionedLink:
         except GradServerError as exc:
             raise self._named(0, exc) from None
 
-    def wait_samples(self, timeout: float | None) -> ShardAssignmentOut:
+    def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
         try:
             return self._links[0].wait_samples(timeout)
         except GradServerError as exc:
