@@ -164,7 +164,7 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
     msg = pb.JoinRequest(
         node_id=request.node_id,
         gpu_count=request.gpu_count,
-        backend=request.backend,
+        device_type=request.device_type,
         protocol_version=request.protocol_version,
     )
     if request.committed_step is not None:
@@ -179,9 +179,9 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
 
 def decode_join_request(raw: bytes) -> JoinRequestIn:
     msg = _parse(pb.JoinRequest, raw, "JoinRequest")
-    if len(msg.node_id) > MAX_NAME_LENGTH or len(msg.backend) > MAX_NAME_LENGTH:
+    if len(msg.node_id) > MAX_NAME_LENGTH or len(msg.device_type) > MAX_NAME_LENGTH:
         raise InvalidArgumentError(
-            f"JoinRequest: node_id and backend are limited to {MAX_NAME_LENGTH} characters"
+            f"JoinRequest: node_id and device_type are limited to {MAX_NAME_LENGTH} characters"
         )
     committed = msg.committed_step if msg.HasField("committed_step") else None
     fingerprint = dict(msg.job_fingerprint)
@@ -197,7 +197,7 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
     return JoinRequestIn(
         msg.node_id,
         msg.gpu_count,
-        msg.backend,
+        msg.device_type,
         msg.protocol_version,
         committed,
         fingerprint,

@@ -236,7 +236,7 @@ ServerEvent = (
 class JoinRequestIn:
     node_id: str
     gpu_count: int
-    backend: str
+    device_type: str
     protocol_version: int
     committed_step: int | None = None
     fingerprint: Mapping[str, str] = dataclasses.field(default_factory=dict)

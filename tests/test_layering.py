@@ -194,7 +194,7 @@ COORDINATOR_AND_CLIENT = textwrap.dedent(
     from gradserver.worker import WorkerClient
 
     def join(address):
-        with WorkerClient.connect(address, node_id="n0", backend="cpu") as client:
+        with WorkerClient.connect(address, node_id="n0", device_type="cpu") as client:
             return client.total_workers
 
     async def main():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -317,3 +318,25 @@ def test_the_clients_general_calls_and_the_per_kind_ones_mix_over_each_link(
             client.close()
     want = [_reference_of(0), _reference_of(1), sizes, TensorKey.block(0, 0, 1), SampleStats(2.0, 2, 4)]
     assert [list(r) for r in results] == [want] * WORLD
+
+
+def test_connect_with_the_old_backend_keyword_warns_and_sends_it_as_the_device_type(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`backend` was the device type sent at Join; the word is the torch.distributed backend's
+    now, so `connect(backend=...)` still works for one release, with a DeprecationWarning."""
+    from gradserver.worker import WorkerClient
+
+    caplog.set_level(logging.INFO, "gradserver.server.membership")
+    server = ServerThread(_config(world_size=1))
+    address = server.start()
+    try:
+        with pytest.warns(DeprecationWarning, match=r"connect\(backend=\.\.\.\) is deprecated.*device_type"):
+            client = WorkerClient.connect(
+                address, node_id="old-caller", backend="cuda", timeout=TEST_TIMEOUTS
+            )
+        client.close()
+    finally:
+        server.stop()
+    joined = [r.getMessage() for r in caplog.records if "joined" in r.getMessage()]
+    assert len(joined) == 1 and "node 'old-caller'" in joined[0] and "device type 'cuda'" in joined[0], joined

@@ -90,9 +90,13 @@ def test_an_old_name_is_no_one_s_current_name_but_the_processes_it_belonged_to()
     assert renamed["GRADSERVER_TLS_CERT"] == "GRADSERVER_TLS_CLIENT_CERT"
     assert renamed["GRADSERVER_TLS_KEY"] == "GRADSERVER_TLS_CLIENT_KEY"
     assert renamed["--timeout"] == "--run-timeout"
+    assert renamed["--backend"] == "--engine"
     variables = [name for name in renamed if not name.startswith("--")] + ["GRADSERVER_JOIN_TIMEOUT"]
+    # Names that meant two things stay the coordinator's; a name renamed outright is no one's.
+    split = {"GRADSERVER_TLS_CERT", "GRADSERVER_TLS_KEY", "GRADSERVER_JOIN_TIMEOUT"}
     for old in variables:
-        assert set(meanings.get(old, {})) == {"coordinator"}, (old, meanings.get(old))
+        owners = {"coordinator"} if old in split else set()
+        assert set(meanings.get(old, {})) == owners, (old, meanings.get(old))
 
 
 def test_an_old_variable_is_read_with_a_warning_only_when_the_new_one_is_not_set(
@@ -182,7 +186,7 @@ def test_launch_help_and_worker_help_agree_on_every_shared_flag() -> None:
     launch, worker = _flags(commands["launch"]), _flags(commands["worker"])
     shared = (set(launch) & set(worker)) - {"-h", "--help"}
     assert {f"--{name.replace('_', '-')}" for name in SHARED_WITH_WORKER} <= shared
-    assert {"--model", "--backend", "--timeout", "--steps"} <= shared
+    assert {"--model", "--engine", "--backend", "--timeout", "--steps"} <= shared
     differing = {flag: (_described(launch[flag]), _described(worker[flag])) for flag in shared}
     differing = {flag: pair for flag, pair in differing.items() if pair[0] != pair[1]}
     assert not differing, f"launch and worker describe these flags differently: {differing}"
@@ -197,6 +201,33 @@ def test_launch_resolves_the_workers_settings_as_a_worker_does() -> None:
     job = _job(parser.parse_args(["--job", "synthetic", "--steps", "2", "--", "--steps", "5"]))
     assert (job.worker.steps, job.worker.model) == (5, WorkerConfig().model)
     assert job.argvs("127.0.0.1:1")[1][:4] == ["--node-id", "local-1", "--coordinator", "127.0.0.1:1"]
+
+
+def test_the_old_backend_flag_and_variable_choose_the_averaging_engine_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--backend was the averaging engine; it is --engine now ("backend" is the torch.distributed
+    backend only). launch passes an old flag on under the new name, so its workers do not warn."""
+    from gradserver.train.launch import _job
+
+    caplog.set_level(logging.WARNING)
+    worker = config_from_sources(WorkerConfig, _subcommands()["worker"].parse_args(["--backend", "gloo"]), {})
+    assert worker.engine == "gloo"
+    assert config_from_sources(WorkerConfig, None, {"GRADSERVER_BACKEND": "nccl"}).engine == "nccl"
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "--backend is deprecated and goes in the next release: use --engine",
+        "GRADSERVER_BACKEND is deprecated and goes in the next release: use GRADSERVER_ENGINE",
+    ]
+    caplog.clear()
+    job = _job(_subcommands()["launch"].parse_args(["--backend", "gloo", "--steps", "2"]))
+    assert job.worker.engine == "gloo"
+    assert "--backend" not in job.worker_flags
+    assert ("--engine", "gloo") in zip(job.worker_flags, job.worker_flags[1:], strict=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--backend is deprecated and goes in the next release: use --engine"
+    ]
+    in_process = _job(_subcommands()["launch"].parse_args(["--backend", "local", "--steps", "2"]))
+    assert in_process.launch.in_process and in_process.worker.engine == "remote"
 
 
 # --- one environment under `gradserver run` -------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import socket
+import warnings
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -89,9 +90,10 @@ class WorkerClient:
         address: str,
         node_id: str = "",
         gpu_count: int = 0,
-        backend: str = "cpu",
+        device_type: str = "cpu",
         timeout: float | Timeouts | None = None,
         *,
+        backend: str | None = None,
         tls: TlsFiles | None = None,
         auth_token: str = "",
         server_name: str = "",
@@ -120,7 +122,17 @@ class WorkerClient:
         `transport` is "auto" (default, or $GRADSERVER_TRANSPORT): shared memory when the
         coordinator proves it is on this host, else gRPC; "grpc"; or "shm", which raises when
         shared memory is not available (also with a 16-bit wire or partitioned coordinators, which
-        are for networks). `shm_arena_mib` bounds this worker's input arena."""
+        are for networks). `shm_arena_mib` bounds this worker's input arena. `device_type` ("cpu",
+        "cuda") is what the coordinator logs; `backend` is its deprecated name (a
+        DeprecationWarning), from when "backend" also meant the torch.distributed backend."""
+        if backend is not None:
+            warnings.warn(
+                "WorkerClient.connect(backend=...) is deprecated and goes in the next release: "
+                "use device_type=...",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            device_type = backend
         timeouts = Timeouts.of(timeout)
         choice = transports.transport_choice(transport)
         try:
@@ -133,7 +145,7 @@ class WorkerClient:
         request = JoinRequestIn(
             node_id,
             gpu_count,
-            backend,
+            device_type,
             codec.PROTOCOL_VERSION,
             committed_step,
             dict(fingerprint or {}),

@@ -56,7 +56,7 @@ REDUCE_OP_AVG: ReduceOp
 REDUCE_OP_SUM: ReduceOp
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "gpu_count", "backend", "protocol_version", "committed_step", "job_fingerprint", "rank", "partition_index")
+    __slots__ = ("node_id", "gpu_count", "device_type", "protocol_version", "committed_step", "job_fingerprint", "rank", "partition_index")
     class JobFingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,7 +66,7 @@ class JoinRequest(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
-    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -74,13 +74,13 @@ class JoinRequest(_message.Message):
     PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu_count: int
-    backend: str
+    device_type: str
     protocol_version: int
     committed_step: int
     job_fingerprint: _containers.ScalarMap[str, str]
     rank: int
     partition_index: int
-    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., backend: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., partition_index: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., device_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., partition_index: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce")
