@@ -10,7 +10,6 @@ its Timeouts), launch, run and a torch.distributed rank.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -20,8 +19,14 @@ import pytest
 import trustme
 
 from gradserver.cli import build_parser
-from gradserver.common.config import config_from_sources, deprecated_names_of, env_name, environment_of
-from gradserver.common.timeouts import Timeouts, timeout_env_name
+from gradserver.common.config import (
+    TimeoutSettings,
+    config_from_sources,
+    deprecated_names_of,
+    env_name,
+    environment_of,
+)
+from gradserver.common.timeouts import Timeouts
 from gradserver.server.config import CoordinatorConfig
 from gradserver.torch._settings import RankSettings
 from gradserver.train.cli import WorkerConfig
@@ -32,10 +37,8 @@ from .helpers.processes import ProcessGroup
 
 
 def _worker_environment() -> dict[str, str]:
-    found = environment_of(WorkerConfig)
-    for field in dataclasses.fields(Timeouts):
-        found[timeout_env_name(field.name)] = f"a worker's deadline for {field.name}"
-    return found
+    """The worker CLI's settings and its library's deadlines (`Timeouts` when --timeout is 0)."""
+    return {**environment_of(WorkerConfig), **environment_of(TimeoutSettings)}
 
 
 def _launch_environment() -> dict[str, str]:
@@ -84,6 +87,7 @@ def test_an_old_name_is_no_one_s_current_name_but_the_processes_it_belonged_to()
     meanings = _meanings()
     renamed = {
         **deprecated_names_of(WorkerConfig),
+        **deprecated_names_of(TimeoutSettings),
         **deprecated_names_of(RankSettings),
         **deprecated_names_of(RunConfig),
     }
@@ -91,7 +95,8 @@ def test_an_old_name_is_no_one_s_current_name_but_the_processes_it_belonged_to()
     assert renamed["GRADSERVER_TLS_KEY"] == "GRADSERVER_TLS_CLIENT_KEY"
     assert renamed["--timeout"] == "--run-timeout"
     assert renamed["--backend"] == "--engine"
-    variables = [name for name in renamed if not name.startswith("--")] + ["GRADSERVER_JOIN_TIMEOUT"]
+    assert renamed["GRADSERVER_JOIN_TIMEOUT"] == "GRADSERVER_WORKER_JOIN_TIMEOUT"
+    variables = [name for name in renamed if not name.startswith("--")]
     # Names that meant two things stay the coordinator's; a name renamed outright is no one's.
     split = {"GRADSERVER_TLS_CERT", "GRADSERVER_TLS_KEY", "GRADSERVER_JOIN_TIMEOUT"}
     for old in variables:

@@ -13,11 +13,11 @@ on the coordinator's side.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import grpc
 
+from gradserver.common.config import env_name, environment_value
 from gradserver.common.errors import FailedPreconditionError, GradServerError, InvalidArgumentError
 from gradserver.common.messages import DType, JoinAccepted
 from gradserver.common.timeouts import Timeouts
@@ -43,13 +43,13 @@ __all__ = [
 log = logging.getLogger("gradserver.worker")
 
 TRANSPORTS = ("auto", "grpc", "shm")
-TRANSPORT_ENV = "GRADSERVER_TRANSPORT"
+TRANSPORT_ENV = env_name("transport")
 DEFAULT_SHM_ARENA_MIB = 256.0
 
 
 def transport_choice(transport: str | None) -> str:
     """The argument, else $GRADSERVER_TRANSPORT, else auto; anything else is refused by name."""
-    choice = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "") or "auto"
+    choice = transport if transport is not None else environment_value("transport") or "auto"
     if choice not in TRANSPORTS:
         source = "transport" if transport is not None else TRANSPORT_ENV
         raise InvalidArgumentError(f"{source}={choice!r}: choose one of {', '.join(TRANSPORTS)}")
