@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from .config import TimeoutSettings, config_from_sources, env_name
+from .config import TimeoutSettings, config_from_sources
 from .errors import InvalidArgumentError
 
 # Timeouts.`field` is TimeoutSettings.`field`_timeout (the join deadline: worker_join_timeout).
@@ -23,11 +23,6 @@ _DEFAULTS = TimeoutSettings()
 
 def _setting(field: str) -> str:
     return _SETTING_OF.get(field, f"{field}_timeout")
-
-
-def timeout_env_name(field: str) -> str:
-    """The variable that overrides Timeouts.`field`."""
-    return env_name(_setting(field))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,8 @@ import pytest
 
 from gradserver.cli import build_parser, main
 from gradserver.common import codec
-from gradserver.common.config import config_from_sources
+from gradserver.common.config import TimeoutSettings, config_from_sources, environment_of
 from gradserver.common.errors import InvalidArgumentError
-from gradserver.common.timeouts import Timeouts, timeout_env_name
 from gradserver.server.config import CoordinatorConfig
 from gradserver.train import cli as worker_cli
 from gradserver.train import corpus, trainer
@@ -279,8 +278,8 @@ def _env_settings() -> dict[str, dict[str, str]]:
         for action in parser._actions:
             for name in re.findall(r"\benv (GRADSERVER_\w+)", action.help or ""):
                 found.setdefault(name, {})[command] = action.help or ""
-    for field in dataclasses.fields(Timeouts):
-        found.setdefault(timeout_env_name(field.name), {})["worker"] = f"Timeouts.{field.name}"
+    for name, meaning in environment_of(TimeoutSettings).items():
+        found.setdefault(name, {})["worker"] = meaning
     return found
 
 
