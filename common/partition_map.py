@@ -1,14 +1,15 @@
-"""Partitioned coordinators: the partition map and the rule that assigns every chunk to one partition.
+"""Partitioned coordinators: the partition map and the rule that assigns every chunk to one
+partition.
 
-K coordinator processes (partitions) share the reduction work of one job. Every partition is started
-with the same map (the address of every partition, in partition order) and its own index; workers get
-the map from partition 0 at Join. Chunk c of a key belongs to partition (c + h(key)) % K, where h is a
-stable hash of the key's identity (its kind and index, never its step or Python's salted
-`hash()`), so the chunks of one key go round the partitions and small one-chunk keys spread across
-them. Both sides use this module: a partition expects, averages and answers only its chunks; a worker
-sends each chunk to its owner and assembles the average from every partition. Chunks are the
-ones a single coordinator would use, so each partition averages exactly what it would: the averages are
-bit-identical.
+K coordinator processes (partitions) share the reduction work of one job. Every partition is
+started with the same map (the address of every partition, in partition order) and its own
+index; workers get the map from partition 0 at Join. Chunk c of a key belongs to partition (c +
+h(key)) % K, where h is a stable hash of the key's identity (its kind and index, never its step
+or Python's salted `hash()`), so the chunks of one key go round the partitions and small
+one-chunk keys spread across them. Both sides use this module: a partition expects, averages and
+answers only its chunks; a worker sends each chunk to its owner and assembles the average from
+every partition. Chunks are the ones a single coordinator would use, so each partition averages
+exactly what it would: the averages are bit-identical.
 """
 
 from __future__ import annotations

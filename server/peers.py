@@ -1,12 +1,14 @@
-"""Partitioned coordinators: how one partition tells the others that a step failed or a worker was lost.
+"""Partitioned coordinators: how one partition tells the others that a step failed or a worker was
+lost.
 
-A step completes on all partitions or on none. Each partition averages only its chunks, so when a step
-fails on one partition (a timeout, a bad contribution, a lost worker) the others would otherwise
-complete their part or wait out the step timeout. `PartitionPeers` sends a `PartitionNotice` to every
-other partition (the NotifyPartition RPC, with the partition's own auth token and TLS, a deadline of one
-heartbeat timeout); the receiving coordinator fails the same step for every worker, naming the
-sending partition. Delivery is best effort: a partition that cannot be reached is also unreachable for
-the workers, whose streams to it break and fail the step on the partitions they still reach.
+A step completes on all partitions or on none. Each partition averages only its chunks, so when
+a step fails on one partition (a timeout, a bad contribution, a lost worker) the others would
+otherwise complete their part or wait out the step timeout. `PartitionPeers` sends a
+`PartitionNotice` to every other partition (the NotifyPartition RPC, with the partition's own
+auth token and TLS, a deadline of one heartbeat timeout); the receiving coordinator fails the
+same step for every worker, naming the sending partition. Delivery is best effort: a partition
+that cannot be reached is also unreachable for the workers, whose streams to it break and fail
+the step on the partitions they still reach.
 """
 
 from __future__ import annotations

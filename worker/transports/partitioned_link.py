@@ -1,16 +1,17 @@
 """`PartitionedLink`: the worker's side of partitioned coordinators, one `GrpcLink` per partition.
 
-The job's coordinators split every key's chunks between them (the partition map; each coordinator is
-one partition, "partition N" in messages). Partition 0's JoinResponse carries the map; the worker joins
-every other partition as the worker id partition 0 gave it (`join_other_partitions`) and opens one
-link per partition. `PartitionedLink` is a `Link` composed of those: each chunk goes to the partition
-that owns it (gradserver.common.partition_map), barriers and sample-range requests go to partition 0, and
+The job's coordinators split every key's chunks between them (the partition map; each
+coordinator is one partition, "partition N" in messages). Partition 0's JoinResponse carries the
+map; the worker joins every other partition as the worker id partition 0 gave it
+(`join_other_partitions`) and opens one link per partition. `PartitionedLink` is a `Link`
+composed of those: each chunk goes to the partition that owns it
+(gradserver.common.partition_map), barriers and sample-range requests go to partition 0, and
 every partition's link fills its chunks of the same result array. An average is returned only
 once every partition that owns a chunk of it delivered, and never when any partition failed its
 step: a worker never applies part of a step. The links share one condition, so a waiter wakes on
-news from any partition; a link that breaks (a coordinator killed or cut off) breaks the others at
-once, so every wait fails naming that partition instead of running into its deadline, and every
-partition counts this worker as lost.
+news from any partition; a link that breaks (a coordinator killed or cut off) breaks the others
+at once, so every wait fails naming that partition instead of running into its deadline, and
+every partition counts this worker as lost.
 """
 
 from __future__ import annotations
