@@ -11,15 +11,15 @@ host and measures, in the same run on the same links, one step of averaging --mi
 - gloo: torch.distributed.all_reduce (ring) then a division, float32 (and bfloat16 with
   --gloo-bf16, when this torch's gloo reduces bfloat16);
 - gradserver, one coordinator on worker host 0;
-- gradserver, K=N shards on the worker hosts (`--shard-index i --shard-map ...`, workers given
-  shard 0's address);
-- gradserver, K=N shards on N extra server hosts;
+- gradserver, K=N partitions on the worker hosts (`--partition-index i --partition-map ...`, workers given
+  partition 0's address);
+- gradserver, K=N partitions on N extra server hosts;
 
 each gradserver configuration with --wire-dtype float32 and bfloat16. A step starts after a
 barrier and lasts until the slowest worker holds every average; the median of --steps steps
 after --warmup is reported with its ratio to gloo float32, and the busiest link's utilization:
 the most bytes one direction of one host link carried per step over (link capacity x median step
-time). Configurations this build cannot run (no --shard-map yet) are listed as skipped.
+time). Configurations this build cannot run (no --partition-map yet) are listed as skipped.
 
 Everything made (namespaces, veths, bridge, iptables rule, processes) is removed on exit, also on
 an exception, Ctrl-C or SIGTERM. Needs root.
@@ -55,7 +55,7 @@ class Config:
 
     name: str
     placement: str
-    shards: int | None
+    partitions: int | None
     wire_dtype: str
 
 
@@ -73,7 +73,7 @@ class Row:
         return {
             "config": self.config.name,
             "n_workers": self.n_workers,
-            "shards": self.config.shards,
+            "partitions": self.config.partitions,
             "placement": self.config.placement,
             "wire_dtype": self.config.wire_dtype,
             "step_s_median": self.step_s_median,
@@ -182,8 +182,8 @@ def _wait_for_file(path: Path, procs: list[subprocess.Popen[str]], timeout: floa
         time.sleep(0.05)
 
 
-def sharding_supported() -> bool:
-    """Whether this build's coordinator has part A's --shard-map."""
+def partitioning_supported() -> bool:
+    """Whether this build's coordinator has part A's --partition-map."""
     result = subprocess.run(
         [sys.executable, "-m", "gradserver.cli", "coordinator", "--help"],
         capture_output=True,
@@ -191,7 +191,7 @@ def sharding_supported() -> bool:
         timeout=60,
         check=False,
     )
-    return "--shard-map" in result.stdout
+    return "--partition-map" in result.stdout
 
 
 class Bench:
@@ -262,10 +262,10 @@ class Bench:
                 argv += ["--port-file", str(port_file), "--chunk-mib", f"{chunk:g}"]
                 argv += ["--max-message-mib", f"{chunk + 1:g}"]
                 if len(hosts) > 1:
-                    argv += ["--shard-index", str(index), "--shard-map", ",".join(addresses)]
+                    argv += ["--partition-index", str(index), "--partition-map", ",".join(addresses)]
                 servers.append(self.cluster.spawn(host, argv, stdout=subprocess.DEVNULL, cwd=_REPO))
             for index, server in enumerate(servers):
-                _wait_for_file(Path(tmp) / f"port{index}", [server], 60.0, f"coordinator shard {index}")
+                _wait_for_file(Path(tmp) / f"port{index}", [server], 60.0, f"coordinator partition {index}")
             procs = []
             for rank, host in enumerate(self.workers):
                 argv = _me("--role", "gradserver-worker", "--address", addresses[0], "--rank", str(rank))
@@ -281,24 +281,27 @@ def configurations(args: argparse.Namespace) -> list[Config]:
     if args.gloo_bf16:
         configs.append(Config("gloo", "ring", None, "bfloat16"))
     layouts = [("gradserver", "worker host 0", 1)]
-    if not args.no_shards:
-        layouts += [("gradserver sharded", "worker hosts", n), ("gradserver sharded", "server hosts", n)]
-    for name, placement, shards in layouts:
+    if not args.no_partitions:
+        layouts += [
+            ("gradserver partitioned", "worker hosts", n),
+            ("gradserver partitioned", "server hosts", n),
+        ]
+    for name, placement, partitions in layouts:
         for dtype in args.wire_dtypes.split(","):
-            configs.append(Config(name, placement, shards, dtype.strip()))
+            configs.append(Config(name, placement, partitions, dtype.strip()))
     return configs
 
 
 def run_all(args: argparse.Namespace) -> list[Row]:
     configs = configurations(args)
-    sharded = sharding_supported()
-    extra_hosts = args.workers if any(c.placement == "server hosts" for c in configs) and sharded else 0
+    partitioned = partitioning_supported()
+    extra_hosts = args.workers if any(c.placement == "server hosts" for c in configs) and partitioned else 0
     rows: list[Row] = []
     with Cluster(args.workers + extra_hosts, args.link_mbit, args.prefix) as cluster:
         bench = Bench(cluster, args)
         for config in configs:
-            if config.shards is not None and config.shards > 1 and not sharded:
-                rows.append(Row(config, args.workers, note="skipped: this build has no --shard-map"))
+            if config.partitions is not None and config.partitions > 1 and not partitioned:
+                rows.append(Row(config, args.workers, note="skipped: this build has no --partition-map"))
                 continue
             try:
                 rows.append(bench.measure(config))
@@ -323,15 +326,15 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         f"nproc={os.cpu_count()}"
     )
     print(
-        "| config | placement | shards | wire dtype | step s | x gloo | busiest link MB/step "
+        "| config | placement | partitions | wire dtype | step s | x gloo | busiest link MB/step "
         "| link util | note |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         mb = None if r.busiest_bytes_per_step is None else r.busiest_bytes_per_step / 1e6
-        shards = "-" if r.config.shards is None else str(r.config.shards)
+        partitions = "-" if r.config.partitions is None else str(r.config.partitions)
         print(
-            f"| {r.config.name} | {r.config.placement} | {shards} | {r.config.wire_dtype} "
+            f"| {r.config.name} | {r.config.placement} | {partitions} | {r.config.wire_dtype} "
             f"| {_fmt(r.step_s_median, '.3f')} | {_fmt(r.ratio_to_gloo, '.2f')} | {_fmt(mb, '.1f')} "
             f"| {_fmt(r.link_utilization, '.2f')} | {r.note} |"
         )
@@ -361,7 +364,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--wire-dtypes", default="float32,bfloat16", help="gradserver wire dtypes to measure")
     p.add_argument("--gloo-bf16", action="store_true", help="also gloo all_reduce of bfloat16 tensors")
-    p.add_argument("--no-shards", action="store_true", help="only gloo and the single coordinator")
+    p.add_argument("--no-partitions", action="store_true", help="only gloo and the single coordinator")
+    p.add_argument("--no-shards", action="store_true", help="deprecated: --no-partitions")
     p.add_argument("--json", action="store_true", help="one JSON line per row after the table")
     p.add_argument("--prefix", default=None, help="name prefix of namespaces and links (default gc<pid>)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
@@ -375,6 +379,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.no_shards:
+        print(
+            "bench.cluster: --no-shards is deprecated and goes in the next release: use --no-partitions",
+            file=sys.stderr,
+        )
+        args.no_partitions = True
     if args.role == "gradserver-worker":
         print(json.dumps(_gradserver_worker(args)), flush=True)
         return 0

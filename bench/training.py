@@ -40,7 +40,7 @@ def run(
             str(steps),
             "--batch-size",
             str(batch),
-            "--backend",
+            "--engine",
             backend,
             "--out",
             out,

@@ -24,7 +24,7 @@ from .errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from .sharding import shard_batches
+from .sample_ranges import batches_of_rank, shard_batches
 from .timeouts import Timeouts
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "Timeouts",
     "UnauthenticatedError",
     "UnavailableError",
+    "batches_of_rank",
     "compute_block_sizes",
     "shard_batches",
 ]

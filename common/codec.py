@@ -41,10 +41,10 @@ from .messages import (
     LeaveIn,
     ReduceOp,
     SampleRange,
+    SampleRangeAssignmentOut,
+    SampleRangeRequestIn,
     SampleStats,
     ServerEvent,
-    ShardAssignmentOut,
-    ShardRequestIn,
     ShmRef,
     ShutdownOut,
     TensorKey,
@@ -226,7 +226,7 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
     msg = pb.JoinRequest(
         node_id=request.node_id,
         gpu_count=request.gpu_count,
-        backend=request.backend,
+        device_type=request.device_type,
         protocol_version=request.protocol_version,
     )
     if request.committed_step is not None:
@@ -234,16 +234,16 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
     msg.job_fingerprint.update(request.fingerprint)
     if request.rank is not None:
         msg.rank = request.rank
-    if request.shard_index is not None:
-        msg.shard_index = request.shard_index
+    if request.partition_index is not None:
+        msg.partition_index = request.partition_index
     return msg.SerializeToString()
 
 
 def decode_join_request(raw: bytes) -> JoinRequestIn:
     msg = _parse(pb.JoinRequest, raw, "JoinRequest")
-    if len(msg.node_id) > MAX_NAME_LENGTH or len(msg.backend) > MAX_NAME_LENGTH:
+    if len(msg.node_id) > MAX_NAME_LENGTH or len(msg.device_type) > MAX_NAME_LENGTH:
         raise InvalidArgumentError(
-            f"JoinRequest: node_id and backend are limited to {MAX_NAME_LENGTH} characters"
+            f"JoinRequest: node_id and device_type are limited to {MAX_NAME_LENGTH} characters"
         )
     committed = msg.committed_step if msg.HasField("committed_step") else None
     fingerprint = dict(msg.job_fingerprint)
@@ -255,16 +255,16 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
             f"{MAX_FINGERPRINT_FIELDS} fields of at most {MAX_NAME_LENGTH} characters each"
         )
     rank = msg.rank if msg.HasField("rank") else None
-    shard_index = msg.shard_index if msg.HasField("shard_index") else None
+    partition_index = msg.partition_index if msg.HasField("partition_index") else None
     return JoinRequestIn(
         msg.node_id,
         msg.gpu_count,
-        msg.backend,
+        msg.device_type,
         msg.protocol_version,
         committed,
         fingerprint,
         rank,
-        shard_index,
+        partition_index,
     )
 
 
@@ -284,8 +284,8 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         max_steps=accepted.max_steps,
         resume_step=accepted.resume_step,
         local_workers=accepted.local_workers,
-        shard_map=accepted.shard_map,
-        shard_index=accepted.shard_index,
+        partition_map=accepted.partition_map,
+        partition_index=accepted.partition_index,
         shm_socket=accepted.shm_socket,
         shm_nonce=accepted.shm_nonce,
     ).SerializeToString()
@@ -314,8 +314,8 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         max_steps=msg.max_steps,
         resume_step=msg.resume_step if msg.HasField("resume_step") else None,
         local_workers=max(1, msg.local_workers),
-        shard_map=tuple(msg.shard_map),
-        shard_index=msg.shard_index,
+        partition_map=tuple(msg.partition_map),
+        partition_index=msg.partition_index,
         shm_socket=msg.shm_socket,
         shm_nonce=msg.shm_nonce,
     )
@@ -344,9 +344,9 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
         msg = pb.WorkerMessage(
             barrier=pb.Barrier(worker_id=event.worker_id, step=event.step, name=event.name)
         )
-    elif isinstance(event, ShardRequestIn):
+    elif isinstance(event, SampleRangeRequestIn):
         msg = pb.WorkerMessage(
-            shard_request=pb.ShardRequest(
+            sample_range_request=pb.SampleRangeRequest(
                 worker_id=event.worker_id,
                 step=event.step,
                 dataset_size=event.dataset_size,
@@ -379,16 +379,16 @@ def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
                 worker_id=b.worker_id,
             )
         return BarrierIn(b.worker_id, b.step, b.name)
-    if kind == "shard_request":
-        s = msg.shard_request
+    if kind == "sample_range_request":
+        s = msg.sample_range_request
         if s.dataset_size == 0 or s.batch_size == 0:
             raise InvalidArgumentError(
-                f"worker {s.worker_id}, step {s.step}: shard request needs a positive dataset_size "
+                f"worker {s.worker_id}, step {s.step}: sample-range request needs a positive dataset_size "
                 f"and batch_size, got {s.dataset_size} and {s.batch_size}",
                 step=s.step,
                 worker_id=s.worker_id,
             )
-        return ShardRequestIn(s.worker_id, s.step, s.dataset_size, s.batch_size)
+        return SampleRangeRequestIn(s.worker_id, s.step, s.dataset_size, s.batch_size)
     if kind == "heartbeat":
         return HeartbeatIn(msg.heartbeat.worker_id, msg.heartbeat.sequence)
     if kind == "shutdown":
@@ -580,9 +580,9 @@ def encode_server_event(event: ServerEvent) -> bytes:
         return with_payload(_SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data)
     if isinstance(event, BarrierReleaseOut):
         msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
-    elif isinstance(event, ShardAssignmentOut):
+    elif isinstance(event, SampleRangeAssignmentOut):
         msg = pb.ServerMessage(
-            shard_assignment=pb.ShardAssignment(
+            sample_range_assignment=pb.SampleRangeAssignment(
                 step=event.step,
                 worker_id=event.worker_id,
                 ranges=[pb.SampleRange(start=r.start, stop=r.stop, stride=r.stride) for r in event.ranges],
@@ -600,8 +600,8 @@ def encode_server_event(event: ServerEvent) -> bytes:
             err.culprit_worker_id = event.culprit_worker_id
         if event.barrier_name is not None:
             err.barrier.CopyFrom(pb.Barrier(step=event.step, name=event.barrier_name))
-        if event.shard_step is not None:
-            err.shard_request.CopyFrom(pb.ShardRequest(step=event.shard_step))
+        if event.sample_range_step is not None:
+            err.sample_range_request.CopyFrom(pb.SampleRangeRequest(step=event.sample_range_step))
         msg = pb.ServerMessage(error=err)
     return msg.SerializeToString()
 
@@ -643,10 +643,10 @@ def decode_server_message(raw: bytes) -> ServerEvent:
             )
         if kind == "barrier_release":
             return BarrierReleaseOut(msg.barrier_release.step, msg.barrier_release.name)
-        if kind == "shard_assignment":
-            s = msg.shard_assignment
+        if kind == "sample_range_assignment":
+            s = msg.sample_range_assignment
             ranges = tuple(SampleRange(r.start, r.stop, r.stride) for r in s.ranges)
-            return ShardAssignmentOut(s.step, s.worker_id, ranges)
+            return SampleRangeAssignmentOut(s.step, s.worker_id, ranges)
         if kind == "heartbeat_ack":
             return HeartbeatAckOut(msg.heartbeat_ack.sequence)
         if kind == "shutdown":
@@ -661,7 +661,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
                 key=_key_from_pb(e.key, who="coordinator", limits=None) if e.HasField("key") else None,
                 culprit_worker_id=e.culprit_worker_id if e.HasField("culprit_worker_id") else None,
                 barrier_name=e.barrier.name if subject == "barrier" else None,
-                shard_step=e.shard_request.step if subject == "shard_request" else None,
+                sample_range_step=e.sample_range_request.step if subject == "sample_range_request" else None,
                 step_failed=e.step_failed,
             )
     except (InvalidArgumentError, ValueError) as exc:

@@ -56,6 +56,46 @@ _CLIENT_SETTINGS: dict[str, dict[str, str]] = {
 }
 
 
+# A WorkerClient's deadlines when its caller gives none (gradserver.common.timeouts.Timeouts):
+# each kind of wait has its own variable, the fields' names plus _TIMEOUT.
+@dataclasses.dataclass(frozen=True)
+class TimeoutSettings:
+    """The worker library's deadlines, seconds, read from the environment when its caller gives
+    no `timeout=` (and by the worker CLI when its --timeout is 0)."""
+
+    connect_timeout: float = dataclasses.field(
+        default=30.0, metadata={"help": "a worker's deadline for reaching the coordinator, seconds"}
+    )
+    # GRADSERVER_JOIN_TIMEOUT is the coordinator's wait for the world; the worker's Join deadline
+    # had that name too.
+    worker_join_timeout: float = dataclasses.field(
+        default=120.0,
+        metadata={
+            "help": "a worker's deadline for Join, which waits for the whole world, seconds",
+            "deprecated_env": "GRADSERVER_JOIN_TIMEOUT",
+        },
+    )
+    receive_timeout: float = dataclasses.field(
+        default=300.0,
+        metadata={"help": "a worker's deadline for one receive or barrier (covers the reduction), seconds"},
+    )
+    send_timeout: float = dataclasses.field(
+        default=300.0,
+        metadata={"help": "a worker's deadline for handing one chunk on under back-pressure, seconds"},
+    )
+    close_timeout: float = dataclasses.field(
+        default=10.0, metadata={"help": "a worker's deadline for flushing on close, seconds"}
+    )
+
+
+def environment_value(field_name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The raw GRADSERVER_ variable of setting `field_name` ('' when unset), for a process that
+    reads one setting outside a config class: a library default (the worker's transport) or what
+    a child process it starts will read (a local coordinator's chunk size and socket directory)."""
+    env = os.environ if environ is None else environ
+    return env.get(env_name(field_name), "")
+
+
 def client_setting(name: str, default: _T) -> _T:
     """The field of a coordinator client's setting `name`, with the one meaning it has for every
     client (the worker CLI, the torch backend)."""

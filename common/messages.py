@@ -191,7 +191,7 @@ class BarrierIn:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardRequestIn:
+class SampleRangeRequestIn:
     worker_id: int
     step: int
     dataset_size: int
@@ -209,7 +209,7 @@ class LeaveIn:
     reason: str
 
 
-WorkerEvent = ChunkIn | BarrierIn | ShardRequestIn | HeartbeatIn | LeaveIn
+WorkerEvent = ChunkIn | BarrierIn | SampleRangeRequestIn | HeartbeatIn | LeaveIn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +241,7 @@ class SampleRange:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardAssignmentOut:
+class SampleRangeAssignmentOut:
     step: int
     worker_id: int
     ranges: tuple[SampleRange, ...]
@@ -259,7 +259,7 @@ class ShutdownOut:
 
 @dataclasses.dataclass(frozen=True)
 class ErrorOut:
-    """An error inside the stream. Exactly what it concerns: a key, a barrier, a shard request,
+    """An error inside the stream. Exactly what it concerns: a key, a barrier, a sample-range request,
     or (all of them unset) the whole step."""
 
     code: int
@@ -268,12 +268,12 @@ class ErrorOut:
     key: TensorKey | None = None
     culprit_worker_id: int | None = None
     barrier_name: str | None = None
-    shard_step: int | None = None
+    sample_range_step: int | None = None
     step_failed: bool = False
 
 
 ServerEvent = (
-    AveragedChunkOut | BarrierReleaseOut | ShardAssignmentOut | HeartbeatAckOut | ShutdownOut | ErrorOut
+    AveragedChunkOut | BarrierReleaseOut | SampleRangeAssignmentOut | HeartbeatAckOut | ShutdownOut | ErrorOut
 )
 
 
@@ -281,14 +281,14 @@ ServerEvent = (
 class JoinRequestIn:
     node_id: str
     gpu_count: int
-    backend: str
+    device_type: str
     protocol_version: int
     committed_step: int | None = None
     fingerprint: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # The worker id asked for (a torch rank); None: the lowest free one.
     rank: int | None = None
-    # Sharded coordinators: the shard index the joiner believes it reaches (shards 1..K-1).
-    shard_index: int | None = None
+    # Partitioned coordinators: the partition index the joiner believes it reaches (partitions 1..K-1).
+    partition_index: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,10 +309,10 @@ class JoinAccepted:
     max_steps: int
     resume_step: int | None = None
     local_workers: int = 1
-    # Sharded coordinators: every shard's address in shard order (empty: one coordinator), and
-    # the answering shard's index in it.
-    shard_map: tuple[str, ...] = ()
-    shard_index: int = 0
+    # Partitioned coordinators: every partition's address in partition order (empty: one coordinator), and
+    # the answering partition's index in it.
+    partition_map: tuple[str, ...] = ()
+    partition_index: int = 0
     # Same-host fast path: the coordinator's Unix socket and its nonce ("" and b"" when off).
     shm_socket: str = ""
     shm_nonce: bytes = b""

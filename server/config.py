@@ -20,8 +20,8 @@ from gradserver.common.config import (
     require_setting,
 )
 from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.partition_map import PartitionMap
 from gradserver.common.security import is_loopback
-from gradserver.common.shard_map import ShardMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,19 +113,31 @@ class CoordinatorConfig:
     insecure: bool = dataclasses.field(
         default=False, metadata={"help": "allow a non-loopback --bind without TLS or a token"}
     )
-    shard_map: str = dataclasses.field(
+    # Coordinator partitions were called shards, a word that also meant data sample ranges.
+    partition_map: str = dataclasses.field(
         default="",
         metadata={
-            "help": "sharded coordinators: ADDR0,ADDR1,... every shard's address as workers and the other "
-            "shards reach it, the same on every shard (empty: one coordinator)"
+            "help": "partitioned coordinators: ADDR0,ADDR1,... every partition's address as workers and "
+            "the other partitions reach it, the same on every partition (empty: one coordinator)",
+            "deprecated_flag": "--shard-map",
+            "deprecated_env": "GRADSERVER_SHARD_MAP",
         },
     )
-    shard_index: int = dataclasses.field(
-        default=0, metadata={"help": "sharded coordinators: this shard's index in --shard-map"}
+    partition_index: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "partitioned coordinators: this partition's index in --partition-map",
+            "deprecated_flag": "--shard-index",
+            "deprecated_env": "GRADSERVER_SHARD_INDEX",
+        },
     )
-    shard_tls_ca: str = dataclasses.field(
+    partition_tls_ca: str = dataclasses.field(
         default="",
-        metadata={"help": "PEM CA that verifies the other shards' certificates (default: --tls-client-ca)"},
+        metadata={
+            "help": "PEM CA that verifies the other partitions' certificates (default: --tls-client-ca)",
+            "deprecated_flag": "--shard-tls-ca",
+            "deprecated_env": "GRADSERVER_SHARD_TLS_CA",
+        },
     )
     no_shm: bool = dataclasses.field(
         default=False,
@@ -182,7 +194,7 @@ class CoordinatorConfig:
             self.max_tensor_elements >= 1, "max_tensor_elements", self.max_tensor_elements, ">= 1"
         )
         require_setting(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0")
-        self._check_shards()
+        self._check_partitions()
         require_setting(self.reduce_threads >= 0, "reduce_threads", self.reduce_threads, ">= 0 (0: auto)")
         require_setting(
             self.shm_arena_mib >= self.chunk_mib,
@@ -201,29 +213,29 @@ class CoordinatorConfig:
             "one of DEBUG, INFO, WARNING, ERROR",
         )
 
-    def _check_shards(self) -> None:
-        shards = self.shards
-        count = shards.count if shards is not None else 1
+    def _check_partitions(self) -> None:
+        partitions = self.partitions
+        count = partitions.count if partitions is not None else 1
         require_setting(
-            0 <= self.shard_index < count,
-            "shard_index",
-            self.shard_index,
-            f"an index into --shard-map (0..{count - 1})",
+            0 <= self.partition_index < count,
+            "partition_index",
+            self.partition_index,
+            f"an index into --partition-map (0..{count - 1})",
         )
-        if shards is not None and shards.count > 1 and self.on_worker_loss != "abort":
-            # Each shard would carry on without the lost worker at its own moment, and one key's
-            # chunks could then be averaged over different contributors on different shards.
-            raise InvalidArgumentError("--shard-map with several shards needs --on-worker-loss abort")
-        if shards is not None and self.tls_cert and not (self.shard_tls_ca or self.tls_client_ca):
+        if partitions is not None and partitions.count > 1 and self.on_worker_loss != "abort":
+            # Each partition would carry on without the lost worker at its own moment, and one key's
+            # chunks could then be averaged over different contributors on different partitions.
+            raise InvalidArgumentError("--partition-map with several partitions needs --on-worker-loss abort")
+        if partitions is not None and self.tls_cert and not (self.partition_tls_ca or self.tls_client_ca):
             raise InvalidArgumentError(
-                "--shard-map with --tls-cert: the shards reach each other over TLS and need "
-                "--shard-tls-ca (or --tls-client-ca) to verify each other's certificates"
+                "--partition-map with --tls-cert: the partitions reach each other over TLS and need "
+                "--partition-tls-ca (or --tls-client-ca) to verify each other's certificates"
             )
 
     @property
-    def shards(self) -> ShardMap | None:
-        """The parsed --shard-map; None for one coordinator."""
-        return ShardMap.parse(self.shard_map) if self.shard_map.strip() else None
+    def partitions(self) -> PartitionMap | None:
+        """The parsed --partition-map; None for one coordinator."""
+        return PartitionMap.parse(self.partition_map) if self.partition_map.strip() else None
 
     @property
     def chunk_bytes(self) -> int:

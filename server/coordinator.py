@@ -6,7 +6,7 @@ may be retaken within `--rejoin-timeout`; it answers events with effects (state 
 lines, the rejoin timer, a reset, stop). `ReductionTable` (server/reduction.py) answers every
 contribution, barrier and loss with the messages to send (`Outgoing`).
 
-The shell: the gRPC servicer (Join, Exchange, NotifyShard) behind one error-mapping boundary,
+The shell: the gRPC servicer (Join, Exchange, NotifyPartition) behind one error-mapping boundary,
 the stream loops (`streams`), the liveness tick (`liveness`), and `_deliver`, which hands the
 table's messages to the transports' outboxes (`outbox`: shared memory in `shm`, the other
 coordinator partitions in `peers`), encodes each message once and queues the same bytes to each
@@ -36,7 +36,7 @@ from gradserver.common.errors import (
 from gradserver.common.messages import (
     BarrierIn,
     ChunkIn,
-    ShardRequestIn,
+    SampleRangeRequestIn,
     ShutdownOut,
 )
 from gradserver.common.rpc import SERVICE_NAME, to_grpc
@@ -63,7 +63,7 @@ from .membership import Member, Membership
 from .metrics import CoordinatorMetrics, Traffic
 from .outbox import Outboxes
 from .outgoing import Outgoing
-from .peers import ShardRole
+from .peers import PartitionRole
 from .reducer import Reducer, Result
 from .reduction import Reduce, ReductionTable
 from .shm import ShmHub, ShmOutbox
@@ -83,9 +83,12 @@ def _auto_reduce_threads() -> int:
 
 
 def _new_table(
-    config: CoordinatorConfig, metrics: CoordinatorMetrics, shard: ShardRole | None, averager: Averager
+    config: CoordinatorConfig,
+    metrics: CoordinatorMetrics,
+    partition: PartitionRole | None,
+    averager: Averager,
 ) -> ReductionTable:
-    """A fresh job's reduction table (this partition's chunks only, with --shard-map)."""
+    """A fresh job's reduction table (this partition's chunks only, with --partition-map)."""
     return ReductionTable(
         config.world_size,
         config.chunk_bytes // 4,
@@ -93,7 +96,7 @@ def _new_table(
         on_key_reduced=metrics.reduce_latency.observe,
         on_barrier_released=metrics.barrier_wait.observe,
         on_worker_loss=config.on_worker_loss,
-        shard=(shard.shard_map, shard.own_index) if shard is not None else None,
+        partition=(partition.partition_map, partition.own_index) if partition is not None else None,
         averager=averager,
         defer_reductions=True,  # averaged by the `Reducer`, off the event loop
     )
@@ -135,11 +138,13 @@ class GradientServer:
         self._health = health.aio.HealthServicer()
         self._membership = Membership(config.world_size, config.join_timeout, self.session_id)
         self.metrics = CoordinatorMetrics(config.world_size)
-        # Sharded coordinators (--shard-map): this process averages only its partition's chunks.
-        self._shard = ShardRole(config.shards, config.shard_index, config) if config.shards else None
+        # Partitioned coordinators (--partition-map): this process averages only its partition's chunks.
+        self._partition = (
+            PartitionRole(config.partitions, config.partition_index, config) if config.partitions else None
+        )
         self.shm: ShmHub | None = None  # the same-host fast path, when offered
         self._averager = Averager(config.reduce_threads or _auto_reduce_threads())
-        self._new_table = functools.partial(_new_table, config, self.metrics, self._shard, self._averager)
+        self._new_table = functools.partial(_new_table, config, self.metrics, self._partition, self._averager)
         self._table = self._new_table()
         self._reducer = Reducer(self._averager, self._reduced)
         self._job = _new_job(config)
@@ -153,7 +158,7 @@ class GradientServer:
             ended=self._stream_ended,
         )
         self._outboxes = Outboxes(self._streams, self.metrics)
-        self._outboxes.add(self._shard)
+        self._outboxes.add(self._partition)
         watched = (self._job, self._membership, self._streams)
         interval = min(1.0, config.heartbeat_timeout / 4)
         expire = lambda: self._deliver(self._table.expire())  # noqa: E731 - a reset replaces the table
@@ -186,7 +191,7 @@ class GradientServer:
         handlers = {
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
-            "NotifyShard": grpc.unary_unary_rpc_method_handler(self._notify_shard),
+            "NotifyPartition": grpc.unary_unary_rpc_method_handler(self._notify_partition),
         }
         server = grpc_server(cfg, handlers, self._health, self.metrics)
         self.port = bind_port(server, cfg)
@@ -200,9 +205,11 @@ class GradientServer:
         # Where its leftovers would be, for a supervisor that has to SIGKILL it.
         self.events.write("serving", port=self.port, shm_socket=self._outboxes.offer().get("shm_socket", ""))
         self._monitor.start()
-        if self._shard is not None:
-            shard = self._shard
-            shard.peers.watch(lambda index, why: self._deliver(shard.unreachable(index, why, self._table)))
+        if self._partition is not None:
+            partition = self._partition
+            partition.peers.watch(
+                lambda index, why: self._deliver(partition.unreachable(index, why, self._table))
+            )
         publish_endpoints(cfg, self.metrics, self.port)
         facts = (self.address, cfg.world_size, self.session_id, self.state.value)
         log.info("coordinator listening on %s for %d worker(s), session %#x; job %s", *facts)
@@ -327,17 +334,17 @@ class GradientServer:
 
     async def _admit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
         request = codec.decode_join_request(raw)
-        join.check_request(request, self._job, self._shard)
+        join.check_request(request, self._job, self._partition)
         identity = client_identity(context, self.config.tls_client_ca)
         return await self._membership.join(request, identity, peer_host(context.peer()))
 
-    async def _notify_shard(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        """Another shard failed a step (or lost a worker): fail it here too."""
+    async def _notify_partition(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """Another partition failed a step (or lost a worker): fail it here too."""
         await self._refusing(context, self._heard(raw))
         return b""
 
     async def _heard(self, raw: bytes) -> None:
-        self._deliver(ShardRole.hear(self._shard, raw, self._table))
+        self._deliver(PartitionRole.hear(self._partition, raw, self._table))
 
     async def _exchange(self, _: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
         async def admit() -> Member:
@@ -345,7 +352,7 @@ class GradientServer:
 
         await self._streams.serve(await self._refusing(context, admit()), context)
 
-    def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | ShardRequestIn) -> None:
+    def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | SampleRangeRequestIn) -> None:
         """Hands one contribution, barrier arrival or request to the table."""
         if isinstance(event, ChunkIn):
             chunk = self._outboxes.resolve(event, stream.member)
@@ -354,7 +361,7 @@ class GradientServer:
         elif isinstance(event, BarrierIn):
             self._deliver(self._table.barrier(event))
         else:
-            self._deliver(self._table.shard(event))
+            self._deliver(self._table.sample_ranges(event))
 
     def _stream_ended(self, stream: WorkerStream, why: str, expected: bool) -> None:
         if self._membership.remove(stream.member, why, expected=expected):

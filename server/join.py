@@ -12,10 +12,10 @@ from gradserver.common.messages import JoinAccepted, JoinRequestIn
 from .config import CoordinatorConfig
 from .job import Job
 from .membership import Member, Membership
-from .peers import ShardRole
+from .peers import PartitionRole
 
 
-def check_request(request: JoinRequestIn, job: Job, shard: ShardRole | None) -> None:
+def check_request(request: JoinRequestIn, job: Job, partition: PartitionRole | None) -> None:
     """Raises naming the node when it speaks another protocol version, the job no longer takes
     members (the coordinator stops) or it asks for a partition this coordinator does not have."""
     if request.protocol_version != codec.PROTOCOL_VERSION:
@@ -26,12 +26,12 @@ def check_request(request: JoinRequestIn, job: Job, shard: ShardRole | None) -> 
     refusal = job.join_refusal()
     if refusal is not None:
         raise UnavailableError(refusal)
-    if shard is not None:
-        shard.check_join(request)
-    elif request.shard_index is not None:
+    if partition is not None:
+        partition.check_join(request)
+    elif request.partition_index is not None:
         raise FailedPreconditionError(
-            f"node {request.node_id!r} asked for shard {request.shard_index}, but this "
-            "coordinator runs without --shard-map"
+            f"node {request.node_id!r} asked for partition {request.partition_index}, but this "
+            "coordinator runs without --partition-map"
         )
 
 

@@ -33,7 +33,7 @@ log = logging.getLogger("gradserver.server.membership")
 class Member:
     worker_id: int
     node_id: str
-    backend: str
+    device_type: str
     gpu_count: int
     token: int
     last_seen: float
@@ -87,7 +87,7 @@ class Membership:
         member = Member(
             worker_id=worker_id,
             node_id=request.node_id,
-            backend=request.backend,
+            device_type=request.device_type,
             gpu_count=request.gpu_count,
             token=secrets.randbits(64),
             last_seen=time.monotonic(),
@@ -99,11 +99,11 @@ class Membership:
             self._fingerprint = dict(request.fingerprint)
         self._members[worker_id] = member
         log.info(
-            "worker %d joined: node %r, %d GPU(s), backend %r (%d of %d)",
+            "worker %d joined: node %r, %d GPU(s), device type %r (%d of %d)",
             worker_id,
             request.node_id,
             request.gpu_count,
-            request.backend,
+            request.device_type,
             self.joined,
             self.world_size,
             extra={"worker_id": worker_id},

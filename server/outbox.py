@@ -6,7 +6,7 @@ same bytes on every recipient's gRPC stream (`streams`). An outbox per other tra
 between: it may reroute a message (the shared-memory outbox writes an average
 once into its output arena and names it to its readers: `ShmOutbox` in `shm`), resolve what a
 chunk names (a range of the sender's arena), hear that a worker left (its memory is never read
-again; other coordinator partitions are told: `ShardRole` in `peers`) and see every step failure
+again; other coordinator partitions are told: `PartitionRole` in `peers`) and see every step failure
 that goes out (the peer outbox tells the other partitions). Adding a transport is one class
 here, with its own module, and one line where the coordinator builds its `Outboxes`.
 """

@@ -1,12 +1,14 @@
-"""Sharded coordinators: how one shard tells the others that a step failed or a worker was lost.
+"""Partitioned coordinators: how one partition tells the others that a step failed or a worker was
+lost.
 
-A step completes on all shards or on none. Each shard averages only its chunks, so when a step
-fails on one shard (a timeout, a bad contribution, a lost worker) the others would otherwise
-complete their part or wait out the step timeout. `ShardPeers` sends a `ShardNotice` to every
-other shard (the NotifyShard RPC, with the shard's own auth token and TLS, a deadline of one
-heartbeat timeout); the receiving coordinator fails the same step for every worker, naming the
-sending shard. Delivery is best effort: a shard that cannot be reached is also unreachable for
-the workers, whose streams to it break and fail the step on the shards they still reach.
+A step completes on all partitions or on none. Each partition averages only its chunks, so when
+a step fails on one partition (a timeout, a bad contribution, a lost worker) the others would
+otherwise complete their part or wait out the step timeout. `PartitionPeers` sends a
+`PartitionNotice` to every other partition (the NotifyPartition RPC, with the partition's own
+auth token and TLS, a deadline of one heartbeat timeout); the receiving coordinator fails the
+same step for every worker, naming the sending partition. Delivery is best effort: a partition
+that cannot be reached is also unreachable for the workers, whose streams to it break and fail
+the step on the partitions they still reach.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ from gradserver.common.errors import (
     status_code_from_value,
 )
 from gradserver.common.messages import ChunkIn, ErrorOut, JoinRequestIn
+from gradserver.common.partition_map import (
+    NOTIFY_METHOD,
+    PartitionMap,
+    PartitionNotice,
+    decode_notice,
+    encode_notice,
+)
 from gradserver.common.rpc import worker_channel_options
 from gradserver.common.security import bearer_metadata
-from gradserver.common.shard_map import NOTIFY_METHOD, ShardMap, ShardNotice, decode_notice, encode_notice
 
 from .config import CoordinatorConfig
 from .membership import Member
@@ -43,11 +51,11 @@ _TOLD_KEPT = 64
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
-class ShardPeers:
-    """Channels from this shard to every other shard of the map, opened on first use."""
+class PartitionPeers:
+    """Channels from this partition to every other partition of the map, opened on first use."""
 
-    def __init__(self, shard_map: ShardMap, own_index: int, config: CoordinatorConfig) -> None:
-        self.shard_map = shard_map
+    def __init__(self, partition_map: PartitionMap, own_index: int, config: CoordinatorConfig) -> None:
+        self.partition_map = partition_map
         self.own_index = own_index
         self._config = config
         self._channels: dict[int, grpc.aio.Channel] = {}
@@ -56,14 +64,14 @@ class ShardPeers:
         self._metadata = bearer_metadata(config.auth_token)
 
     def watch(self, on_unreachable: Callable[[int, str], None]) -> None:
-        """Checks every other shard's health four times per heartbeat timeout; calls
-        `on_unreachable(index, why)` once a shard has not answered for a heartbeat timeout (again
-        only after it answered once more). A shard that is stopped keeps its connections open and
+        """Checks every other partition's health four times per heartbeat timeout; calls
+        `on_unreachable(index, why)` once a partition has not answered for a heartbeat timeout (again
+        only after it answered once more). A partition that is stopped keeps its connections open and
         tells no one, so without this its part of a step would wait for the step timeout."""
-        for index in range(self.shard_map.count):
+        for index in range(self.partition_map.count):
             if index != self.own_index:
                 task = asyncio.create_task(
-                    self._watch(index, on_unreachable), name=f"gradserver-watch-shard-{index}"
+                    self._watch(index, on_unreachable), name=f"gradserver-watch-partition-{index}"
                 )
                 self._watchers.append(task)
 
@@ -89,31 +97,31 @@ class ShardPeers:
                 if not reported and silent > limit:
                     reported = True
                     why = f"no answer for {silent:.1f} s (heartbeat timeout {limit:g} s): {exc.code().name}"
-                    log.warning("%s is unreachable: %s", self.shard_map.describe(index), why)
+                    log.warning("%s is unreachable: %s", self.partition_map.describe(index), why)
                     on_unreachable(index, why)
                 continue
             if reported:
-                log.info("%s answers again", self.shard_map.describe(index))
+                log.info("%s answers again", self.partition_map.describe(index))
             last_answer = loop.time()
             reported = False
 
-    def notify(self, notice: ShardNotice) -> None:
-        """Sends `notice` to every other shard in the background (never blocks the caller)."""
-        for index in range(self.shard_map.count):
+    def notify(self, notice: PartitionNotice) -> None:
+        """Sends `notice` to every other partition in the background (never blocks the caller)."""
+        for index in range(self.partition_map.count):
             if index == self.own_index:
                 continue
-            task = asyncio.create_task(self._send(index, notice), name=f"gradserver-notify-shard-{index}")
+            task = asyncio.create_task(self._send(index, notice), name=f"gradserver-notify-partition-{index}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, index: int, notice: ShardNotice) -> None:
+    async def _send(self, index: int, notice: PartitionNotice) -> None:
         call = self._channel(index).unary_unary(NOTIFY_METHOD)
         try:
             await call(encode_notice(notice), timeout=self._config.heartbeat_timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             log.warning(
                 "could not tell %s that step %d failed: %s: %s",
-                self.shard_map.describe(index),
+                self.partition_map.describe(index),
                 notice.step,
                 exc.code().name,
                 exc.details(),
@@ -122,7 +130,7 @@ class ShardPeers:
     def _channel(self, index: int) -> grpc.aio.Channel:
         channel = self._channels.get(index)
         if channel is None:
-            address = self.shard_map.addresses[index]
+            address = self.partition_map.addresses[index]
             options = worker_channel_options()
             if self._config.tls_cert:
                 channel = grpc.aio.secure_channel(address, self._credentials(), options=options)
@@ -132,10 +140,10 @@ class ShardPeers:
         return channel
 
     def _credentials(self) -> grpc.ChannelCredentials:
-        """TLS to the other shards: their certificates checked against --shard-tls-ca (or
-        --tls-client-ca); this shard's own certificate is the client certificate under mutual TLS."""
+        """TLS to the other partitions: their certificates checked against --partition-tls-ca (or
+        --tls-client-ca); this partition's own certificate is the client certificate under mutual TLS."""
         cfg = self._config
-        ca = Path(cfg.shard_tls_ca or cfg.tls_client_ca).read_bytes()
+        ca = Path(cfg.partition_tls_ca or cfg.tls_client_ca).read_bytes()
         return grpc.ssl_channel_credentials(
             root_certificates=ca,
             private_key=Path(cfg.tls_key).read_bytes(),
@@ -155,40 +163,40 @@ class ShardPeers:
         self._channels.clear()
 
 
-class ShardRole:
-    """What makes a coordinator one shard of several: the Join checks, the map in JoinAccepted,
-    and the step failures it tells the other shards about or hears from them (each step once, so
-    two shards never echo one failure back and forth). It is the peer outbox
+class PartitionRole:
+    """What makes a coordinator one partition of several: the Join checks, the map in JoinAccepted,
+    and the step failures it tells the other partitions about or hears from them (each step once, so
+    two partitions never echo one failure back and forth). It is the peer outbox
     (server/outbox.py): it sees every step failure and every lost worker on their way out."""
 
-    def __init__(self, shard_map: ShardMap, own_index: int, config: CoordinatorConfig) -> None:
-        self.shard_map = shard_map
+    def __init__(self, partition_map: PartitionMap, own_index: int, config: CoordinatorConfig) -> None:
+        self.partition_map = partition_map
         self.own_index = own_index
-        self.peers = ShardPeers(shard_map, own_index, config)
-        # Steps whose failure the other shards know of (the newest _TOLD_KEPT).
+        self.peers = PartitionPeers(partition_map, own_index, config)
+        # Steps whose failure the other partitions know of (the newest _TOLD_KEPT).
         self._told: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
     def me(self) -> str:
-        return self.shard_map.describe(self.own_index)
+        return self.partition_map.describe(self.own_index)
 
     def check_join(self, request: JoinRequestIn) -> None:
-        """Shard 0 takes new workers; shards 1..K-1 take only workers that joined shard 0 (they
+        """Partition 0 takes new workers; partitions 1..K-1 take only workers that joined partition 0 (they
         ask for their index and their worker id)."""
-        asked = request.shard_index
+        asked = request.partition_index
         if asked is None and self.own_index != 0:
             raise FailedPreconditionError(
-                f"node {request.node_id!r} joined {self.me}, but workers join shard 0 at "
-                f"{self.shard_map.addresses[0]} and learn the other shards from it"
+                f"node {request.node_id!r} joined {self.me}, but workers join partition 0 at "
+                f"{self.partition_map.addresses[0]} and learn the other partitions from it"
             )
         if asked is not None and asked != self.own_index:
             raise FailedPreconditionError(
-                f"node {request.node_id!r} asked for shard {asked}, but this is {self.me}: the "
-                "shard maps of the coordinators differ"
+                f"node {request.node_id!r} asked for partition {asked}, but this is {self.me}: the "
+                "partition maps of the coordinators differ"
             )
         if asked is not None and request.rank is None:
             raise InvalidArgumentError(
-                f"node {request.node_id!r} joined {self.me} without the worker id shard 0 gave it"
+                f"node {request.node_id!r} joined {self.me} without the worker id partition 0 gave it"
             )
 
     # --- the outbox ---------------------------------------------------------------------------
@@ -207,18 +215,18 @@ class ShardRole:
             self.worker_lost(worker_id, reason, table.unsettled_steps())
 
     def offer(self) -> dict[str, Any]:
-        return {"shard_map": self.shard_map.addresses, "shard_index": self.own_index}
+        return {"partition_map": self.partition_map.addresses, "partition_index": self.own_index}
 
     def failed_steps(self, outgoing: Sequence[Outgoing]) -> None:
-        """Tells the other shards of every step that `outgoing` fails for the first time."""
+        """Tells the other partitions of every step that `outgoing` fails for the first time."""
         for item in outgoing:
             event = item.event
             if isinstance(event, ErrorOut) and event.step_failed and event.step not in self._told:
                 self._mark_told(event.step)
                 self.peers.notify(
-                    ShardNotice(
+                    PartitionNotice(
                         self.own_index,
-                        self.shard_map.count,
+                        self.partition_map.count,
                         event.step,
                         event.code,
                         event.message,
@@ -227,13 +235,13 @@ class ShardRole:
                 )
 
     def worker_lost(self, worker_id: int, reason: str, pending: set[int]) -> None:
-        """Tells the other shards that a worker was lost here: its steps in flight fail there too."""
+        """Tells the other partitions that a worker was lost here: its steps in flight fail there too."""
         for step in pending:
             self._mark_told(step)
         self.peers.notify(
-            ShardNotice(
+            PartitionNotice(
                 self.own_index,
-                self.shard_map.count,
+                self.partition_map.count,
                 min(pending, default=0),
                 int(Status.ABORTED),
                 f"worker {worker_id} {reason}",
@@ -243,9 +251,9 @@ class ShardRole:
         )
 
     def unreachable(self, index: int, why: str, table: ReductionTable) -> list[Outgoing]:
-        """Another shard stopped answering: every step still unsettled here fails for every
-        worker, naming it (the workers cannot get that shard's part of those steps)."""
-        where = self.shard_map.describe(index)
+        """Another partition stopped answering: every step still unsettled here fails for every
+        worker, naming it (the workers cannot get that partition's part of those steps)."""
+        where = self.partition_map.describe(index)
         out: list[Outgoing] = []
         for step in sorted(table.unsettled_steps()):
             self._mark_told(step)
@@ -254,28 +262,32 @@ class ShardRole:
         return out
 
     @staticmethod
-    def hear(role: ShardRole | None, raw: bytes, table: ReductionTable) -> list[Outgoing]:
-        """`role.heard`, refused (naming why) on a coordinator without --shard-map."""
+    def hear(role: PartitionRole | None, raw: bytes, table: ReductionTable) -> list[Outgoing]:
+        """`role.heard`, refused (naming why) on a coordinator without --partition-map."""
         if role is None:
-            raise FailedPreconditionError("NotifyShard: this coordinator runs without --shard-map")
+            raise FailedPreconditionError("NotifyPartition: this coordinator runs without --partition-map")
         return role.heard(raw, table)
 
     def heard(self, raw: bytes, table: ReductionTable) -> list[Outgoing]:
-        """Applies a notice from another shard to `table`: the step (or, for a lost worker, every
-        step in flight) fails for every worker, naming the shard that failed it first."""
+        """Applies a notice from another partition to `table`: the step (or, for a lost worker, every
+        step in flight) fails for every worker, naming the partition that failed it first."""
         notice = decode_notice(raw)
-        if notice.shard_count != self.shard_map.count or notice.from_shard >= self.shard_map.count:
+        if (
+            notice.partition_count != self.partition_map.count
+            or notice.from_partition >= self.partition_map.count
+        ):
             raise InvalidArgumentError(
-                f"a notice from shard {notice.from_shard} of {notice.shard_count} reached {self.me} "
-                f"of {self.shard_map.count}: the shard maps of the coordinators differ"
+                f"a notice from partition {notice.from_partition} of {notice.partition_count} "
+                f"reached {self.me} of {self.partition_map.count}: the partition maps of the coordinators "
+                "differ"
             )
-        origin = self.shard_map.describe(notice.from_shard)
+        origin = self.partition_map.describe(notice.from_partition)
         log.warning("%s reports: %s", origin, notice.message)
         code = status_code_from_value(notice.code)
         if notice.worker_lost:
             # Only steps in flight here (including ones whose chunks here are all averaged, but
             # not yet counted complete): a step counted complete stays complete, and the lost
-            # worker's later contributions are refused by the shard that lost it.
+            # worker's later contributions are refused by the partition that lost it.
             steps = table.unsettled_steps()
             for step in steps:
                 self._mark_told(step)

@@ -6,11 +6,11 @@ component, the whole model) and holds only the chunks that not every worker has 
 is averaged as soon as the last worker's copy arrives and its buffers are freed.
 
 Beside the table: `participation` (which workers a step waits for: lost, rejoined, live),
-`shards` (the answers to shard requests), `step_stats` (per-step counts, logged at DEBUG),
-`outgoing` (what the table returns), `averaging` (the float64 mean of one chunk) and `collectives`
-(where the result pieces of the native collective kinds go: ALL_GATHER, BROADCAST, ALL_TO_ALL
-are routed there without float work; a REDUCE_SCATTER is reduced here like any key and its
-reduced chunks are cut into the ranks' parts there).
+`sample_ranges` (the answers to sample-range requests), `step_stats` (per-step counts, logged at
+DEBUG), `outgoing` (what the table returns), `averaging` (the float64 mean of one chunk) and
+`collectives` (where the result pieces of the native collective kinds go: ALL_GATHER, BROADCAST,
+ALL_TO_ALL are routed there without float work; a REDUCE_SCATTER is reduced here like any key and
+its reduced chunks are cut into the ranks' parts there).
 
 Rules (docs/PROTOCOL.md lists them with their status codes):
 - A step either completes for every key or fails for all workers at once; the failure is
@@ -49,17 +49,17 @@ from gradserver.common.messages import (
     ErrorOut,
     KeyKind,
     ReduceOp,
+    SampleRangeRequestIn,
     SampleStats,
-    ShardRequestIn,
     TensorKey,
 )
-from gradserver.common.shard_map import ShardMap
+from gradserver.common.partition_map import PartitionMap
 
 from .averaging import Averager, NonFiniteContribution, SumOverflow
 from .collectives import ByteCollective, Piece, ScatterParts
 from .outgoing import Outgoing, error_to
 from .participation import Participation
-from .shards import ShardAssigner
+from .sample_ranges import SampleRangeAssigner
 from .step_stats import StepStatistics
 
 log = logging.getLogger("gradserver.server.reduction")
@@ -166,13 +166,13 @@ class ReductionTable:
         on_key_reduced: Callable[[float], None] | None = None,
         on_barrier_released: Callable[[float], None] | None = None,
         on_worker_loss: str = "abort",
-        shard: tuple[ShardMap, int] | None = None,
+        partition: tuple[PartitionMap, int] | None = None,
         averager: Averager | None = None,
         defer_reductions: bool = False,
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
-        contribution or arrival to completion (for metrics). `shard` (map, own index): this
-        table expects and averages only the chunks the map assigns to that shard. `averager`
+        contribution or arrival to completion (for metrics). `partition` (map, own index): this
+        table expects and averages only the chunks the map assigns to that partition. `averager`
         (one thread by default) computes the averages; the coordinator shares one across jobs.
         With `defer_reductions`, complete chunks are not averaged here but queued as `Reduce`
         requests (`take_reductions`) whose results come back through `reduced`."""
@@ -196,14 +196,14 @@ class ReductionTable:
         self._worker_step: list[int | None] = [None] * world_size
         self._failed: collections.OrderedDict[int, _Failure] = collections.OrderedDict()
         self._buffered = [0] * world_size
-        self._shards = ShardAssigner(world_size)
+        self._sample_ranges = SampleRangeAssigner(world_size)
         self._step_stats = StepStatistics(clock)
         self._open_steps: set[int] = set()  # steps seen, neither failed nor counted yet
         self.steps_completed = 0
         self.keys_reduced = 0
         self.contributions_counted = 0
         self._last_completed_step: int | None = None
-        self._shard = shard
+        self._partition = partition
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -221,7 +221,7 @@ class ReductionTable:
 
     def unsettled_steps(self) -> set[int]:
         """Steps still pending, or done here but not yet counted complete (a worker expected at
-        them has not moved on): sharded coordinators fail these when another shard lost a worker."""
+        them has not moved on): partitioned coordinators fail these when another partition lost a worker."""
         return self.pending_steps() | self._open_steps
 
     @property
@@ -338,7 +338,7 @@ class ReductionTable:
         if rejected is not None:
             return rejected
         if (
-            self._shard is not None
+            self._partition is not None
             and key.kind is KeyKind.COLLECTIVE
             and key.collective_kind is not CollectiveKind.REDUCE
         ):
@@ -347,7 +347,7 @@ class ReductionTable:
                 key.step,
                 _PRECONDITION,
                 key,
-                f"worker {w} sent {key}: sharded coordinators average only REDUCE collectives, "
+                f"worker {w} sent {key}: partitioned coordinators average only REDUCE collectives, "
                 f"not {key.collective_kind.name}",
             )
         if (foreign := self._foreign_chunk(key, chunk.offset // self.chunk_elements)) is not None:
@@ -477,9 +477,9 @@ class ReductionTable:
             self._on_barrier_released(self._clock() - bar.opened)
         return [Outgoing(self.live_workers(), BarrierReleaseOut(bar.step, bar.name))]
 
-    def shard(self, request: ShardRequestIn) -> list[Outgoing]:
-        """Answers a shard request (see `ShardAssigner`)."""
-        return self._shards.answer(request)
+    def sample_ranges(self, request: SampleRangeRequestIn) -> list[Outgoing]:
+        """Answers a sample-range request (see `SampleRangeAssigner`)."""
+        return self._sample_ranges.answer(request)
 
     def expire(self) -> list[Outgoing]:
         """Fails every step that has a key or barrier past its deadline."""
@@ -514,7 +514,7 @@ class ReductionTable:
         return out
 
     def fail_step(self, step: int, message: str, code: Status, culprit: int | None = None) -> list[Outgoing]:
-        """Fails `step` for every worker (sharded coordinators: another shard failed it)."""
+        """Fails `step` for every worker (partitioned coordinators: another partition failed it)."""
         culprit_code = code if culprit is None else _ABORTED
         out = self._fail_step(step, message, culprit=culprit, code=code, culprit_code=culprit_code)
         self._settle_steps()
@@ -618,22 +618,22 @@ class ReductionTable:
         return slot
 
     def _owned_chunks(self, key: TensorKey, num_chunks: int) -> int:
-        if self._shard is None:
+        if self._partition is None:
             return num_chunks
-        shard_map, own = self._shard
-        return shard_map.owned_chunks(key, num_chunks, own)
+        partition_map, own = self._partition
+        return partition_map.owned_chunks(key, num_chunks, own)
 
     def _foreign_chunk(self, key: TensorKey, index: int) -> str | None:
-        """What is wrong when chunk `index` of `key` belongs to another shard; None when ours."""
-        if self._shard is None:
+        """What is wrong when chunk `index` of `key` belongs to another partition; None when ours."""
+        if self._partition is None:
             return None
-        shard_map, own = self._shard
-        owner = shard_map.owner(key, index)
+        partition_map, own = self._partition
+        owner = partition_map.owner(key, index)
         if owner == own:
             return None
         return (
-            f"chunk {index} of {key} to {shard_map.describe(own)}, but the shard map assigns it "
-            f"to {shard_map.describe(owner)}"
+            f"chunk {index} of {key} to {partition_map.describe(own)}, but the partition map assigns it "
+            f"to {partition_map.describe(owner)}"
         )
 
     def _left_behind(

@@ -29,7 +29,7 @@ from gradserver.common.messages import (
     HeartbeatAckOut,
     HeartbeatIn,
     LeaveIn,
-    ShardRequestIn,
+    SampleRangeRequestIn,
     TensorKey,
 )
 from gradserver.common.rpc import to_grpc
@@ -83,7 +83,7 @@ class WorkerStream:
 
 
 # What the coordinator does with one decoded contribution, barrier arrival or request.
-Handle = Callable[[WorkerStream, ChunkIn | BarrierIn | ShardRequestIn], None]
+Handle = Callable[[WorkerStream, ChunkIn | BarrierIn | SampleRangeRequestIn], None]
 # Frees the member's place: (stream, why it ended, whether that was expected).
 Ended = Callable[[WorkerStream, str, bool], None]
 
@@ -308,7 +308,7 @@ class Streams:
             log.info("worker %d is leaving: %s", w, event.reason or "no reason given", extra={"worker_id": w})
             stream.said_goodbye = True
             return True
-        assert isinstance(event, HeartbeatIn | ChunkIn | BarrierIn | ShardRequestIn)
+        assert isinstance(event, HeartbeatIn | ChunkIn | BarrierIn | SampleRangeRequestIn)
         if event.worker_id != w:
             raise FailedPreconditionError(
                 f"message names worker {event.worker_id}, but this stream belongs to worker {w}",

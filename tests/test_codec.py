@@ -23,9 +23,9 @@ from gradserver.common.messages import (
     HeartbeatIn,
     LeaveIn,
     SampleRange,
+    SampleRangeAssignmentOut,
+    SampleRangeRequestIn,
     SampleStats,
-    ShardAssignmentOut,
-    ShardRequestIn,
     ShutdownOut,
     TensorKey,
 )
@@ -97,14 +97,14 @@ def test_single_copy_payload_encoding_is_standard_protobuf() -> None:
             2,
         ),
         BarrierReleaseOut(4, "epoch"),
-        ShardAssignmentOut(3, 1, (SampleRange(1, 10, 3), SampleRange(0, 4, 3))),
+        SampleRangeAssignmentOut(3, 1, (SampleRange(1, 10, 3), SampleRange(0, 4, 3))),
         HeartbeatAckOut(12),
         ShutdownOut("bye"),
         ErrorOut(
             10, "step 3 aborted", 3, TensorKey.non_block(3, NonBlockComponent.EMBEDDING), 1, step_failed=True
         ),
         ErrorOut(3, "bad barrier", 2, barrier_name="x"),
-        ErrorOut(3, "bad shards", 2, shard_step=2),
+        ErrorOut(3, "bad sample ranges", 2, sample_range_step=2),
     ],
 )
 def test_server_events_round_trip(event) -> None:
@@ -117,7 +117,7 @@ def test_server_events_round_trip(event) -> None:
 
 @pytest.mark.parametrize(
     "event",
-    [BarrierIn(1, 2, "sync"), ShardRequestIn(0, 5, 100, 4), HeartbeatIn(2, 7), LeaveIn("done")],
+    [BarrierIn(1, 2, "sync"), SampleRangeRequestIn(0, 5, 100, 4), HeartbeatIn(2, 7), LeaveIn("done")],
 )
 def test_worker_events_round_trip(event) -> None:
     assert codec.decode_worker_message(codec.encode_worker_event(event), LIMITS) == event
@@ -211,7 +211,9 @@ def _chunk(**fields) -> bytes:
             "loss must be finite",
         ),
         (
-            pb.WorkerMessage(shard_request=pb.ShardRequest(worker_id=0, step=1)).SerializeToString(),
+            pb.WorkerMessage(
+                sample_range_request=pb.SampleRangeRequest(worker_id=0, step=1)
+            ).SerializeToString(),
             InvalidArgumentError,
             "positive dataset_size",
         ),

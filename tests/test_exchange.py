@@ -159,12 +159,12 @@ def test_barrier_releases_when_the_last_worker_arrives(workers) -> None:
     run_each(clients, lambda c: c.barrier(1, "start"))
 
 
-def test_shards_are_disjoint_and_complete(workers) -> None:
+def test_sample_ranges_are_disjoint_and_complete(workers) -> None:
     clients = workers(3)
     dataset, batch = 50, 4
 
     def work(c: WorkerClient) -> list[list[int]]:
-        return [c.get_shard(step, dataset, batch).indices() for step in range(8)]
+        return [c.get_sample_ranges(step, dataset, batch).indices() for step in range(8)]
 
     per_worker = run_each(clients, work)
     for step in range(8):

@@ -24,8 +24,8 @@ from gradserver.common.messages import (
     HeartbeatIn,
     KeyKind,
     LeaveIn,
+    SampleRangeRequestIn,
     SampleStats,
-    ShardRequestIn,
     TensorKey,
 )
 from gradserver.server.reduction import ReductionTable
@@ -67,7 +67,7 @@ valid_messages = st.one_of(
         st.sampled_from(["", "a", "b"]),
     ),
     st.builds(
-        lambda w, s, d, b: codec.encode_worker_event(ShardRequestIn(w, s, d, b)),
+        lambda w, s, d, b: codec.encode_worker_event(SampleRangeRequestIn(w, s, d, b)),
         st.integers(0, 3),
         st.integers(0, 3),
         st.integers(0, 50),
@@ -183,8 +183,8 @@ def test_reduction_table_survives_any_sequence(events: list, policy: str) -> Non
                 out = table.contribute(event)
             elif isinstance(event, BarrierIn) and event.worker_id == worker:
                 out = table.barrier(event)
-            elif isinstance(event, ShardRequestIn) and event.worker_id == worker:
-                out = table.shard(event)
+            elif isinstance(event, SampleRangeRequestIn) and event.worker_id == worker:
+                out = table.sample_ranges(event)
             else:
                 out = []
         _check_invariants(table, out, world)

@@ -133,7 +133,7 @@ PURE_MODULES = (
     "server/job.py",
     "server/outgoing.py",
     "server/outbox.py",
-    "server/shards.py",
+    "server/sample_ranges.py",
 )
 
 
@@ -166,6 +166,59 @@ def test_the_grpc_scan_sees_an_import_outside_the_edge(
     assert _grpc_imports(("server",)) == ["server/job.py:2 imports grpc.StatusCode"]
 
 
+# The config layer: the only modules that read the process environment (each setting is a field
+# of a config class: flag, variable, default, one meaning). Besides them, the process supervisor
+# copies the environment into the children it starts and leaves OMP_NUM_THREADS to a caller that
+# set it, and the worker CLI reads OMP_NUM_THREADS (OpenMP's variable, not a gradserver setting)
+# to size torch's thread pool.
+CONFIG_LAYER = {"common/config.py", "server/config.py", "torch_backend/_settings.py"}
+READS_ONLY_OTHERS_VARIABLES = {"worker/supervisor.py", "train/cli.py"}
+
+
+def _environment_reads(packages: tuple[str, ...]) -> list[str]:
+    """Every use of os.environ / os.getenv (or an import of either) outside the config layer."""
+    problems = []
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            where = path.relative_to(ROOT).as_posix()
+            if "_pb" in path.parts or where in CONFIG_LAYER | READS_ONLY_OTHERS_VARIABLES:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in ("environ", "environb", "getenv")
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "os"
+                ):
+                    problems.append(f"{where}:{node.lineno} reads os.{node.attr}")
+                elif isinstance(node, ast.ImportFrom) and node.module == "os":
+                    for alias in node.names:
+                        if alias.name in ("environ", "environb", "getenv"):
+                            problems.append(f"{where}:{node.lineno} imports os.{alias.name}")
+    return problems
+
+
+def test_only_the_config_layer_reads_the_environment() -> None:
+    assert all((ROOT / module).is_file() for module in CONFIG_LAYER | READS_ONLY_OTHERS_VARIABLES)
+    assert _environment_reads(PACKAGES) == []
+
+
+def test_the_environment_scan_sees_a_read_outside_the_config_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "worker").mkdir()
+    (tmp_path / "worker" / "client.py").write_text(
+        "import os\nfrom os import getenv\nMODE = os.environ.get('GRADSERVER_TRANSPORT')\n"
+    )
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "config.py").write_text("import os\nENV = os.environ\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _environment_reads(("worker", "common")) == [
+        "worker/client.py:2 imports os.getenv",
+        "worker/client.py:3 reads os.environ",
+    ]
+
+
 # Installed first in every subprocess below: the training extra's modules cannot be imported.
 BLOCKER = textwrap.dedent(
     """
@@ -194,7 +247,7 @@ COORDINATOR_AND_CLIENT = textwrap.dedent(
     from gradserver.worker import WorkerClient
 
     def join(address):
-        with WorkerClient.connect(address, node_id="n0", backend="cpu") as client:
+        with WorkerClient.connect(address, node_id="n0", device_type="cpu") as client:
             return client.total_workers
 
     async def main():

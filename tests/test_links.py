@@ -1,8 +1,8 @@
 """Every worker transport, driven through the `Link` interface alone against real coordinators.
 
 Each test runs the same workload over the three links `open_link` can pick: gRPC, shared memory
-(one coordinator with a socket directory) and sharded coordinators (two partitions, each behind a
-proxy so the shard map can name them before they start). Whatever carries the bytes, the results,
+(one coordinator with a socket directory) and partitioned coordinators (two partitions, each behind a
+proxy so the partition map can name them before they start). Whatever carries the bytes, the results,
 the errors and the cleanup must be the same.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,9 +38,9 @@ CHUNK_MIB = CHUNK_ELEMENTS * 4 / (1 << 20)
 SIZE = 5 * CHUNK_ELEMENTS + 17  # several chunks and a short last one, spread over partitions
 WORLD = 2
 STEPS = 3
-LINKS = ("grpc", "shm", "sharded")
+LINKS = ("grpc", "shm", "partitioned")
 # Which concrete link `open_link` must have picked for each setup.
-LINK_CLASSES = {"grpc": "GrpcLink", "shm": "ShmLink", "sharded": "ShardedLink"}
+LINK_CLASSES = {"grpc": "GrpcLink", "shm": "ShmLink", "partitioned": "PartitionedLink"}
 THREADS_END_WITHIN = 15.0
 
 pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux
 
 @dataclasses.dataclass
 class Setup:
-    """The coordinators of one job (behind proxies when sharded) and how workers reach them."""
+    """The coordinators of one job (behind proxies when partitioned) and how workers reach them."""
 
     address: str
     choice: str
@@ -81,13 +82,13 @@ def setups(tmp_path: Path) -> Iterator[Callable[[str], Setup]]:
     made: list[Setup] = []
 
     def make(link: str) -> Setup:
-        if link == "sharded":
+        if link == "partitioned":
             proxies = [FaultProxy("127.0.0.1", 0).start() for _ in range(2)]
             setup = Setup(proxies[0].address, "auto", [], proxies)
             made.append(setup)
-            shard_map = ",".join(p.address for p in proxies)
+            partition_map = ",".join(p.address for p in proxies)
             for index, proxy in enumerate(proxies):
-                server = ServerThread(_config(shard_map=shard_map, shard_index=index))
+                server = ServerThread(_config(partition_map=partition_map, partition_index=index))
                 setup.servers.append(server)
                 server.start()
                 proxy.target = ("127.0.0.1", server.server.port if server.server else 0)
@@ -117,7 +118,7 @@ def _open(setup: Setup, rank: int) -> Link:
     channel, accepted = join(setup.address, request)
 
     def join_partition(index: int, at: str) -> Any:
-        return join(at, dataclasses.replace(request, rank=accepted.worker_id, shard_index=index))
+        return join(at, dataclasses.replace(request, rank=accepted.worker_id, partition_index=index))
 
     link = open_link(
         channel,
@@ -317,3 +318,25 @@ def test_the_clients_general_calls_and_the_per_kind_ones_mix_over_each_link(
             client.close()
     want = [_reference_of(0), _reference_of(1), sizes, TensorKey.block(0, 0, 1), SampleStats(2.0, 2, 4)]
     assert [list(r) for r in results] == [want] * WORLD
+
+
+def test_connect_with_the_old_backend_keyword_warns_and_sends_it_as_the_device_type(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`backend` was the device type sent at Join; the word is the torch.distributed backend's
+    now, so `connect(backend=...)` still works for one release, with a DeprecationWarning."""
+    from gradserver.worker import WorkerClient
+
+    caplog.set_level(logging.INFO, "gradserver.server.membership")
+    server = ServerThread(_config(world_size=1))
+    address = server.start()
+    try:
+        with pytest.warns(DeprecationWarning, match=r"connect\(backend=\.\.\.\) is deprecated.*device_type"):
+            client = WorkerClient.connect(
+                address, node_id="old-caller", backend="cuda", timeout=TEST_TIMEOUTS
+            )
+        client.close()
+    finally:
+        server.stop()
+    joined = [r.getMessage() for r in caplog.records if "joined" in r.getMessage()]
+    assert len(joined) == 1 and "node 'old-caller'" in joined[0] and "device type 'cuda'" in joined[0], joined

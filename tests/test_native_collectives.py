@@ -398,11 +398,11 @@ def test_a_later_all_to_all_chunk_with_other_splits_fails_naming_both() -> None:
     assert "split [2, 6]" in err.message and "split [4, 4]" in err.message
 
 
-def test_sharded_coordinators_refuse_the_native_kinds() -> None:
-    from gradserver.common.shard_map import ShardMap
+def test_partitioned_coordinators_refuse_the_native_kinds() -> None:
+    from gradserver.common.partition_map import PartitionMap
 
-    shard_map = ShardMap.parse("a:1,b:2")
-    t = ReductionTable(2, CHUNK, 10.0, lambda: 0.0, shard=(shard_map, 0))
+    partition_map = PartitionMap.parse("a:1,b:2")
+    t = ReductionTable(2, CHUNK, 10.0, lambda: 0.0, partition=(partition_map, 0))
     chunk = byte_chunks(0, key_of(CollectiveKind.ALL_GATHER), payload(0, 4))[0]
     [(to, err)] = errors(t.contribute(chunk))
     assert to == (0,) and err.code == int(Status.FAILED_PRECONDITION) and "ALL_GATHER" in err.message

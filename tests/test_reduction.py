@@ -179,13 +179,13 @@ def test_step_never_goes_backwards_for_a_worker() -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 5])
-def test_shard_requests_must_agree(world: int) -> None:
-    from gradserver.common.messages import ShardAssignmentOut, ShardRequestIn
+def test_sample_range_requests_must_agree(world: int) -> None:
+    from gradserver.common.messages import SampleRangeAssignmentOut, SampleRangeRequestIn
 
     t, _ = table(world)
-    [ok] = t.shard(ShardRequestIn(0, 0, 100, 3))
-    assert isinstance(ok.event, ShardAssignmentOut)
-    [bad] = t.shard(ShardRequestIn(0, 1, 99, 3))
+    [ok] = t.sample_ranges(SampleRangeRequestIn(0, 0, 100, 3))
+    assert isinstance(ok.event, SampleRangeAssignmentOut)
+    [bad] = t.sample_ranges(SampleRangeRequestIn(0, 1, 99, 3))
     assert isinstance(bad.event, ErrorOut) and "this job uses 100 samples" in bad.event.message
 
 

@@ -10,7 +10,6 @@ its Timeouts), launch, run and a torch.distributed rank.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -20,8 +19,14 @@ import pytest
 import trustme
 
 from gradserver.cli import build_parser
-from gradserver.common.config import config_from_sources, deprecated_names_of, env_name, environment_of
-from gradserver.common.timeouts import Timeouts, timeout_env_name
+from gradserver.common.config import (
+    TimeoutSettings,
+    config_from_sources,
+    deprecated_names_of,
+    env_name,
+    environment_of,
+)
+from gradserver.common.timeouts import Timeouts
 from gradserver.server.config import CoordinatorConfig
 from gradserver.torch._settings import RankSettings
 from gradserver.train.cli import WorkerConfig
@@ -32,10 +37,8 @@ from .helpers.processes import ProcessGroup
 
 
 def _worker_environment() -> dict[str, str]:
-    found = environment_of(WorkerConfig)
-    for field in dataclasses.fields(Timeouts):
-        found[timeout_env_name(field.name)] = f"a worker's deadline for {field.name}"
-    return found
+    """The worker CLI's settings and its library's deadlines (`Timeouts` when --timeout is 0)."""
+    return {**environment_of(WorkerConfig), **environment_of(TimeoutSettings)}
 
 
 def _launch_environment() -> dict[str, str]:
@@ -84,15 +87,21 @@ def test_an_old_name_is_no_one_s_current_name_but_the_processes_it_belonged_to()
     meanings = _meanings()
     renamed = {
         **deprecated_names_of(WorkerConfig),
+        **deprecated_names_of(TimeoutSettings),
         **deprecated_names_of(RankSettings),
         **deprecated_names_of(RunConfig),
     }
     assert renamed["GRADSERVER_TLS_CERT"] == "GRADSERVER_TLS_CLIENT_CERT"
     assert renamed["GRADSERVER_TLS_KEY"] == "GRADSERVER_TLS_CLIENT_KEY"
     assert renamed["--timeout"] == "--run-timeout"
-    variables = [name for name in renamed if not name.startswith("--")] + ["GRADSERVER_JOIN_TIMEOUT"]
+    assert renamed["--backend"] == "--engine"
+    assert renamed["GRADSERVER_JOIN_TIMEOUT"] == "GRADSERVER_WORKER_JOIN_TIMEOUT"
+    variables = [name for name in renamed if not name.startswith("--")]
+    # Names that meant two things stay the coordinator's; a name renamed outright is no one's.
+    split = {"GRADSERVER_TLS_CERT", "GRADSERVER_TLS_KEY", "GRADSERVER_JOIN_TIMEOUT"}
     for old in variables:
-        assert set(meanings.get(old, {})) == {"coordinator"}, (old, meanings.get(old))
+        owners = {"coordinator"} if old in split else set()
+        assert set(meanings.get(old, {})) == owners, (old, meanings.get(old))
 
 
 def test_an_old_variable_is_read_with_a_warning_only_when_the_new_one_is_not_set(
@@ -127,6 +136,38 @@ def test_an_old_flag_is_read_with_a_warning(caplog: pytest.LogCaptureFixture) ->
     ]
 
 
+def test_the_coordinators_old_shard_flags_and_variables_set_its_partitions_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Coordinator partitions were "shards", a word that also named data sample ranges: the old
+    names still work for one release, each with a warning naming its new one, and no process reads
+    an old name as a current one of its own."""
+    caplog.set_level(logging.WARNING, "gradserver.config")
+    two = "127.0.0.1:1,127.0.0.1:2"
+    old_env = {
+        "GRADSERVER_SHARD_MAP": two,
+        "GRADSERVER_SHARD_INDEX": "1",
+        "GRADSERVER_SHARD_TLS_CA": "ca.pem",
+    }
+    config = config_from_sources(CoordinatorConfig, None, old_env)
+    assert (config.partition_map, config.partition_index, config.partition_tls_ca) == (two, 1, "ca.pem")
+    assert sorted(r.getMessage().split(" (")[0] for r in caplog.records) == [
+        "GRADSERVER_SHARD_INDEX is deprecated and goes in the next release: use GRADSERVER_PARTITION_INDEX",
+        "GRADSERVER_SHARD_MAP is deprecated and goes in the next release: use GRADSERVER_PARTITION_MAP",
+        "GRADSERVER_SHARD_TLS_CA is deprecated and goes in the next release: use GRADSERVER_PARTITION_TLS_CA",
+    ]
+    caplog.clear()
+    args = _subcommands()["coordinator"].parse_args(["--shard-map", two, "--shard-index", "1"])
+    config = config_from_sources(CoordinatorConfig, args, {"GRADSERVER_PARTITION_INDEX": "0"})
+    assert (config.partition_map, config.partition_index) == (two, 1)
+    assert sorted(r.getMessage().split(" is deprecated")[0] for r in caplog.records) == [
+        "--shard-index",
+        "--shard-map",
+    ]
+    meanings = _meanings()
+    assert not set(deprecated_names_of(CoordinatorConfig)) & set(meanings)
+
+
 # --- launch and worker flags ----------------------------------------------------------------------
 
 
@@ -150,7 +191,7 @@ def test_launch_help_and_worker_help_agree_on_every_shared_flag() -> None:
     launch, worker = _flags(commands["launch"]), _flags(commands["worker"])
     shared = (set(launch) & set(worker)) - {"-h", "--help"}
     assert {f"--{name.replace('_', '-')}" for name in SHARED_WITH_WORKER} <= shared
-    assert {"--model", "--backend", "--timeout", "--steps"} <= shared
+    assert {"--model", "--engine", "--backend", "--timeout", "--steps"} <= shared
     differing = {flag: (_described(launch[flag]), _described(worker[flag])) for flag in shared}
     differing = {flag: pair for flag, pair in differing.items() if pair[0] != pair[1]}
     assert not differing, f"launch and worker describe these flags differently: {differing}"
@@ -165,6 +206,33 @@ def test_launch_resolves_the_workers_settings_as_a_worker_does() -> None:
     job = _job(parser.parse_args(["--job", "synthetic", "--steps", "2", "--", "--steps", "5"]))
     assert (job.worker.steps, job.worker.model) == (5, WorkerConfig().model)
     assert job.argvs("127.0.0.1:1")[1][:4] == ["--node-id", "local-1", "--coordinator", "127.0.0.1:1"]
+
+
+def test_the_old_backend_flag_and_variable_choose_the_averaging_engine_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--backend was the averaging engine; it is --engine now ("backend" is the torch.distributed
+    backend only). launch passes an old flag on under the new name, so its workers do not warn."""
+    from gradserver.train.launch import _job
+
+    caplog.set_level(logging.WARNING)
+    worker = config_from_sources(WorkerConfig, _subcommands()["worker"].parse_args(["--backend", "gloo"]), {})
+    assert worker.engine == "gloo"
+    assert config_from_sources(WorkerConfig, None, {"GRADSERVER_BACKEND": "nccl"}).engine == "nccl"
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "--backend is deprecated and goes in the next release: use --engine",
+        "GRADSERVER_BACKEND is deprecated and goes in the next release: use GRADSERVER_ENGINE",
+    ]
+    caplog.clear()
+    job = _job(_subcommands()["launch"].parse_args(["--backend", "gloo", "--steps", "2"]))
+    assert job.worker.engine == "gloo"
+    assert "--backend" not in job.worker_flags
+    assert ("--engine", "gloo") in zip(job.worker_flags, job.worker_flags[1:], strict=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--backend is deprecated and goes in the next release: use --engine"
+    ]
+    in_process = _job(_subcommands()["launch"].parse_args(["--backend", "local", "--steps", "2"]))
+    assert in_process.launch.in_process and in_process.worker.engine == "remote"
 
 
 # --- one environment under `gradserver run` -------------------------------------------------------

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradserver.train.backends import LocalBackend, LocalHub, RemoteBackend
 from gradserver.train.checkpoint import load_checkpoint
+from gradserver.train.engines import CoordinatorEngine, LocalEngine, LocalHub
 from gradserver.train.training import TrainConfig, train
 
 from .helpers.server import connect_all, run_each
@@ -26,7 +26,7 @@ def _train_remote(
         model="tiny", steps=steps, batch_size=batch, lr=1e-2, max_grad_norm=1.0, out=str(tmp)
     )
     try:
-        run_each(clients, lambda c: train(RemoteBackend(c), config), timeout=300)
+        run_each(clients, lambda c: train(CoordinatorEngine(c), config), timeout=300)
     finally:
         for c in clients:
             c.close()
@@ -69,7 +69,7 @@ def _train_local(world: int, config: TrainConfig) -> list:
     import threading
 
     def worker(rank: int) -> None:
-        results[rank] = train(LocalBackend(hub, rank), config)
+        results[rank] = train(LocalEngine(hub, rank), config)
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
     for t in threads:
@@ -128,9 +128,9 @@ def test_checkpoints_load_without_pickle(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("backend", ["remote", "gloo"])
+@pytest.mark.parametrize("engine", ["remote", "gloo"])
 def test_launch_trains_and_leaves_metrics_checkpoints_and_a_plot(
-    processes, tmp_path: Path, backend: str
+    processes, tmp_path: Path, engine: str
 ) -> None:
     launch = processes.gradserver(
         "launch",
@@ -140,8 +140,8 @@ def test_launch_trains_and_leaves_metrics_checkpoints_and_a_plot(
         "tiny",
         "--steps",
         "5",
-        "--backend",
-        backend,
+        "--engine",
+        engine,
         "--out",
         str(tmp_path),
         "--no-progress",
@@ -150,8 +150,8 @@ def test_launch_trains_and_leaves_metrics_checkpoints_and_a_plot(
     assert launch.wait(240) == 0, launch.output
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 10
-    assert all(json.loads(line)["backend"] in ("remote", "torch.distributed") for line in lines)
-    # Launched workers are named local-0..N-1 with either backend; checkpoints follow the name.
+    assert all(json.loads(line)["engine"] in ("remote", "torch.distributed") for line in lines)
+    # Launched workers are named local-0..N-1 with either engine; checkpoints follow the name.
     assert (tmp_path / "checkpoint-local-0.pt").exists() and (tmp_path / "checkpoint-local-1.pt").exists()
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert "plot in" in launch.output
@@ -165,17 +165,43 @@ def test_a_checkpoint_records_its_node_and_job_and_resume_checks_both(tmp_path: 
     base = dict(model="tiny", batch_size=2, lr=1e-2, out=str(tmp_path), node_id="a")
     _train_local(1, TrainConfig(steps=1, **base))
     ckpt = load_checkpoint(tmp_path / "checkpoint-a.pt")
-    job = training_fingerprint(TrainConfig(steps=1, **base), backend="local")
+    job = training_fingerprint(TrainConfig(steps=1, **base), engine="local")
     assert ckpt.node_id == "a" and dict(ckpt.fingerprint) == job
 
     more_steps = TrainConfig(steps=5, resume=True, **base)
-    resumed = find_resume_checkpoint(more_steps, "a", training_fingerprint(more_steps, backend="local"))
+    resumed = find_resume_checkpoint(more_steps, "a", training_fingerprint(more_steps, engine="local"))
     assert resumed is not None and resumed.data_position == 1
     other_lr = TrainConfig(steps=5, resume=True, **{**base, "lr": 0.02})
     with pytest.raises(InvalidArgumentError, match=r"from a different job: lr 0.02 != 0.01 \(checkpoint\)"):
-        find_resume_checkpoint(other_lr, "a", training_fingerprint(other_lr, backend="local"))
+        find_resume_checkpoint(other_lr, "a", training_fingerprint(other_lr, engine="local"))
     (tmp_path / "checkpoint-a.pt").rename(tmp_path / "checkpoint-b.pt")
     with pytest.raises(InvalidArgumentError, match=r"checkpoint-b\.pt was written by node 'a', not 'b'"):
         find_resume_checkpoint(more_steps, "b", job)
     with pytest.raises(InvalidArgumentError, match=r"no checkpoint of node 'a'.*but has checkpoint-b\.pt"):
         find_resume_checkpoint(more_steps, "a", job)
+
+
+def test_a_checkpoint_whose_fingerprint_still_says_backend_resumes_as_one_that_says_engine(
+    tmp_path: Path,
+) -> None:
+    """The fingerprint's "backend" field is "engine" now: a checkpoint written before the rename
+    still resumes, and still refuses another engine's job."""
+    from gradserver.common.errors import InvalidArgumentError
+    from gradserver.train.fingerprint import training_fingerprint
+    from gradserver.train.training import find_resume_checkpoint
+
+    base = dict(model="tiny", batch_size=2, lr=1e-2, out=str(tmp_path), node_id="a")
+    _train_local(1, TrainConfig(steps=1, **base))
+    path = tmp_path / "checkpoint-a.pt"
+    payload = torch.load(path, weights_only=True)
+    fingerprint = payload["fingerprint"]
+    fingerprint["backend"] = fingerprint.pop("engine")
+    torch.save(payload, path)
+
+    more_steps = TrainConfig(steps=5, resume=True, **base)
+    resumed = find_resume_checkpoint(more_steps, "a", training_fingerprint(more_steps, engine="local"))
+    assert resumed is not None and resumed.data_position == 1
+    with pytest.raises(
+        InvalidArgumentError, match=r"from a different job: engine remote != local \(checkpoint\)"
+    ):
+        find_resume_checkpoint(more_steps, "a", training_fingerprint(more_steps, engine="remote"))

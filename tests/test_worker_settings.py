@@ -15,9 +15,8 @@ import pytest
 
 from gradserver.cli import build_parser, main
 from gradserver.common import codec
-from gradserver.common.config import config_from_sources
+from gradserver.common.config import TimeoutSettings, config_from_sources, environment_of
 from gradserver.common.errors import InvalidArgumentError
-from gradserver.common.timeouts import Timeouts, timeout_env_name
 from gradserver.server.config import CoordinatorConfig
 from gradserver.train import cli as worker_cli
 from gradserver.train import corpus, trainer
@@ -49,7 +48,7 @@ def test_the_training_fingerprint_names_every_setting_that_must_agree() -> None:
     model_fields = {f"model.{f.name}" for f in dataclasses.fields(ModelConfig)}
     expected = model_fields | {
         "job",
-        "backend",
+        "engine",
         "protocol_version",
         "wire_dtype",
         "seed",
@@ -85,7 +84,7 @@ def test_the_training_fingerprint_names_every_setting_that_must_agree() -> None:
         (["--seq-len", "32"], {"seq_len", "data.samples"}),
         (["--steps", "7"], {"steps"}),
         (["--reconnect-timeout", "30"], {"all_or_none_steps"}),
-        (["--backend", "gloo"], {"backend"}),
+        (["--engine", "gloo"], {"engine"}),
         (
             ["--model", "small"],
             {"model.name", "model.hidden", "model.num_heads", "model.intermediate", "model.num_layers"}
@@ -150,12 +149,12 @@ def test_differences_name_the_field_and_both_values() -> None:
             "--tls-ca / --tls-client-ca '/nonexistent/ca.pem' cannot be read",
         ),
         (["--resume", "--node-id", "a"], "--resume needs --out"),
-        (["--resume", "--out", "{tmp}"], "--resume with --backend remote needs --node-id"),
+        (["--resume", "--out", "{tmp}"], "--resume with --engine remote needs --node-id"),
         (["--node-id", "a/b", "--out", "{tmp}"], "--node-id 'a/b' names checkpoint files"),
         (["--out", "{file}"], "is not a directory"),
-        (["--backend", "gloo"], "--backend gloo needs --dist-world-size N, --dist-rank 0..N-1"),
+        (["--engine", "gloo"], "--engine gloo needs --dist-world-size N, --dist-rank 0..N-1"),
         (
-            ["--backend", "gloo", "--dist-world-size", "2", "--dist-rank", "2", "--dist-init", "file:///x"],
+            ["--engine", "gloo", "--dist-world-size", "2", "--dist-rank", "2", "--dist-init", "file:///x"],
             "rank 2",
         ),
         (["--log-level", "LOUD"], "--log-level must be one of DEBUG, INFO, WARNING, ERROR"),
@@ -177,7 +176,7 @@ def test_training_arguments_are_checked_before_connecting(
     [
         (["--model", "huge"], "--model 'huge' is not one of"),
         (["--non-block", "lm_head,bogus"], "bogus"),
-        (["--backend", "gloo"], "--job synthetic needs --backend remote"),
+        (["--engine", "gloo"], "--job synthetic needs --engine remote"),
     ],
 )
 def test_synthetic_arguments_are_checked_before_connecting(argv: list[str], message: str) -> None:
@@ -279,8 +278,8 @@ def _env_settings() -> dict[str, dict[str, str]]:
         for action in parser._actions:
             for name in re.findall(r"\benv (GRADSERVER_\w+)", action.help or ""):
                 found.setdefault(name, {})[command] = action.help or ""
-    for field in dataclasses.fields(Timeouts):
-        found.setdefault(timeout_env_name(field.name), {})["worker"] = f"Timeouts.{field.name}"
+    for name, meaning in environment_of(TimeoutSettings).items():
+        found.setdefault(name, {})["worker"] = meaning
     return found
 
 
@@ -337,7 +336,7 @@ def test_torch_distributed_backend_string(monkeypatch, tmp_path: Path, engine: s
         raise _Initialised
 
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    argv = ["--backend", engine, "--dist-rank", "1", "--dist-world-size", "2"]
+    argv = ["--engine", engine, "--dist-rank", "1", "--dist-world-size", "2"]
     argv += ["--dist-init", f"file://{tmp_path}/store", "--device", "cpu"]
     with pytest.raises(_Initialised):
         worker_cli._run_training(worker_config(*argv), {})

@@ -39,7 +39,7 @@ class CollectiveClient(WorkerClient):
         return cls.connect(
             address,
             node_id=node_id or f"{socket.gethostname()}/rank{rank}",
-            backend=backend,
+            device_type=backend,
             timeout=timeout,
             tls=tls,
             auth_token=auth_token,

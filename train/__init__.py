@@ -2,7 +2,7 @@
 
 A LLaMA-style model (`model`), the shipped corpus (`corpus`, `data/`), the trainer that overlaps
 backward with gradient exchange (`trainer`, `gradient_buffers`, `clipping`), the engines it
-exchanges through (`backends`: the coordinator, in-process threads, torch.distributed), the
+exchanges through (`engines`: the coordinator, in-process threads, torch.distributed), the
 training job with checkpoints and resume (`training`, `checkpoint`, `fingerprint`), its outputs
 (`metrics_log`, `plots`), the synthetic exchange job (`synthetic`) and the `gradserver worker` /
 `gradserver launch` commands (`cli`, `launch`).

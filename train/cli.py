@@ -1,7 +1,7 @@
 """`gradserver worker`: one worker process, training or running the synthetic exchange.
 
 `--job train` (the default) trains a model on the shipped corpus, averaging gradients through the
-coordinator (`--backend remote`) or through torch.distributed (`--backend gloo|nccl`, with
+coordinator (`--engine remote`) or through torch.distributed (`--engine gloo|nccl`, with
 `--dist-rank`, `--dist-world-size` and `--dist-init`). `--job synthetic` sends random per-block
 and non-block gradients of a model's shape and checks each average against a float64 reference;
 every step line ends with a checksum that must be the same on every worker.
@@ -10,7 +10,7 @@ Every local argument (model, sizes, device, paths, TLS files, the checkpoint to 
 before any network call, so a typo exits at once with code 2 and one line. At Join the worker
 sends the job fingerprint (train/fingerprint.py): a worker whose settings differ from the job's
 is refused. Checkpoints belong to `--node-id` (stable across restarts, unlike the join order);
-`--resume` with the remote backend needs one.
+`--resume` with the remote engine needs one.
 
 Threads: after Join the worker sets torch's intra-op threads to `cores // workers on this host`
 (the coordinator counts the job's workers per host), unless `--threads` or `OMP_NUM_THREADS` says
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gradserver.worker")
 
 JOBS = ("train", "synthetic")
-BACKENDS = ("remote", "gloo", "nccl")
+ENGINES = ("remote", "gloo", "nccl")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # torch.distributed backend per engine: NCCL reduces CUDA tensors only, and the loss all-reduce
 # is of CPU tensors, so the NCCL engine runs gloo beside it for the CPU ones.
@@ -102,16 +102,22 @@ class WorkerConfig:
             "help": "stable name of this worker: names its checkpoint; needed by --resume (default: hostname)"
         },
     )
-    backend: str = dataclasses.field(
-        default="remote", metadata={"help": f"gradient averaging: {', '.join(BACKENDS)}"}
+    # The averaging engine was --backend, a word kept for the torch.distributed backend.
+    engine: str = dataclasses.field(
+        default="remote",
+        metadata={
+            "help": f"gradient averaging engine: {', '.join(ENGINES)}",
+            "deprecated_flag": "--backend",
+            "deprecated_env": "GRADSERVER_BACKEND",
+        },
     )
     gpu_count: int = dataclasses.field(default=0, metadata={"help": "GPUs reported at join"})
-    dist_rank: int = dataclasses.field(default=-1, metadata={"help": "torch.distributed backends: this rank"})
+    dist_rank: int = dataclasses.field(default=-1, metadata={"help": "gloo and nccl engines: this rank"})
     dist_world_size: int = dataclasses.field(
-        default=0, metadata={"help": "torch.distributed backends: number of ranks"}
+        default=0, metadata={"help": "gloo and nccl engines: number of ranks"}
     )
     dist_init: str = dataclasses.field(
-        default="", metadata={"help": "torch.distributed backends: init_method (tcp://... or file://...)"}
+        default="", metadata={"help": "gloo and nccl engines: init_method (tcp://... or file://...)"}
     )
     steps: int = dataclasses.field(default=3, metadata={"help": "steps to run"})
     model: str = dataclasses.field(
@@ -194,7 +200,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("job", self.job, JOBS),
-            ("backend", self.backend, BACKENDS),
+            ("engine", self.engine, ENGINES),
             ("transport", self.transport, TRANSPORTS),
             ("log_format", self.log_format, LOG_FORMATS),
             ("log_level", self.log_level.upper(), LOG_LEVELS),
@@ -209,9 +215,9 @@ class WorkerConfig:
             )
         if self.error_feedback and self.wire_dtype == "float32":
             raise InvalidArgumentError("--error-feedback needs --wire-dtype bfloat16 or float16")
-        if self.wire_dtype != "float32" and self.backend != "remote":
+        if self.wire_dtype != "float32" and self.engine != "remote":
             raise InvalidArgumentError(
-                f"--wire-dtype {self.wire_dtype} is for --backend remote; {self.backend} sends float32"
+                f"--wire-dtype {self.wire_dtype} is for --engine remote; {self.engine} sends float32"
             )
         for name in _NON_NEGATIVE:
             value = getattr(self, name)
@@ -298,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_common(config: WorkerConfig) -> None:
-    if config.backend == "remote":
+    if config.engine == "remote":
         parse_address(config.coordinator, what="--coordinator")
         tls = TlsFiles.load(config.tls_ca, config.tls_client_cert, config.tls_client_key, what="worker TLS")
         if tls is not None and tls.ca is None:
@@ -317,8 +323,8 @@ def _check_common(config: WorkerConfig) -> None:
 
 def check_synthetic(config: WorkerConfig) -> dict[str, str]:
     """Checks a synthetic job's arguments; returns its fingerprint."""
-    if config.backend != "remote":
-        raise InvalidArgumentError("--job synthetic needs --backend remote (it exercises the coordinator)")
+    if config.engine != "remote":
+        raise InvalidArgumentError("--job synthetic needs --engine remote (it exercises the coordinator)")
     shape = config.shape()
     non_block = config.non_block_components()
     _check_common(config)
@@ -345,16 +351,16 @@ def check_training(config: WorkerConfig, *, checkpoint: bool = True) -> dict[str
     model_config(config.model)
     check_device(resolve_device(train_config.device))
     _check_common(config)
-    if config.backend != "remote":
+    if config.engine != "remote":
         if not 0 <= config.dist_rank < config.dist_world_size or not config.dist_init:
             raise InvalidArgumentError(
-                f"--backend {config.backend} needs --dist-world-size N, --dist-rank 0..N-1 and "
+                f"--engine {config.engine} needs --dist-world-size N, --dist-rank 0..N-1 and "
                 f"--dist-init, got rank {config.dist_rank}, world size {config.dist_world_size}, "
                 f"init {config.dist_init!r}"
             )
     elif config.resume and not config.node_id:
         raise InvalidArgumentError(
-            "--resume with --backend remote needs --node-id: worker ids follow the join order, so "
+            "--resume with --engine remote needs --node-id: worker ids follow the join order, so "
             "only a node id finds this worker's checkpoint"
         )
     fingerprint = job_fingerprint(config)
@@ -365,12 +371,12 @@ def check_training(config: WorkerConfig, *, checkpoint: bool = True) -> dict[str
 
 
 def job_fingerprint(config: WorkerConfig) -> dict[str, str]:
-    """The training fingerprint, with the engine named as its GradientBackend names itself."""
-    from .backends import RemoteBackend, TorchDistributedBackend
+    """The training fingerprint, with the engine named as its AveragingEngine names itself."""
+    from .engines import CoordinatorEngine, TorchDistributedEngine
     from .fingerprint import training_fingerprint
 
-    engine = RemoteBackend.name if config.backend == "remote" else TorchDistributedBackend.name
-    return _with_wire(training_fingerprint(config.train_config(), backend=engine), config)
+    engine = CoordinatorEngine.name if config.engine == "remote" else TorchDistributedEngine.name
+    return _with_wire(training_fingerprint(config.train_config(), engine=engine), config)
 
 
 def check_device(device: torch.device) -> None:
@@ -422,7 +428,7 @@ def _set_threads(config: WorkerConfig, local_workers: int) -> None:
 
 def _connect(
     config: WorkerConfig,
-    backend_name: str,
+    device_type: str,
     fingerprint: Mapping[str, str],
     committed_step: int | None = None,
 ) -> WorkerClient:
@@ -431,7 +437,7 @@ def _connect(
         config.coordinator,
         node_id=config.node_id,
         gpu_count=config.gpu_count,
-        backend=backend_name,
+        device_type=device_type,
         timeout=Timeouts.of(config.timeout or None),
         tls=tls,
         auth_token=config.auth_token,
@@ -445,41 +451,41 @@ def _connect(
 
 
 def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
-    from .backends import GradientBackend, RemoteBackend, TorchDistributedBackend
+    from .engines import AveragingEngine, CoordinatorEngine, TorchDistributedEngine
     from .training import resolve_device, train
 
     train_config = config.train_config()
     device = resolve_device(train_config.device)
-    backend: GradientBackend
-    if config.backend == "remote":
-        backend = RemoteBackend(
+    engine: AveragingEngine
+    if config.engine == "remote":
+        engine = CoordinatorEngine(
             _connect(config, device.type, fingerprint),
             lambda committed: _connect(config, device.type, fingerprint, committed),
             config.reconnect_timeout,
         )
-        local_workers = backend.client.local_workers
+        local_workers = engine.client.local_workers
     else:
         import torch.distributed as dist
 
         dist.init_process_group(
-            DIST_BACKENDS[config.backend],
+            DIST_BACKENDS[config.engine],
             init_method=config.dist_init,
             rank=config.dist_rank,
             world_size=config.dist_world_size,
         )
-        backend = TorchDistributedBackend()
+        engine = TorchDistributedEngine()
         # torch.distributed does not say how many ranks share this host: --threads or
         # OMP_NUM_THREADS (which `gradserver launch` sets) decide, else every core.
         local_workers = 1
-    me = backend.rank
+    me = engine.rank
     set_log_context(worker_id=me)
     _set_threads(config, local_workers)
     log.info(
-        "worker %d/%d: training %s (%s backend, %s)",
+        "worker %d/%d: training %s (%s engine, %s)",
         me,
-        backend.world_size,
+        engine.world_size,
         config.model,
-        backend.name,
+        engine.name,
         device,
     )
 
@@ -508,14 +514,14 @@ def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
 
     progress = _open_progress(config.progress_fd)
     try:
-        results = train(backend, train_config, report)
+        results = train(engine, train_config, report)
     finally:
         if progress is not None:
             progress.close()
-        if isinstance(backend, RemoteBackend):
-            backend.client.close()
+        if isinstance(engine, CoordinatorEngine):
+            engine.client.close()
         else:
-            backend.close()
+            engine.close()
     if config.json:
         print(json.dumps({"worker_id": me, "steps": [dataclasses.asdict(r) for r in results]}), flush=True)
     return 0

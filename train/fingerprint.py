@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 # The default wire dtype; the worker CLI puts its --wire-dtype (and --error-feedback) in the map.
 WIRE_DTYPE = "float32"
 
+# Fields that were renamed, old -> new: a checkpoint written before the rename still resumes.
+RENAMED_FIELDS = {"backend": "engine"}
+
 # Fields a resumed worker may change from its checkpoint's job: it continues to a new step count.
 RESUMABLE_CHANGES = frozenset({"steps"})
 
@@ -34,16 +37,21 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def _common(job: str, backend: str) -> dict[str, str]:
+def _common(job: str, engine: str) -> dict[str, str]:
     return {
         "job": job,
-        "backend": backend,
+        "engine": engine,
         "protocol_version": str(codec.PROTOCOL_VERSION),
         "wire_dtype": WIRE_DTYPE,
     }
 
 
-def training_fingerprint(config: TrainConfig, *, backend: str) -> dict[str, str]:
+def with_current_names(fingerprint: Mapping[str, str]) -> dict[str, str]:
+    """`fingerprint` (a checkpoint's, possibly older than a rename) under today's field names."""
+    return {RENAMED_FIELDS.get(name, name): value for name, value in fingerprint.items()}
+
+
+def training_fingerprint(config: TrainConfig, *, engine: str) -> dict[str, str]:
     """The fingerprint of a training job: model (every field), seed, optimizer, clipping, batch,
     accumulation, sequence length, data set (name, size, digest), steps and step mode."""
     from .corpus import CORPUS_NAME, corpus_bytes, corpus_digest
@@ -53,7 +61,7 @@ def training_fingerprint(config: TrainConfig, *, backend: str) -> dict[str, str]
     model = model_config(config.model)
     seq_len = config.seq_len or model.max_seq_len
     data_bytes = len(corpus_bytes())
-    fingerprint = _common("train", backend)
+    fingerprint = _common("train", engine)
     for field in dataclasses.fields(model):
         fingerprint[f"model.{field.name}"] = _text(getattr(model, field.name))
     fingerprint.update(

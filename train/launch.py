@@ -1,7 +1,7 @@
 """`gradserver launch`: the main job on this machine: train (or run the synthetic exchange) with
 N workers, and leave metrics, checkpoints and a loss plot in --out.
 
-Backends: `remote` starts a coordinator process and N worker processes (node ids local-0..N-1);
+Engines (--engine): `remote` starts a coordinator process and N worker processes (node ids local-0..N-1);
 `gloo` (or `nccl`) starts N worker processes joined by torch.distributed; `--in-process` runs N
 workers as threads of this process. A progress bar shows step, loss, tokens/s and all-reduce time
 (from rank 0); other output of the processes is relayed with a prefix. At the end:
@@ -17,10 +17,11 @@ cut off, whose step then failed for the others), the line names that one, from t
 exited with code 1: ...`. `--run-timeout` is only a last resort for a job that stops making progress.
 
 Settings (`LaunchConfig`, and the worker's own fields for what launch shares with the worker:
---job, --model, --steps, --backend, --batch-size, --lr, --out, --timeout, with the worker's
+--job, --model, --steps, --engine, --batch-size, --lr, --out, --timeout, with the worker's
 defaults, choices and meanings, read from the same GRADSERVER_ variables): a shared flag given to
 launch is passed on to every worker; the flags after `--` go to every worker as they are.
-`--in-process` replaces the old `--backend local` (still accepted, with a warning).
+`--in-process` replaces the old `--backend local`, and `--engine` the old `--backend` (both still
+accepted, with a warning).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradserver.common.config import add_config_arguments, config_from_sources, flag_name
+from gradserver.common.config import add_config_arguments, config_from_sources, deprecated_names_of, flag_name
 from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
 from gradserver.worker.local_coordinator import (
     LostWorker,
@@ -65,7 +66,7 @@ _STDOUT_LOCK = threading.Lock()
 
 # The worker's settings launch takes as its own flags: the worker's fields themselves, so they
 # have the worker's defaults, choices and meanings.
-SHARED_WITH_WORKER = ("job", "model", "steps", "backend", "batch_size", "lr", "out", "timeout")
+SHARED_WITH_WORKER = ("job", "model", "steps", "engine", "batch_size", "lr", "out", "timeout")
 WORKERS_HELP = "number of worker processes (ranks) to start"
 RUN_TIMEOUT_HELP = "seconds for the whole run, a last resort (0: none)"
 
@@ -147,7 +148,7 @@ class _Job:
         for i in range(self.launch.workers):
             # A node id per worker: checkpoints are found by it on --resume, not by join order.
             own = ["--node-id", f"local-{i}"]
-            if self.worker.backend == "remote":
+            if self.worker.engine == "remote":
                 own += ["--coordinator", target]
             else:
                 own += ["--dist-rank", str(i), "--dist-world-size", str(self.launch.workers)]
@@ -160,13 +161,23 @@ def _job(args: argparse.Namespace) -> _Job:
     """launch's settings from its flags and the environment; the workers' settings checked as
     each worker will check them, before anything starts (a checkpoint to resume is each
     worker's own, checked by it before it connects)."""
-    if getattr(args, "backend", None) == "local":
+    if getattr(args, "deprecated_engine", None) == "local":
         log.warning("launch --backend local is deprecated and goes in the next release: use --in-process")
-        args.backend, args.in_process = None, "true"
+        args.deprecated_engine, args.in_process = None, "true"
     config: LaunchConfig = config_from_sources(LaunchConfig, args)
     shared: list[str] = []
+    renamed = {new: old for old, new in deprecated_names_of(WorkerConfig).items()}
     for name in SHARED_WITH_WORKER:
         value = getattr(args, name, None)
+        old = getattr(args, f"deprecated_{name}", None)
+        if value is None and old is not None:
+            # Passed on under its new name, so the workers do not warn again.
+            log.warning(
+                "%s is deprecated and goes in the next release: use %s",
+                renamed[flag_name(name)],
+                flag_name(name),
+            )
+            value = old
         if value is not None:
             shared += [flag_name(name), str(value)]
     flags = (*shared, *(a for a in args.worker_args if a != "--"))
@@ -174,11 +185,11 @@ def _job(args: argparse.Namespace) -> _Job:
     job = _Job(config, flags, worker)
     if worker.steps < 1:
         raise InvalidArgumentError(f"--steps must be at least 1, got {worker.steps}")
-    if (worker.backend != "remote" or config.in_process) and worker.job != "train":
-        raise InvalidArgumentError("--job synthetic needs --backend remote (it exercises the coordinator)")
+    if (worker.engine != "remote" or config.in_process) and worker.job != "train":
+        raise InvalidArgumentError("--job synthetic needs --engine remote (it exercises the coordinator)")
     from .cli import check_synthetic, check_training
 
-    placeholder = "127.0.0.1:0" if worker.backend == "remote" else "file:///dev/null"
+    placeholder = "127.0.0.1:0" if worker.engine == "remote" else "file:///dev/null"
     argv = job.argvs(placeholder)[0]  # the others differ only in their ids
     checked: WorkerConfig = config_from_sources(WorkerConfig, worker_parser().parse_args(argv))
     if worker.job == "synthetic":
@@ -266,7 +277,7 @@ def _deadline(job: _Job) -> float:
 
 
 def _run_in_process(job: _Job) -> int:
-    from .backends import LocalBackend, LocalHub
+    from .engines import LocalEngine, LocalHub
     from .training import TrainConfig, train
 
     workers, worker = job.launch.workers, job.worker
@@ -279,7 +290,7 @@ def _run_in_process(job: _Job) -> int:
     def run_worker(rank: int) -> None:
         try:
             train(
-                LocalBackend(hub, rank),
+                LocalEngine(hub, rank),
                 config,
                 lambda r: print_line(
                     f"worker {rank} step {r.step}: loss {r.loss:.4f}, global loss {r.global_loss:.4f}"
@@ -323,7 +334,7 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
     first failure (the caller stops whatever still runs)."""
     exits: queue.Queue[Child] = queue.Queue()
     coordinator = None
-    if job.worker.backend == "remote":
+    if job.worker.engine == "remote":
         coordinator, address = _start_coordinator(job, progress, tmp, deadline)
         children.append(coordinator)
         coordinator.watch(exits)

@@ -1,4 +1,4 @@
-"""DistributedTrainer: data-parallel training steps over any GradientBackend.
+"""DistributedTrainer: data-parallel training steps over any AveragingEngine.
 
 One step:
 1. forward/backward over the micro-batches; post-accumulate-grad hooks add each parameter's
@@ -11,7 +11,7 @@ One step:
    clipped by global norm (on the device, after the average, so every worker clips identically),
    and the optimizer (AdamW) steps.
 
-For a backend that needs host data, device gradients are copied to reusable pinned buffers
+For a engine that needs host data, device gradients are copied to reusable pinned buffers
 without blocking, and a sender thread waits for each copy's CUDA event before handing it on, so
 the training thread never synchronises inside the micro-batch loop.
 """
@@ -32,8 +32,8 @@ import torch
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import InternalError, InvalidArgumentError
 
-from .backends import GradientBackend
 from .clipping import clip_by_global_norm_
+from .engines import AveragingEngine
 from .gradient_buffers import PerBlockGradientAccumulator
 from .model import TransformerLM
 
@@ -60,10 +60,10 @@ def _pair(component: NonBlockComponent, data: torch.Tensor) -> tuple[NonBlockCom
 
 
 class _Sender:
-    """Hands staged gradients to the backend from a thread of its own, in submission order."""
+    """Hands staged gradients to the engine from a thread of its own, in submission order."""
 
-    def __init__(self, backend: GradientBackend) -> None:
-        self.backend = backend
+    def __init__(self, engine: AveragingEngine) -> None:
+        self.engine = engine
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="gradserver-sender", daemon=True)
@@ -81,7 +81,7 @@ class _Sender:
                 if self._error is None:
                     if event is not None:
                         event.synchronize()
-                    getattr(self.backend, kind)(*args)
+                    getattr(self.engine, kind)(*args)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
                 self._error = exc
             finally:
@@ -107,7 +107,7 @@ class DistributedTrainer:
     def __init__(
         self,
         model: TransformerLM,
-        backend: GradientBackend,
+        engine: AveragingEngine,
         *,
         optimizer: torch.optim.Optimizer | None = None,
         lr: float = 3e-3,
@@ -122,7 +122,7 @@ class DistributedTrainer:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InvalidArgumentError(f"max_grad_norm must be positive, got {max_grad_norm}")
         self.model = model
-        self.backend = backend
+        self.engine = engine
         self.optimizer = optimizer or torch.optim.AdamW(
             model.parameters(), lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=weight_decay
         )
@@ -140,7 +140,7 @@ class DistributedTrainer:
             cfg.hidden,
             self.device,
             tied=cfg.tied,
-            allocate=backend.gradient_allocator(),
+            allocate=engine.gradient_allocator(),
         )
         self._non_block = model.non_block_parameters()
         self._route: dict[int, tuple[str, int, int]] = {}
@@ -152,7 +152,7 @@ class DistributedTrainer:
         self._remaining: list[int] = []
         self._last_micro = False
         self._micro_count = 1
-        self._sender = _Sender(backend) if backend.needs_host else None
+        self._sender = _Sender(engine) if engine.needs_host else None
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in model.parameters()
@@ -193,7 +193,7 @@ class DistributedTrainer:
     ) -> None:
         """Submits `flat` now, or stages it on the host for the sender thread."""
         if self._sender is None:
-            getattr(self.backend, method)(*make_args(flat))
+            getattr(self.engine, method)(*make_args(flat))
             return
         host = self.accumulator.to_host(key, flat)
         event = None
@@ -213,7 +213,7 @@ class DistributedTrainer:
             self._sender.reset()
         self.accumulator.zero_all()
         self._micro_count = len(micro_batches)
-        self.backend.start_step(self.step)
+        self.engine.start_step(self.step)
         num_blocks = len(self.model.blocks)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
@@ -235,11 +235,11 @@ class DistributedTrainer:
         if self._sender is not None:
             self._sender.put(("submit_loss", None, (loss_value, tokens)))
         else:
-            self.backend.submit_loss(loss_value, tokens)
+            self.engine.submit_loss(loss_value, tokens)
         compute_done = time.perf_counter()
         if self._sender is not None:
             self._sender.drain()
-        self._apply(self.backend.finish())
+        self._apply(self.engine.finish())
         grad_norm = None
         if self.max_grad_norm is not None:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -249,12 +249,12 @@ class DistributedTrainer:
                 {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 copy.deepcopy(self.optimizer.state_dict()),
             )
-            self.backend.commit(self.step)
+            self.engine.commit(self.step)
         comm_done = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        global_loss = self.backend.global_loss()
+        global_loss = self.engine.global_loss()
         result = StepResult(
             step=self.step - 1,
             loss=loss_value,

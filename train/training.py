@@ -1,7 +1,7 @@
-"""The training job: a model trained on the shipped corpus through any GradientBackend.
+"""The training job: a model trained on the shipped corpus through any AveragingEngine.
 
-Every worker builds the same model from the same seed, takes its interleaved shard of each step's
-global batch (from the coordinator for the remote backend), and runs DistributedTrainer steps.
+Every worker builds the same model from the same seed, takes its interleaved sample ranges of each step's
+global batch (from the coordinator for the remote engine), and runs DistributedTrainer steps.
 With an output directory it appends one line per step to metrics.jsonl and saves a checkpoint
 per worker identity (`checkpoint-{node_id}.pt`, or `checkpoint-rank{r}.pt` without a node id)
 that `resume` continues from, data position included. A resume finds the checkpoint by that
@@ -29,10 +29,10 @@ from gradserver.common.errors import (
 )
 from gradserver.common.logs import set_log_context
 
-from .backends import GradientBackend
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .corpus import TokenWindows, corpus_bytes
-from .fingerprint import RESUMABLE_CHANGES, differences, training_fingerprint
+from .engines import AveragingEngine
+from .fingerprint import RESUMABLE_CHANGES, differences, training_fingerprint, with_current_names
 from .metrics_log import open_metrics_log
 from .model import TransformerLM, model_config
 from .trainer import DistributedTrainer, StepResult
@@ -89,12 +89,12 @@ def resolve_device(name: str) -> torch.device:
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
-def _rejoin(trainer: DistributedTrainer, backend: GradientBackend, lost: ConnectionLost) -> None:
+def _rejoin(trainer: DistributedTrainer, engine: AveragingEngine, lost: ConnectionLost) -> None:
     """Rejoins a (restarted) coordinator and lines this worker up with the others: a worker that
     applied one step more than the slowest undoes it, so the step in flight counts for all or
     none."""
     log.warning("coordinator lost (%s); rejoining", lost.message)
-    resume = backend.reconnect(trainer.step)
+    resume = engine.reconnect(trainer.step)
     if resume is None or resume == trainer.step:
         return
     if resume == trainer.step - 1:
@@ -133,7 +133,7 @@ def find_resume_checkpoint(
     if ckpt.node_id and ckpt.node_id != identity:
         raise InvalidArgumentError(f"{path} was written by node {ckpt.node_id!r}, not {identity!r}")
     if ckpt.fingerprint:
-        changed = differences(ckpt.fingerprint, fingerprint, ignore=RESUMABLE_CHANGES)
+        changed = differences(with_current_names(ckpt.fingerprint), fingerprint, ignore=RESUMABLE_CHANGES)
         if changed:
             raise InvalidArgumentError(f"{path} is from a different job: {'; '.join(changed)} (checkpoint)")
     cfg = model_config(config.model)
@@ -143,7 +143,7 @@ def find_resume_checkpoint(
 
 
 def train(
-    backend: GradientBackend,
+    engine: AveragingEngine,
     config: TrainConfig,
     on_step: Callable[[StepResult], None] | None = None,
 ) -> list[StepResult]:
@@ -152,13 +152,13 @@ def train(
     cfg = model_config(config.model)
     seq_len = config.seq_len or cfg.max_seq_len
     model = TransformerLM(cfg, seed=config.seed).to(device)
-    reconnect = config.reconnect_timeout > 0 and backend.can_reconnect
+    reconnect = config.reconnect_timeout > 0 and engine.can_reconnect
     trainer = DistributedTrainer(
-        model, backend, lr=config.lr, max_grad_norm=config.max_grad_norm or None, keep_snapshot=reconnect
+        model, engine, lr=config.lr, max_grad_norm=config.max_grad_norm or None, keep_snapshot=reconnect
     )
     data = TokenWindows(corpus_bytes(), seq_len)
-    identity = checkpoint_identity(config, backend.rank)
-    fingerprint = training_fingerprint(config, backend=backend.name)
+    identity = checkpoint_identity(config, engine.rank)
+    fingerprint = training_fingerprint(config, engine=engine.name)
     ckpt = find_resume_checkpoint(config, identity, fingerprint) if config.resume else None
     if ckpt is not None:
         model.load_state_dict(ckpt.model_state)
@@ -185,7 +185,7 @@ def train(
             step = trainer.step
             set_log_context(step=step)
             try:
-                indices = backend.shard(step, data.num_samples, per_worker)
+                indices = engine.sample_indices(step, data.num_samples, per_worker)
                 micro = [
                     data.batch(indices[i * config.batch_size : (i + 1) * config.batch_size])
                     for i in range(config.accumulation_steps)
@@ -196,15 +196,15 @@ def train(
             except ConnectionLost as exc:
                 if not reconnect or isinstance(exc, JobEnded):
                     raise
-                _rejoin(trainer, backend, exc)
+                _rejoin(trainer, engine, exc)
                 continue
             results.append(result)
             if metrics is not None:
                 entry = {
                     "time": time.time(),
-                    "worker_id": backend.rank,
-                    "backend": backend.name,
-                    "world_size": backend.world_size,
+                    "worker_id": engine.rank,
+                    "engine": engine.name,
+                    "world_size": engine.world_size,
                     **dataclasses.asdict(result),
                     "tokens_per_s": result.tokens / result.seconds,
                 }

@@ -1,7 +1,7 @@
 """gradserver.worker: the client a training process uses to average gradients.
 
 from gradserver.worker import WorkerClient
-with WorkerClient.connect("127.0.0.1:50051", node_id="n0", backend="cpu") as client:
+with WorkerClient.connect("127.0.0.1:50051", node_id="n0", device_type="cpu") as client:
     client.send_block_gradient(step, block_idx, num_blocks, grads, component_sizes)
     avg = client.receive_averaged_block()
 """
@@ -14,14 +14,18 @@ from .results import (
     AveragedGradients,
     AveragedNonBlock,
     AveragedTensor,
-    ShardAssignment,
+    SampleRangeAssignment,
 )
+
+# The old name of SampleRangeAssignment ("shard" now names nothing); goes in the next release.
+ShardAssignment = SampleRangeAssignment
 
 __all__ = [
     "AveragedBlock",
     "AveragedGradients",
     "AveragedNonBlock",
     "AveragedTensor",
+    "SampleRangeAssignment",
     "ShardAssignment",
     "Timeouts",
     "WorkerClient",

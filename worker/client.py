@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import socket
+import warnings
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -43,8 +44,8 @@ from gradserver.common.messages import (
     JoinAccepted,
     JoinRequestIn,
     KeyKind,
+    SampleRangeRequestIn,
     SampleStats,
-    ShardRequestIn,
     TensorKey,
 )
 from gradserver.common.security import TlsFiles, bearer_metadata
@@ -59,7 +60,7 @@ from .results import (
     AveragedGradients,
     AveragedNonBlock,
     AveragedTensor,
-    ShardAssignment,
+    SampleRangeAssignment,
 )
 from .tensors import as_float32_array, as_result_buffer
 from .transports import DEFAULT_SHM_ARENA_MIB, TRANSPORTS, Link
@@ -89,9 +90,10 @@ class WorkerClient:
         address: str,
         node_id: str = "",
         gpu_count: int = 0,
-        backend: str = "cpu",
+        device_type: str = "cpu",
         timeout: float | Timeouts | None = None,
         *,
+        backend: str | None = None,
         tls: TlsFiles | None = None,
         auth_token: str = "",
         server_name: str = "",
@@ -119,8 +121,18 @@ class WorkerClient:
         must use the same wire dtype (the coordinator fails a step whose workers differ).
         `transport` is "auto" (default, or $GRADSERVER_TRANSPORT): shared memory when the
         coordinator proves it is on this host, else gRPC; "grpc"; or "shm", which raises when
-        shared memory is not available (also with a 16-bit wire or sharded coordinators, which
-        are for networks). `shm_arena_mib` bounds this worker's input arena."""
+        shared memory is not available (also with a 16-bit wire or partitioned coordinators, which
+        are for networks). `shm_arena_mib` bounds this worker's input arena. `device_type` ("cpu",
+        "cuda") is what the coordinator logs; `backend` is its deprecated name (a
+        DeprecationWarning), from when "backend" also meant the torch.distributed backend."""
+        if backend is not None:
+            warnings.warn(
+                "WorkerClient.connect(backend=...) is deprecated and goes in the next release: "
+                "use device_type=...",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            device_type = backend
         timeouts = Timeouts.of(timeout)
         choice = transports.transport_choice(transport)
         try:
@@ -133,7 +145,7 @@ class WorkerClient:
         request = JoinRequestIn(
             node_id,
             gpu_count,
-            backend,
+            device_type,
             codec.PROTOCOL_VERSION,
             committed_step,
             dict(fingerprint or {}),
@@ -144,8 +156,8 @@ class WorkerClient:
             return join_at(at, request, timeouts, tls, server_name, metadata)
 
         def join_partition(index: int, at: str) -> tuple[grpc.Channel, JoinAccepted]:
-            # Every other coordinator partition is joined as the worker id shard 0 gave.
-            again = dataclasses.replace(request, rank=accepted.worker_id, shard_index=index)
+            # Every other coordinator partition is joined as the worker id partition 0 gave.
+            again = dataclasses.replace(request, rank=accepted.worker_id, partition_index=index)
             return join(at, again)
 
         channel, accepted = join(address, request)
@@ -368,15 +380,15 @@ class WorkerClient:
             num_contributors=result.num_contributors,
         )
 
-    # --- barrier, shards, heartbeat -----------------------------------------------------------
+    # --- barrier, sample ranges, heartbeat ----------------------------------------------------
 
     def barrier(self, step: int, name: str = "", timeout: float | None = None) -> None:
         """Returns when every worker has reached barrier `name` of `step`."""
         self._check_step(step)
         self._link.barrier(step, name, timeout)
 
-    def request_shard(self, step: int, dataset_size: int, batch_size: int) -> None:
-        """Asks which samples this worker trains on at `step`; see `receive_shard`."""
+    def request_sample_ranges(self, step: int, dataset_size: int, batch_size: int) -> None:
+        """Asks which samples this worker trains on at `step`; see `receive_sample_ranges`."""
         self._check_step(step)
         if dataset_size < 1 or batch_size < 1:
             raise InvalidArgumentError(
@@ -384,15 +396,15 @@ class WorkerClient:
                 f"{dataset_size} and {batch_size}",
                 step=step,
             )
-        self._link.send(ShardRequestIn(self.worker_id, step, dataset_size, batch_size))
+        self._link.send(SampleRangeRequestIn(self.worker_id, step, dataset_size, batch_size))
 
-    def receive_shard(self, timeout: float | None = None) -> ShardAssignment:
-        shard = self._link.wait_samples(timeout)
-        return ShardAssignment(shard.step, shard.worker_id, shard.ranges)
+    def receive_sample_ranges(self, timeout: float | None = None) -> SampleRangeAssignment:
+        answer = self._link.wait_samples(timeout)
+        return SampleRangeAssignment(answer.step, answer.worker_id, answer.ranges)
 
-    def get_shard(self, step: int, dataset_size: int, batch_size: int) -> ShardAssignment:
-        self.request_shard(step, dataset_size, batch_size)
-        return self.receive_shard()
+    def get_sample_ranges(self, step: int, dataset_size: int, batch_size: int) -> SampleRangeAssignment:
+        self.request_sample_ranges(step, dataset_size, batch_size)
+        return self.receive_sample_ranges()
 
     def send_heartbeat(self) -> None:
         """Sends one heartbeat now (a background thread already sends them periodically)."""

@@ -61,7 +61,7 @@ def join_at(
     server_name: str,
     metadata: tuple[tuple[str, str], ...],
 ) -> tuple[grpc.Channel, JoinAccepted]:
-    """Reaches the coordinator (or shard) at `address` and joins; the channel stays open."""
+    """Reaches the coordinator (or partition) at `address` and joins; the channel stays open."""
     options: list[tuple[str, int | str]] = list(worker_channel_options())
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gradserver.common import shm
-from gradserver.common.config import env_name
+from gradserver.common.config import environment_value
 
 from .supervisor import Child, error_line
 
@@ -43,7 +43,7 @@ def coordinator_command(world_size: int, port_file: Path, *options: str, port: i
     """The argv of a coordinator for `world_size` workers on 127.0.0.1:`port` that reports its
     port in `port_file`; `options` are further `gradserver coordinator` flags. The chunk size is
     LOCAL_CHUNK_MIB unless `options` or GRADSERVER_CHUNK_MIB set it."""
-    chosen = env_name("chunk_mib") in os.environ or any(
+    chosen = environment_value("chunk_mib") != "" or any(
         o == "--chunk-mib" or o.startswith("--chunk-mib=") for o in options
     )
     return [
@@ -122,7 +122,7 @@ def job_failure(events_file: Path) -> str:
 def remove_shm_dirs(pid: int, *parents: str) -> None:
     """After coordinator `pid` has exited: removes the shared-memory socket directories it left
     (SIGKILL) in its --shm-dir as this environment sets it, or the temp dir, and in `parents`."""
-    places = {os.environ.get(env_name("shm_dir")) or tempfile.gettempdir(), *parents}
+    places = {environment_value("shm_dir") or tempfile.gettempdir(), *parents}
     for parent in places:
         shm.remove_dirs_of(pid, parent)
 

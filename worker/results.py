@@ -64,7 +64,7 @@ class AveragedGradients:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardAssignment:
+class SampleRangeAssignment:
     """The sample indices this worker trains on at `step`."""
 
     step: int

@@ -71,7 +71,7 @@ COLLECTIVE_KIND_REDUCE_SCATTER: CollectiveKind
 COLLECTIVE_KIND_ALL_TO_ALL: CollectiveKind
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "gpu_count", "backend", "protocol_version", "committed_step", "job_fingerprint", "rank", "shard_index")
+    __slots__ = ("node_id", "gpu_count", "device_type", "protocol_version", "committed_step", "job_fingerprint", "rank", "partition_index")
     class JobFingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,24 +81,24 @@ class JoinRequest(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_COUNT_FIELD_NUMBER: _ClassVar[int]
-    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
-    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu_count: int
-    backend: str
+    device_type: str
     protocol_version: int
     committed_step: int
     job_fingerprint: _containers.ScalarMap[str, str]
     rank: int
-    shard_index: int
-    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., backend: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    partition_index: int
+    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., device_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., partition_index: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "shard_map", "shard_index", "shm_socket", "shm_nonce")
+    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -113,8 +113,8 @@ class JoinResponse(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
-    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
-    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_MAP_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
@@ -131,11 +131,11 @@ class JoinResponse(_message.Message):
     max_steps: int
     resume_step: int
     local_workers: int
-    shard_map: _containers.RepeatedScalarFieldContainer[str]
-    shard_index: int
+    partition_map: _containers.RepeatedScalarFieldContainer[str]
+    partition_index: int
     shm_socket: str
     shm_nonce: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., shard_map: _Optional[_Iterable[str]] = ..., shard_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., partition_map: _Optional[_Iterable[str]] = ..., partition_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class TensorKey(_message.Message):
     __slots__ = ("step", "block", "non_block", "whole_model", "collective")
@@ -265,7 +265,7 @@ class BarrierRelease(_message.Message):
     name: str
     def __init__(self, step: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
-class ShardRequest(_message.Message):
+class SampleRangeRequest(_message.Message):
     __slots__ = ("worker_id", "step", "dataset_size", "batch_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -287,7 +287,7 @@ class SampleRange(_message.Message):
     stride: int
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ..., stride: _Optional[int] = ...) -> None: ...
 
-class ShardAssignment(_message.Message):
+class SampleRangeAssignment(_message.Message):
     __slots__ = ("step", "worker_id", "ranges")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -318,14 +318,14 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "shard_request", "step_failed")
+    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "sample_range_request", "step_failed")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
-    SHARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     STEP_FAILED_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
@@ -333,58 +333,58 @@ class Error(_message.Message):
     key: TensorKey
     culprit_worker_id: int
     barrier: Barrier
-    shard_request: ShardRequest
+    sample_range_request: SampleRangeRequest
     step_failed: bool
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., shard_request: _Optional[_Union[ShardRequest, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("chunk", "barrier", "shard_request", "heartbeat", "shutdown")
+    __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
-    SHARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     chunk: GradientChunk
     barrier: Barrier
-    shard_request: ShardRequest
+    sample_range_request: SampleRangeRequest
     heartbeat: Heartbeat
     shutdown: Shutdown
-    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., shard_request: _Optional[_Union[ShardRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("averaged_chunk", "barrier_release", "shard_assignment", "heartbeat_ack", "shutdown", "error")
+    __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error")
     AVERAGED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_RELEASE_FIELD_NUMBER: _ClassVar[int]
-    SHARD_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RANGE_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     averaged_chunk: AveragedChunk
     barrier_release: BarrierRelease
-    shard_assignment: ShardAssignment
+    sample_range_assignment: SampleRangeAssignment
     heartbeat_ack: HeartbeatAck
     shutdown: Shutdown
     error: Error
-    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., shard_assignment: _Optional[_Union[ShardAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
-class ShardNotice(_message.Message):
-    __slots__ = ("from_shard", "shard_count", "step", "code", "message", "culprit_worker_id", "worker_lost")
-    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
-    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+class PartitionNotice(_message.Message):
+    __slots__ = ("from_partition", "partition_count", "step", "code", "message", "culprit_worker_id", "worker_lost")
+    FROM_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_COUNT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_LOST_FIELD_NUMBER: _ClassVar[int]
-    from_shard: int
-    shard_count: int
+    from_partition: int
+    partition_count: int
     step: int
     code: int
     message: str
     culprit_worker_id: int
     worker_lost: bool
-    def __init__(self, from_shard: _Optional[int] = ..., shard_count: _Optional[int] = ..., step: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., culprit_worker_id: _Optional[int] = ..., worker_lost: _Optional[bool] = ...) -> None: ...
+    def __init__(self, from_partition: _Optional[int] = ..., partition_count: _Optional[int] = ..., step: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., culprit_worker_id: _Optional[int] = ..., worker_lost: _Optional[bool] = ...) -> None: ...
 
-class ShardNoticeAck(_message.Message):
+class PartitionNoticeAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -3,7 +3,7 @@ which picks one for a joined worker.
 
 - `grpc_link.GrpcLink`: every payload inline in the Exchange stream's gRPC messages.
 - `shm_link.ShmLink`: the same stream for control, payloads through shared memory (same host).
-- `sharded_link.ShardedLink`: one `GrpcLink` per coordinator partition (sharded coordinators).
+- `partitioned_link.PartitionedLink`: one `GrpcLink` per coordinator partition (partitioned coordinators).
 
 Only this package names the concrete classes; the rest of the worker sees a `Link`. A new
 transport is one module here implementing `base.Link`, one branch in `open_link`, and one outbox
@@ -13,18 +13,18 @@ on the coordinator's side.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import grpc
 
+from gradserver.common.config import env_name, environment_value
 from gradserver.common.errors import FailedPreconditionError, GradServerError, InvalidArgumentError
 from gradserver.common.messages import DType, JoinAccepted
 from gradserver.common.timeouts import Timeouts
 
 from .base import ErrorRecord, Link, PendingResult
 from .grpc_link import GrpcLink
-from .sharded_link import JoinPartition, ShardedLink, join_other_partitions
+from .partitioned_link import JoinPartition, PartitionedLink, join_other_partitions
 from .shm_channel import ShmChannel
 from .shm_link import ShmLink
 
@@ -43,13 +43,13 @@ __all__ = [
 log = logging.getLogger("gradserver.worker")
 
 TRANSPORTS = ("auto", "grpc", "shm")
-TRANSPORT_ENV = "GRADSERVER_TRANSPORT"
+TRANSPORT_ENV = env_name("transport")
 DEFAULT_SHM_ARENA_MIB = 256.0
 
 
 def transport_choice(transport: str | None) -> str:
     """The argument, else $GRADSERVER_TRANSPORT, else auto; anything else is refused by name."""
-    choice = transport if transport is not None else os.environ.get(TRANSPORT_ENV, "") or "auto"
+    choice = transport if transport is not None else environment_value("transport") or "auto"
     if choice not in TRANSPORTS:
         source = "transport" if transport is not None else TRANSPORT_ENV
         raise InvalidArgumentError(f"{source}={choice!r}: choose one of {', '.join(TRANSPORTS)}")
@@ -68,19 +68,19 @@ def open_link(
     shm_arena_mib: float,
 ) -> Link:
     """The link for a worker that joined through `channel` (now owned by the link, and closed
-    with everything else opened here when this raises). Sharded coordinators are joined through
+    with everything else opened here when this raises). Partitioned coordinators are joined through
     `join_partition`; `choice` (see `transport_choice`) decides between gRPC and shared memory."""
     others = None
     try:
-        if len(accepted.shard_map) > 1:
+        if len(accepted.partition_map) > 1:
             others = join_other_partitions(accepted, join_partition)
-        why_not = _why_not_shm(wire_dtype, sharded=others is not None)
+        why_not = _why_not_shm(wire_dtype, partitioned=others is not None)
         arenas = _open_shm(accepted, choice, shm_arena_mib, timeouts.connect, why_not)
     except BaseException:
         channel.close()
         raise
     if others is not None:
-        return ShardedLink((channel, accepted), others, timeouts, metadata)
+        return PartitionedLink((channel, accepted), others, timeouts, metadata)
     if arenas is None:
         return _constructed(lambda: GrpcLink(channel, accepted, timeouts, metadata), channel)
     log.info("worker %d sends its gradients through shared memory", accepted.worker_id)
@@ -100,12 +100,12 @@ def _constructed(make: Callable[[], Link], channel: grpc.Channel) -> Link:
         raise
 
 
-def _why_not_shm(wire_dtype: DType, *, sharded: bool) -> str | None:
+def _why_not_shm(wire_dtype: DType, *, partitioned: bool) -> str | None:
     """Why this worker's settings rule shared memory out, or None."""
     if wire_dtype is not DType.FLOAT32:
         return f"the wire dtype is {wire_dtype.name.lower()} (shared memory carries float32)"
-    if sharded:
-        return "the coordinators are sharded (shared memory is for one coordinator on this host)"
+    if partitioned:
+        return "the coordinators are partitioned (shared memory is for one coordinator on this host)"
     return None
 
 

@@ -19,8 +19,8 @@ from gradserver.common.messages import (
     ChunkHeader,
     DType,
     JoinAccepted,
+    SampleRangeAssignmentOut,
     SampleStats,
-    ShardAssignmentOut,
     TensorKey,
     WorkerEvent,
 )
@@ -70,7 +70,7 @@ class Link(Protocol):
 
     @property
     def accepted(self) -> JoinAccepted:
-        """The coordinator's answer to this worker's Join (for sharded coordinators: shard 0's)."""
+        """The coordinator's answer to this worker's Join (for partitioned coordinators: partition 0's)."""
         ...
 
     @property
@@ -139,7 +139,7 @@ class Link(Protocol):
         """Returns when every worker reached barrier `name` of `step`."""
         ...
 
-    def wait_samples(self, timeout: float | None) -> ShardAssignmentOut:
+    def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
         """The answer to the oldest sample-range request sent with `send`."""
         ...
 

@@ -55,9 +55,9 @@ from gradserver.common.messages import (
     HeartbeatIn,
     JoinAccepted,
     LeaveIn,
+    SampleRangeAssignmentOut,
     SampleStats,
     ServerEvent,
-    ShardAssignmentOut,
     ShutdownOut,
     TensorKey,
     WorkerEvent,
@@ -146,8 +146,8 @@ class GrpcLink:
         cond: threading.Condition | None = None,
         on_break: Callable[[ErrorRecord], None] | None = None,
     ) -> None:
-        """Opens the Exchange stream on `channel` (which the link owns and closes). Sharded
-        coordinators (`ShardedLink`) give every partition's link one shared `cond`, so a waiter
+        """Opens the Exchange stream on `channel` (which the link owns and closes). Partitioned
+        coordinators (`PartitionedLink`) give every partition's link one shared `cond`, so a waiter
         wakes on any partition's news, and `on_break`, called once when this link breaks (not
         when it is closed), so the other partitions' links break too."""
         self._channel = channel
@@ -158,8 +158,8 @@ class GrpcLink:
         self._outbound = _Outbound(_OUTBOUND_MESSAGES)
         self._results: dict[TensorKey, PendingResult] = {}
         self._barriers: dict[tuple[int, str], _PendingBarrier] = {}
-        # Answers to sample-range requests (ShardAssignment messages), in the order asked.
-        self._samples: collections.deque[ShardAssignmentOut | ErrorRecord] = collections.deque()
+        # Answers to sample-range requests (SampleRangeAssignment messages), in the order asked.
+        self._samples: collections.deque[SampleRangeAssignmentOut | ErrorRecord] = collections.deque()
         self._failed_steps: collections.OrderedDict[int, ErrorRecord] = collections.OrderedDict()
         self._broken: ErrorRecord | None = None
         self._closing = False
@@ -242,7 +242,7 @@ class GrpcLink:
         array: np.ndarray | None = None,
         num_chunks: int | None = None,
     ) -> None:
-        """Registers `key`'s average, arriving in `dtype`; `ShardedLink` passes the `array` every
+        """Registers `key`'s average, arriving in `dtype`; `PartitionedLink` passes the `array` every
         partition fills and the `num_chunks` this partition owns."""
         pending = PendingResult(
             key=key,
@@ -367,9 +367,9 @@ class GrpcLink:
         if bar.error is not None:
             raise bar.error.exception()
 
-    def wait_samples(self, timeout: float | None) -> ShardAssignmentOut:
+    def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
         with self._cond:
-            self._wait(lambda: bool(self._samples), timeout, "no shard assignment")
+            self._wait(lambda: bool(self._samples), timeout, "no sample-range assignment")
             item = self._samples.popleft()
         if isinstance(item, ErrorRecord):
             raise item.exception()
@@ -429,7 +429,7 @@ class GrpcLink:
                 bar = self._barriers.get((event.step, event.name))
                 if bar is not None:
                     bar.released = True
-            elif isinstance(event, ShardAssignmentOut):
+            elif isinstance(event, SampleRangeAssignmentOut):
                 self._samples.append(event)
             elif isinstance(event, HeartbeatAckOut):
                 self.last_ack = time.monotonic()
@@ -522,7 +522,7 @@ class GrpcLink:
             refused = self._barriers.get((event.step, event.barrier_name))
             if refused is not None:
                 refused.error = error
-        elif event.shard_step is not None:
+        elif event.sample_range_step is not None:
             self._samples.append(error)
         else:
             # A message the coordinator could not attribute (malformed): nothing waiting can

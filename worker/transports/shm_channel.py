@@ -86,7 +86,6 @@ class ShmChannel:
         self._watch.start()
         self.staged_bytes = 0  # copied into the arena
         self.zero_copy_bytes = 0  # sent from a gradient buffer where it lies
-        self.inline_fallbacks = 0
 
     @classmethod
     def open(cls, accepted: JoinAccepted, arena_bytes: int, timeout: float) -> ShmChannel:
@@ -182,7 +181,6 @@ class ShmChannel:
             while (slot := self._slots.take()) is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
-                    self.inline_fallbacks += 1
                     return None
                 self._cond.wait(remaining)
             self._held[(key, offset)] = slot

@@ -1,27 +1,28 @@
-"""Shard assignment: which samples each worker trains on at a step.
+"""Sample-range assignment: which samples each worker trains on at a step.
 
-The coordinator answers a worker's ShardRequest with `step_shard` (gradserver.common.sharding),
-the same deterministic split every worker could compute; the first request fixes the job's data
-set size and batch size, and a worker that describes another data set is refused.
+The coordinator answers a worker's SampleRangeRequest with `step_sample_ranges`
+(gradserver.common.sample_ranges), the same deterministic split every worker could compute; the
+first request fixes the job's data set size and batch size, and a worker that describes another
+data set is refused.
 """
 
 from __future__ import annotations
 
 from gradserver.common.errors import GradServerError, Status
-from gradserver.common.messages import ErrorOut, ShardAssignmentOut, ShardRequestIn
-from gradserver.common.sharding import step_shard
+from gradserver.common.messages import ErrorOut, SampleRangeAssignmentOut, SampleRangeRequestIn
+from gradserver.common.sample_ranges import step_sample_ranges
 
 from .outgoing import Outgoing
 
 
-class ShardAssigner:
-    """Answers shard requests for a job of `world_size` workers."""
+class SampleRangeAssigner:
+    """Answers sample-range requests for a job of `world_size` workers."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._shape: tuple[int, int] | None = None
 
-    def answer(self, request: ShardRequestIn) -> list[Outgoing]:
+    def answer(self, request: SampleRangeRequestIn) -> list[Outgoing]:
         """The sender's sample ranges of the requested step, or an INVALID_ARGUMENT error to it."""
         w = request.worker_id
         shape = (request.dataset_size, request.batch_size)
@@ -30,11 +31,11 @@ class ShardAssigner:
         try:
             if shape != self._shape:
                 raise GradServerError(
-                    f"worker {w} asked for step {request.step} shards of a data set of "
+                    f"worker {w} asked for the step {request.step} sample ranges of a data set of "
                     f"{shape[0]} samples with batch {shape[1]}, but this job uses "
                     f"{self._shape[0]} samples with batch {self._shape[1]}"
                 )
-            ranges = step_shard(request.step, w, self.world_size, *shape)
+            ranges = step_sample_ranges(request.step, w, self.world_size, *shape)
         except GradServerError as exc:
             return [
                 Outgoing(
@@ -43,8 +44,8 @@ class ShardAssigner:
                         int(Status.INVALID_ARGUMENT),
                         exc.message,
                         request.step,
-                        shard_step=request.step,
+                        sample_range_step=request.step,
                     ),
                 )
             ]
-        return [Outgoing((w,), ShardAssignmentOut(request.step, w, ranges))]
+        return [Outgoing((w,), SampleRangeAssignmentOut(request.step, w, ranges))]

@@ -1,8 +1,8 @@
-"""Sharded coordinators (issue 15 part A): K shards each average their chunks of every key.
+"""Partitioned coordinators (issue 15 part A): K partitions each average their chunks of every key.
 
-Every shard runs behind a FaultProxy started first, so the shard map (the proxies' addresses) is
-known before any shard binds port 0, and a shard's link can be cut and restored. Workers are
-given shard 0's address only and learn the map at Join.
+Every partition runs behind a FaultProxy started first, so the partition map (the proxies' addresses) is
+known before any partition binds port 0, and a partition's link can be cut and restored. Workers are
+given partition 0's address only and learn the map at Join.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from gradserver.common.errors import (
     Status,
 )
 from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ReduceOp, TensorKey
+from gradserver.common.partition_map import NOTIFY_METHOD, PartitionMap, PartitionNotice, encode_notice
 from gradserver.common.security import TlsFiles
-from gradserver.common.shard_map import NOTIFY_METHOD, ShardMap, ShardNotice, encode_notice
 from gradserver.server import GradientServer
 from gradserver.server.config import CoordinatorConfig
 from gradserver.server.reduction import ReductionTable
@@ -46,8 +46,8 @@ CHUNK_MIB = CHUNK_ELEMENTS * 4 / (1 << 20)
 SIZES = (40, 8, 8, 40, 100, 100, 100, 3, 3)  # a block's 9 components: 402 elements, 13 chunks
 
 
-class Shards:
-    """K shards of one job, each behind its own proxy; `address` is shard 0's, for workers."""
+class Partitions:
+    """K partitions of one job, each behind its own proxy; `address` is partition 0's, for workers."""
 
     def __init__(self, proxies: list[FaultProxy], servers: list[ServerThread]) -> None:
         self.proxies = proxies
@@ -55,7 +55,7 @@ class Shards:
         self.killed: set[int] = set()
 
     def kill(self, index: int) -> None:
-        """Shard `index` vanishes for everyone: its connections are reset, nothing listens."""
+        """Partition `index` vanishes for everyone: its connections are reset, nothing listens."""
         self.killed.add(index)
         self.proxies[index].stop()
 
@@ -64,8 +64,8 @@ class Shards:
         return self.proxies[0].address
 
     @property
-    def shard_map(self) -> ShardMap:
-        return ShardMap(tuple(p.address for p in self.proxies))
+    def partition_map(self) -> PartitionMap:
+        return PartitionMap(tuple(p.address for p in self.proxies))
 
 
 def _config(**overrides: Any) -> CoordinatorConfig:
@@ -80,34 +80,34 @@ def _config(**overrides: Any) -> CoordinatorConfig:
 
 
 @pytest.fixture
-def sharded() -> Iterator[Callable[..., Shards]]:
-    """Factory: sharded(k, world_size=..., **config) -> K started shards behind proxies."""
-    made: list[Shards] = []
+def partitioned() -> Iterator[Callable[..., Partitions]]:
+    """Factory: partitioned(k, world_size=..., **config) -> K started partitions behind proxies."""
+    made: list[Partitions] = []
     servers: list[ServerThread] = []
 
-    def make(k: int, each: Sequence[dict[str, Any]] = (), **overrides: Any) -> Shards:
-        """`each[i]`: settings of shard i only (on top of `overrides`)."""
+    def make(k: int, each: Sequence[dict[str, Any]] = (), **overrides: Any) -> Partitions:
+        """`each[i]`: settings of partition i only (on top of `overrides`)."""
         mine = [FaultProxy("127.0.0.1", 0).start() for _ in range(k)]
-        shards = Shards(mine, [])
-        made.append(shards)
-        shard_map = ",".join(p.address for p in mine)
+        partitions = Partitions(mine, [])
+        made.append(partitions)
+        partition_map = ",".join(p.address for p in mine)
         for index, proxy in enumerate(mine):
             own = {**overrides, **(each[index] if index < len(each) else {})}
-            server = ServerThread(_config(shard_map=shard_map, shard_index=index, **own))
+            server = ServerThread(_config(partition_map=partition_map, partition_index=index, **own))
             servers.append(server)
             server.start()
             proxy.target = ("127.0.0.1", server.server.port if server.server else 0)
-            shards.servers.append(server)
-        return shards
+            partitions.servers.append(server)
+        return partitions
 
     try:
         yield make
     finally:
         for server in servers:
             server.stop()
-        for shards in made:
-            for index, proxy in enumerate(shards.proxies):
-                if index not in shards.killed:
+        for partitions in made:
+            for index, proxy in enumerate(partitions.proxies):
+                if index not in partitions.killed:
                     proxy.stop()
 
 
@@ -156,8 +156,8 @@ def _one_step(client: WorkerClient, step: int) -> list[bytes]:
     whole = client.receive_averaged()
     out += [whole.gradients.tobytes(), np.float64(whole.global_loss).tobytes()]
     client.barrier(step, "after")
-    shard = client.get_shard(step, dataset_size=97, batch_size=4)
-    out.append(repr((shard.worker_id, shard.ranges)).encode())
+    samples = client.get_sample_ranges(step, dataset_size=97, batch_size=4)
+    out.append(repr((samples.worker_id, samples.ranges)).encode())
     return out
 
 
@@ -200,49 +200,49 @@ def _run_collectives(address: str, n: int, joined: list[WorkerClient]) -> list[l
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
-def test_every_chunk_has_exactly_one_owner_and_shards_get_a_fair_share(k: int) -> None:
-    shard_map = ShardMap(tuple(f"127.0.0.1:{5000 + i}" for i in range(k)))
+def test_every_chunk_has_exactly_one_owner_and_partitions_get_a_fair_share(k: int) -> None:
+    partition_map = PartitionMap(tuple(f"127.0.0.1:{5000 + i}" for i in range(k)))
     key = TensorKey.whole_model(7)
     for num_chunks in (1, 2, 7, 100):
-        owners = [shard_map.owner(key, c) for c in range(num_chunks)]
-        counts = [shard_map.owned_chunks(key, num_chunks, s) for s in range(k)]
+        owners = [partition_map.owner(key, c) for c in range(num_chunks)]
+        counts = [partition_map.owned_chunks(key, num_chunks, s) for s in range(k)]
         assert counts == [owners.count(s) for s in range(k)]
         assert max(counts) - min(counts) <= 1
-    # One-chunk keys spread over the shards instead of all landing on shard 0.
-    small = {shard_map.owner(TensorKey.block(0, b, 64), 0) for b in range(64)}
+    # One-chunk keys spread over the partitions instead of all landing on partition 0.
+    small = {partition_map.owner(TensorKey.block(0, b, 64), 0) for b in range(64)}
     assert small == set(range(k))
-    # The rule ignores the step: a key's chunks stay on the same shards step after step.
-    assert [shard_map.owner(TensorKey.block(3, 5, 8), c) for c in range(9)] == [
-        shard_map.owner(TensorKey.block(90, 5, 8), c) for c in range(9)
+    # The rule ignores the step: a key's chunks stay on the same partitions step after step.
+    assert [partition_map.owner(TensorKey.block(3, 5, 8), c) for c in range(9)] == [
+        partition_map.owner(TensorKey.block(90, 5, 8), c) for c in range(9)
     ]
 
 
-def test_a_shard_refuses_a_chunk_that_the_map_assigns_to_another_shard() -> None:
-    shard_map = ShardMap(("127.0.0.1:1", "127.0.0.1:2"))
-    table = ReductionTable(1, 4, 30.0, shard=(shard_map, 0))
+def test_a_partition_refuses_a_chunk_that_the_map_assigns_to_another_partition() -> None:
+    partition_map = PartitionMap(("127.0.0.1:1", "127.0.0.1:2"))
+    table = ReductionTable(1, 4, 30.0, partition=(partition_map, 0))
     key = TensorKey.collective(0, 0)
-    foreign = next(c for c in range(4) if shard_map.owner(key, c) == 1)
+    foreign = next(c for c in range(4) if partition_map.owner(key, c) == 1)
     header = ChunkHeader(DType.FLOAT32, 16, ())
     data = np.zeros(4, dtype=np.float32).tobytes()
     out = table.contribute(ChunkIn(0, key, header, foreign * 4, data))
     assert len(out) == 1
     message = out[0].event.message  # type: ignore[union-attr]
-    assert f"chunk {foreign} of {key} to shard 0 (127.0.0.1:1)" in message
-    assert "assigns it to shard 1 (127.0.0.1:2)" in message
+    assert f"chunk {foreign} of {key} to partition 0 (127.0.0.1:1)" in message
+    assert "assigns it to partition 1 (127.0.0.1:2)" in message
     assert not table.has_pending()  # refused before it opened anything
-    own = [c for c in range(4) if shard_map.owner(key, c) == 0]
+    own = [c for c in range(4) if partition_map.owner(key, c) == 0]
     for c in own:
         out = table.contribute(ChunkIn(0, key, header, c * 4, data))
     assert [o.event.offset for o in out] == [own[-1] * 4]  # type: ignore[union-attr]
-    assert not table.has_pending()  # the key completed with this shard's chunks alone
+    assert not table.has_pending()  # the key completed with this partition's chunks alone
     assert chunk_count(16, 4) == 4
 
 
-# --- sharded exchange equals the unsharded one ---------------------------------------------------
+# --- partitioned exchange equals the unpartitioned one ---------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def unsharded_results() -> tuple[list[list[bytes]], list[list[bytes]]]:
+def unpartitioned_results() -> tuple[list[list[bytes]], list[list[bytes]]]:
     server = ServerThread(_config(world_size=3))
     joined: list[WorkerClient] = []
     try:
@@ -255,27 +255,27 @@ def unsharded_results() -> tuple[list[list[bytes]], list[list[bytes]]]:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_sharded_averages_equal_the_unsharded_ones_bit_for_bit(
+def test_partitioned_averages_equal_the_unpartitioned_ones_bit_for_bit(
     k: int,
-    sharded: Callable[..., Shards],
+    partitioned: Callable[..., Partitions],
     clients: list[WorkerClient],
-    unsharded_results: tuple[list[list[bytes]], list[list[bytes]]],
+    unpartitioned_results: tuple[list[list[bytes]], list[list[bytes]]],
 ) -> None:
-    shards = sharded(k, world_size=3)
-    expected_job, expected_collectives = unsharded_results
-    job = _run_job(shards.address, 3, clients)
+    partitions = partitioned(k, world_size=3)
+    expected_job, expected_collectives = unpartitioned_results
+    job = _run_job(partitions.address, 3, clients)
     assert job == expected_job
-    averages = [[b for b in r if not b.startswith(b"(")] for r in job]  # less the data shards
+    averages = [[b for b in r if not b.startswith(b"(")] for r in job]  # less the data partitions
     assert all(r == averages[0] for r in averages)  # every worker got the same bytes
-    shards = sharded(k, world_size=3)
-    assert _run_collectives(shards.address, 3, clients) == expected_collectives
+    partitions = partitioned(k, world_size=3)
+    assert _run_collectives(partitions.address, 3, clients) == expected_collectives
 
 
-def test_each_shard_averages_only_its_share_of_the_bytes(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_each_partition_averages_only_its_share_of_the_bytes(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, world_size=2)
-    made = _connect(shards.address, 2, clients)
+    partitions = partitioned(2, world_size=2)
+    made = _connect(partitions.address, 2, clients)
     size = 64 * CHUNK_ELEMENTS
 
     def step(client: WorkerClient) -> None:
@@ -283,43 +283,46 @@ def test_each_shard_averages_only_its_share_of_the_bytes(
         client.receive_averaged()
 
     run_each(made, step)
-    received = [s.call(lambda g: g.metrics.received_bytes._value.get()) for s in shards.servers]
+    received = [s.call(lambda g: g.metrics.received_bytes._value.get()) for s in partitions.servers]
     assert all(r > 0.4 * 2 * size * 4 for r in received), received  # about half each
     assert all(r < 0.7 * 2 * size * 4 for r in received), received
 
 
-def test_shards_other_than_0_refuse_a_worker_that_did_not_join_shard_0(
-    sharded: Callable[..., Shards],
+def test_partitions_other_than_0_refuse_a_worker_that_did_not_join_partition_0(
+    partitioned: Callable[..., Partitions],
 ) -> None:
-    shards = sharded(2, world_size=1)
+    partitions = partitioned(2, world_size=1)
     with pytest.raises(FailedPreconditionError) as info:
-        WorkerClient.connect(shards.proxies[1].address, timeout=TEST_TIMEOUTS)
-    assert f"workers join shard 0 at {shards.address}" in info.value.message
-    assert f"shard 1 ({shards.proxies[1].address})" in info.value.message
+        WorkerClient.connect(partitions.proxies[1].address, timeout=TEST_TIMEOUTS)
+    assert f"workers join partition 0 at {partitions.address}" in info.value.message
+    assert f"partition 1 ({partitions.proxies[1].address})" in info.value.message
 
 
-def test_shards_started_with_different_chunk_sizes_are_refused_naming_the_shard(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_partitions_started_with_different_chunk_sizes_are_refused_naming_the_partition(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, each=[{}, {"chunk_mib": 2 * CHUNK_MIB}], world_size=1)
+    partitions = partitioned(2, each=[{}, {"chunk_mib": 2 * CHUNK_MIB}], world_size=1)
     with pytest.raises(FailedPreconditionError) as info:
-        clients.append(WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS))
-    assert f"{shards.shard_map.describe(1)} made this worker 0 with 256-byte chunks" in info.value.message
+        clients.append(WorkerClient.connect(partitions.address, timeout=TEST_TIMEOUTS))
+    assert (
+        f"{partitions.partition_map.describe(1)} made this worker 0 with 256-byte chunks"
+        in info.value.message
+    )
     assert "--chunk-mib" in info.value.message
 
 
-def test_a_join_refused_by_another_shard_names_that_shard(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_a_join_refused_by_another_partition_names_that_partition(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, each=[{}, {"world_size": 1}], world_size=2)
+    partitions = partitioned(2, each=[{}, {"world_size": 1}], world_size=2)
     outcomes = run_each_outcome(
-        [0, 1], lambda i: WorkerClient.connect(shards.address, node_id=f"n{i}", timeout=TEST_TIMEOUTS)
+        [0, 1], lambda i: WorkerClient.connect(partitions.address, node_id=f"n{i}", timeout=TEST_TIMEOUTS)
     )
     clients.extend(o for o in outcomes if isinstance(o, WorkerClient))
     refused = [o for o in outcomes if isinstance(o, GradServerError)]
-    assert refused, outcomes  # worker 1 asks shard 1 (a world of 1) for rank 1
+    assert refused, outcomes  # worker 1 asks partition 1 (a world of 1) for rank 1
     assert any(
-        f"{shards.shard_map.describe(1)}: node " in e.message and "rank 1, out of range" in e.message
+        f"{partitions.partition_map.describe(1)}: node " in e.message and "rank 1, out of range" in e.message
         for e in refused
     ), refused
 
@@ -333,7 +336,7 @@ def _whole_model(client: WorkerClient, step: int, size: int = 8 * CHUNK_ELEMENTS
 
 
 def _fail_step_on(server: ServerThread, step: int, why: str) -> None:
-    """Fails `step` on that shard's coordinator as its own table would (ABORTED, `why`)."""
+    """Fails `step` on that partition's coordinator as its own table would (ABORTED, `why`)."""
     server.call(lambda g: g._deliver(g._table.fail_step(step, why, Status.ABORTED)))
 
 
@@ -343,7 +346,7 @@ def _averaged_step(client: WorkerClient, step: int) -> bytes:
 
 
 def _wait_pending(server: ServerThread, step: int, timeout: float = 10.0) -> None:
-    """Blocks until the shard holds a key of `step` (as tests/test_bad_input.py does)."""
+    """Blocks until the partition holds a key of `step` (as tests/test_bad_input.py does)."""
     deadline = time.monotonic() + timeout
     while step not in server.call(lambda s: s.pending_steps()):
         if time.monotonic() > deadline:
@@ -352,7 +355,7 @@ def _wait_pending(server: ServerThread, step: int, timeout: float = 10.0) -> Non
 
 
 def _first_sent_then(made: Sequence[WorkerClient], step: int) -> None:
-    """Worker 0 contributes to `step` (so every shard has it in flight); the others do not."""
+    """Worker 0 contributes to `step` (so every partition has it in flight); the others do not."""
     _whole_model(made[0], step)
 
 
@@ -360,18 +363,18 @@ def _receive_outcomes(made: Sequence[WorkerClient], timeout: float) -> list[Any]
     return run_each_outcome(made, lambda c: c.receive_averaged(timeout=timeout), timeout=timeout + 30)
 
 
-def test_a_shard_killed_mid_step_fails_every_workers_receive_naming_the_shard(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_a_partition_killed_mid_step_fails_every_workers_receive_naming_the_partition(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, world_size=2, heartbeat_timeout=3.0)
-    made = _connect(shards.address, 2, clients)
+    partitions = partitioned(2, world_size=2, heartbeat_timeout=3.0)
+    made = _connect(partitions.address, 2, clients)
     run_each(made, lambda c: (_whole_model(c, 0), c.receive_averaged()))
     _first_sent_then(made, 1)
     _whole_model(made[1], 1)
-    dead = shards.shard_map.describe(1)
-    # A killed process tells no one: shard 1 may not warn shard 0 (its notices go nowhere).
-    shards.servers[1].call(lambda g: setattr(g._shard.peers, "notify", lambda notice: None))
-    shards.kill(1)
+    dead = partitions.partition_map.describe(1)
+    # A killed process tells no one: partition 1 may not warn partition 0 (its notices go nowhere).
+    partitions.servers[1].call(lambda g: setattr(g._partition.peers, "notify", lambda notice: None))
+    partitions.kill(1)
     started = time.monotonic()
     outcomes = _receive_outcomes(made, timeout=60.0)
     elapsed = time.monotonic() - started
@@ -379,30 +382,30 @@ def test_a_shard_killed_mid_step_fails_every_workers_receive_naming_the_shard(
         # No average: the step is not applied in part on any worker.
         assert isinstance(outcome, GradServerError), outcome
         assert dead in outcome.message, outcome.message
-    assert elapsed < 20.0  # the failure came from the dead shard, not from a 60 s receive timeout
+    assert elapsed < 20.0  # the failure came from the dead partition, not from a 60 s receive timeout
 
 
-def test_a_shard_whose_link_is_cut_fails_the_step_everywhere_and_the_job_resumes_once_restored(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_a_partition_whose_link_is_cut_fails_the_step_everywhere_and_the_job_resumes_once_restored(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, world_size=2, heartbeat_timeout=2.0, rejoin_timeout=60.0)
-    made = _connect(shards.address, 2, clients)
+    partitions = partitioned(2, world_size=2, heartbeat_timeout=2.0, rejoin_timeout=60.0)
+    made = _connect(partitions.address, 2, clients)
     expected = run_each(made, lambda c: _averaged_step(c, 0))
     _first_sent_then(made, 1)
-    shards.proxies[1].blackhole = True  # connections stay open; nothing moves either way
+    partitions.proxies[1].blackhole = True  # connections stay open; nothing moves either way
     _whole_model(made[1], 1)
     outcomes = _receive_outcomes(made, timeout=60.0)
     for outcome in outcomes:
-        # Shard 1 lost both workers (heartbeat timeout) and told shard 0, or shard 0 found shard 1
-        # unreachable: either way not a local timeout.
+        # Partition 1 lost both workers (heartbeat timeout) and told partition 0, or partition 0
+        # found partition 1 unreachable: either way not a local timeout.
         assert isinstance(outcome, GradServerError), outcome
         assert not isinstance(outcome, DeadlineExceededError), outcome
-        assert shards.shard_map.describe(1) in outcome.message, outcome.message
-    shards.proxies[1].blackhole = False
+        assert partitions.partition_map.describe(1) in outcome.message, outcome.message
+    partitions.proxies[1].blackhole = False
     for client in made:
         client.close()
-    # Restored: a new set of workers joins both shards again and steps on with the same averages.
-    again = _connect(shards.address, 2, clients)
+    # Restored: a new set of workers joins both partitions again and steps on with the same averages.
+    again = _connect(partitions.address, 2, clients)
     assert run_each(again, lambda c: _averaged_step(c, 0)) == expected
 
 
@@ -412,46 +415,46 @@ def _reference_average(n: int, step: int, size: int = 8 * CHUNK_ELEMENTS) -> byt
     return (total / n).astype(np.float32).tobytes()
 
 
-def test_a_slow_shard_delays_the_step_but_it_completes_with_the_same_averages(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_a_slow_partition_delays_the_step_but_it_completes_with_the_same_averages(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, world_size=2)
-    made = _connect(shards.address, 2, clients)
-    shards.proxies[1].delay_s = 0.02  # every piece of shard 1's traffic waits, both ways
-    shards.proxies[1].slice_bytes = 256
+    partitions = partitioned(2, world_size=2)
+    made = _connect(partitions.address, 2, clients)
+    partitions.proxies[1].delay_s = 0.02  # every piece of partition 1's traffic waits, both ways
+    partitions.proxies[1].slice_bytes = 256
     slow = run_each(made, lambda c: _averaged_step(c, 0))
     assert slow == [_reference_average(2, 0)] * 2
-    shards.proxies[1].delay_s = 0.0
+    partitions.proxies[1].delay_s = 0.0
     fast = run_each(made, lambda c: _averaged_step(c, 1))
     assert fast == [_reference_average(2, 1)] * 2
 
 
-def test_a_step_that_times_out_on_one_shard_fails_on_every_shard_naming_it(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_a_step_that_times_out_on_one_partition_fails_on_every_partition_naming_it(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, world_size=2, step_timeout=1.5, heartbeat_timeout=30.0)
-    made = _connect(shards.address, 2, clients)
+    partitions = partitioned(2, world_size=2, step_timeout=1.5, heartbeat_timeout=30.0)
+    made = _connect(partitions.address, 2, clients)
     run_each(made, lambda c: (_whole_model(c, 0), c.receive_averaged()))
     _first_sent_then(made, 1)
-    # Worker 0's chunks reached shard 1; then shard 1 hears nothing more (worker 1's chunks stall
-    # in the cut link), so shard 1's part of step 1 times out. Its streams to the workers are cut
-    # too: the workers learn of it only through shard 0, which shard 1 told.
-    _wait_pending(shards.servers[1], 1)
-    shards.proxies[1].blackhole = True
+    # Worker 0's chunks reached partition 1; then partition 1 hears nothing more (worker 1's chunks stall
+    # in the cut link), so partition 1's part of step 1 times out. Its streams to the workers are cut
+    # too: the workers learn of it only through partition 0, which partition 1 told.
+    _wait_pending(partitions.servers[1], 1)
+    partitions.proxies[1].blackhole = True
     _whole_model(made[1], 1)
     outcomes = _receive_outcomes(made, timeout=60.0)
     for outcome in outcomes:
         assert isinstance(outcome, GradServerError), outcome
-        assert f"step 1 failed on {shards.shard_map.describe(1)}" in outcome.message, outcome.message
+        assert f"step 1 failed on {partitions.partition_map.describe(1)}" in outcome.message, outcome.message
         assert "step timeout" in outcome.message
-    shards.proxies[1].blackhole = False
+    partitions.proxies[1].blackhole = False
 
 
-def test_a_worker_lost_on_one_shard_fails_the_step_on_every_shard(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_a_worker_lost_on_one_partition_fails_the_step_on_every_partition(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, world_size=2)
-    made = _connect(shards.address, 2, clients)
+    partitions = partitioned(2, world_size=2)
+    made = _connect(partitions.address, 2, clients)
     _first_sent_then(made, 0)
 
     def evict_worker_1(g: GradientServer) -> None:
@@ -459,16 +462,16 @@ def test_a_worker_lost_on_one_shard_fails_the_step_on_every_shard(
         assert member is not None
         g._evict(member, "lost: cut off by the test")
 
-    _wait_pending(shards.servers[0], 0)
-    _wait_pending(shards.servers[1], 0)
-    shards.servers[1].call(evict_worker_1)
+    _wait_pending(partitions.servers[0], 0)
+    _wait_pending(partitions.servers[1], 0)
+    partitions.servers[1].call(evict_worker_1)
     with pytest.raises(GradServerError) as info:
         made[0].receive_averaged(timeout=60.0)
     assert "step 0 aborted" in info.value.message and "worker 1" in info.value.message
-    # Worker 1's stream to shard 1 was ended: its client is broken on every shard, naming shard 1.
+    # Worker 1's stream to partition 1 was ended: its client is broken on every partition, naming partition 1.
     with pytest.raises(GradServerError) as info:
         made[1].barrier(0, "never released", timeout=60.0)
-    assert shards.shard_map.describe(1) in info.value.message, info.value.message
+    assert partitions.partition_map.describe(1) in info.value.message, info.value.message
 
 
 # --- the real CLIs ---------------------------------------------------------------------------------
@@ -487,14 +490,16 @@ _SHAPE = [
 ]
 
 
-def _cli_shards(processes: ProcessGroup, k: int, *args: str) -> tuple[list[FaultProxy], list[ManagedProcess]]:
-    """K `gradserver coordinator --shard-index I --shard-map ...` processes behind proxies."""
+def _cli_partitions(
+    processes: ProcessGroup, k: int, *args: str
+) -> tuple[list[FaultProxy], list[ManagedProcess]]:
+    """K `gradserver coordinator --partition-index I --partition-map ...` processes behind proxies."""
     proxies = [FaultProxy("127.0.0.1", 0).start() for _ in range(k)]
-    shard_map = ",".join(p.address for p in proxies)
+    partition_map = ",".join(p.address for p in proxies)
     procs = []
     for index, proxy in enumerate(proxies):
         proc, address = processes.coordinator(
-            "--shard-map", shard_map, "--shard-index", str(index), "--chunk-mib", "0.01", *args
+            "--partition-map", partition_map, "--partition-index", str(index), "--chunk-mib", "0.01", *args
         )
         host, port = address.rsplit(":", 1)
         proxy.target = (host, int(port))
@@ -503,8 +508,8 @@ def _cli_shards(processes: ProcessGroup, k: int, *args: str) -> tuple[list[Fault
 
 
 @pytest.mark.processes
-def test_two_shard_processes_and_two_synthetic_workers_through_the_cli(processes: ProcessGroup) -> None:
-    proxies, shards = _cli_shards(processes, 2, "--world-size", "2", "--max-steps", "2")
+def test_two_partition_processes_and_two_synthetic_workers_through_the_cli(processes: ProcessGroup) -> None:
+    proxies, partitions = _cli_partitions(processes, 2, "--world-size", "2", "--max-steps", "2")
     try:
         workers = [
             processes.gradserver(
@@ -516,9 +521,9 @@ def test_two_shard_processes_and_two_synthetic_workers_through_the_cli(processes
         summaries = [json.loads(w.wait_for(r'^\{"worker_id"', timeout=120).string) for w in workers]
         for w in workers:
             assert w.wait(60) == 0, w.output
-        for shard in shards:
-            assert shard.wait(30) == 0, shard.output
-            assert "reached --max-steps 2" in shard.output
+        for partition in partitions:
+            assert partition.wait(30) == 0, partition.output
+            assert "reached --max-steps 2" in partition.output
         assert sorted(s["worker_id"] for s in summaries) == [0, 1]
         for step in range(2):
             assert len({s["steps"][step]["checksum"] for s in summaries}) == 1, "averages differ"
@@ -529,8 +534,8 @@ def test_two_shard_processes_and_two_synthetic_workers_through_the_cli(processes
 
 
 def _synthetic_workers_past_step_2(processes: ProcessGroup, address: str) -> list[ManagedProcess]:
-    """Two `gradserver worker --job synthetic` processes given shard 0's address, once both
-    logged step 2 (the job is under way on every shard)."""
+    """Two `gradserver worker --job synthetic` processes given partition 0's address, once both
+    logged step 2 (the job is under way on every partition)."""
     workers = [
         processes.gradserver(
             "worker", "--job", "synthetic", "--coordinator", address, "--steps", "100000",
@@ -544,20 +549,20 @@ def _synthetic_workers_past_step_2(processes: ProcessGroup, address: str) -> lis
 
 
 @pytest.mark.processes
-def test_a_killed_shard_process_ends_every_worker_naming_the_shard(processes: ProcessGroup) -> None:
-    proxies, shards = _cli_shards(processes, 2, "--world-size", "2", "--heartbeat-timeout", "3")
+def test_a_killed_partition_process_ends_every_worker_naming_the_partition(processes: ProcessGroup) -> None:
+    proxies, partitions = _cli_partitions(processes, 2, "--world-size", "2", "--heartbeat-timeout", "3")
     try:
         workers = _synthetic_workers_past_step_2(processes, proxies[0].address)
-        shards[1].kill()
+        partitions[1].kill()
         for w in workers:
             assert w.wait(60) != 0, w.output
-            assert f"shard 1 ({proxies[1].address})" in w.output, w.output
+            assert f"partition 1 ({proxies[1].address})" in w.output, w.output
     finally:
         for proxy in proxies:
             proxy.stop()
 
 
-def test_the_sharded_compose_file_gives_every_shard_the_same_map_and_its_own_index() -> None:
+def test_the_partitioned_compose_file_gives_every_partition_the_same_map_and_its_own_index() -> None:
     import dataclasses
 
     import yaml
@@ -566,107 +571,107 @@ def test_the_sharded_compose_file_gives_every_shard_the_same_map_and_its_own_ind
 
     from .helpers.processes import ROOT
 
-    services = yaml.safe_load((ROOT / "docker-compose.sharded.yml").read_text())["services"]
-    shards = {name: s for name, s in services.items() if s["command"] == ["coordinator"]}
+    services = yaml.safe_load((ROOT / "docker-compose.partitioned.yml").read_text())["services"]
+    partitions = {name: s for name, s in services.items() if s["command"] == ["coordinator"]}
     known = {env_name(f.name) for f in dataclasses.fields(CoordinatorConfig)}
-    maps = {s["environment"]["GRADSERVER_SHARD_MAP"] for s in shards.values()}
+    maps = {s["environment"]["GRADSERVER_PARTITION_MAP"] for s in partitions.values()}
     assert len(maps) == 1
-    (shard_map,) = maps
-    for name, service in shards.items():
+    (partition_map,) = maps
+    for name, service in partitions.items():
         assert set(service["environment"]) <= known, set(service["environment"]) - known
-        index = int(service["environment"]["GRADSERVER_SHARD_INDEX"])
-        assert shard_map.split(",")[index] == f"{name}:50051"
-    assert services["worker"]["environment"]["GRADSERVER_COORDINATOR"] == shard_map.split(",")[0]
+        index = int(service["environment"]["GRADSERVER_PARTITION_INDEX"])
+        assert partition_map.split(",")[index] == f"{name}:50051"
+    assert services["worker"]["environment"]["GRADSERVER_COORDINATOR"] == partition_map.split(",")[0]
 
 
-def test_shards_reach_each_other_with_the_auth_token_and_refuse_notices_without_it(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_partitions_reach_each_other_with_the_auth_token_and_refuse_notices_without_it(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    token = "shared-secret-for-shards"
-    shards = sharded(2, world_size=1, auth_token=token)
-    client = WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS, auth_token=token)
+    token = "shared-secret-for-partitions"
+    partitions = partitioned(2, world_size=1, auth_token=token)
+    client = WorkerClient.connect(partitions.address, timeout=TEST_TIMEOUTS, auth_token=token)
     clients.append(client)
     assert _averaged_step(client, 0) == _reference_average(1, 0)
     with log_waiter() as logs:
-        _fail_step_on(shards.servers[1], 7, "a failure for the test")
-        logs.wait_for(re.escape(f"{shards.shard_map.describe(1)} reports: a failure for the test"))
-    with grpc.insecure_channel(shards.address) as channel:
+        _fail_step_on(partitions.servers[1], 7, "a failure for the test")
+        logs.wait_for(re.escape(f"{partitions.partition_map.describe(1)} reports: a failure for the test"))
+    with grpc.insecure_channel(partitions.address) as channel:
         notify = channel.unary_unary(NOTIFY_METHOD)
         with pytest.raises(grpc.RpcError) as info:
-            notify(encode_notice(ShardNotice(1, 2, 3, 10, "forged")), timeout=10)
+            notify(encode_notice(PartitionNotice(1, 2, 3, 10, "forged")), timeout=10)
     assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_several_shards_refuse_the_continue_mode_at_start() -> None:
+def test_several_partitions_refuse_the_continue_mode_at_start() -> None:
     with pytest.raises(InvalidArgumentError, match="needs --on-worker-loss abort"):
-        _config(shard_map="127.0.0.1:1,127.0.0.1:2", on_worker_loss="continue")
-    with pytest.raises(InvalidArgumentError, match=r"--shard-index .* got 2"):
-        _config(shard_map="127.0.0.1:1,127.0.0.1:2", shard_index=2)
+        _config(partition_map="127.0.0.1:1,127.0.0.1:2", on_worker_loss="continue")
+    with pytest.raises(InvalidArgumentError, match=r"--partition-index .* got 2"):
+        _config(partition_map="127.0.0.1:1,127.0.0.1:2", partition_index=2)
 
 
-def test_shards_speak_tls_to_workers_and_to_each_other(
-    sharded: Callable[..., Shards], clients: list[WorkerClient], tmp_path: Path
+def test_partitions_speak_tls_to_workers_and_to_each_other(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient], tmp_path: Path
 ) -> None:
     import trustme
 
     ca = trustme.CA()
-    cert = ca.issue_cert("localhost", "127.0.0.1", common_name="shard")
+    cert = ca.issue_cert("localhost", "127.0.0.1", common_name="partition")
     files = {
         "ca.pem": ca.cert_pem.bytes(),
-        "shard.crt": b"".join(p.bytes() for p in cert.cert_chain_pems),
-        "shard.key": cert.private_key_pem.bytes(),
+        "partition.crt": b"".join(p.bytes() for p in cert.cert_chain_pems),
+        "partition.key": cert.private_key_pem.bytes(),
     }
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
-    shards = sharded(
+    partitions = partitioned(
         2,
         world_size=1,
-        tls_cert=str(tmp_path / "shard.crt"),
-        tls_key=str(tmp_path / "shard.key"),
-        shard_tls_ca=str(tmp_path / "ca.pem"),
+        tls_cert=str(tmp_path / "partition.crt"),
+        tls_key=str(tmp_path / "partition.key"),
+        partition_tls_ca=str(tmp_path / "ca.pem"),
     )
     tls = TlsFiles.load(ca=str(tmp_path / "ca.pem"))
-    client = WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS, tls=tls)
+    client = WorkerClient.connect(partitions.address, timeout=TEST_TIMEOUTS, tls=tls)
     clients.append(client)
     assert _averaged_step(client, 0) == _reference_average(1, 0)
     with log_waiter() as logs:
-        _fail_step_on(shards.servers[0], 9, "a failure over TLS")
-        logs.wait_for(re.escape(f"{shards.shard_map.describe(0)} reports: a failure over TLS"))
+        _fail_step_on(partitions.servers[0], 9, "a failure over TLS")
+        logs.wait_for(re.escape(f"{partitions.partition_map.describe(0)} reports: a failure over TLS"))
 
 
-def test_a_new_job_on_the_same_shards_tells_its_step_failures_again(
-    sharded: Callable[..., Shards], clients: list[WorkerClient]
+def test_a_new_job_on_the_same_partitions_tells_its_step_failures_again(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    shards = sharded(2, world_size=1)
+    partitions = partitioned(2, world_size=1)
     with log_waiter() as logs:
         for job in ("first", "second"):
-            client = WorkerClient.connect(shards.address, timeout=TEST_TIMEOUTS)
+            client = WorkerClient.connect(partitions.address, timeout=TEST_TIMEOUTS)
             clients.append(client)
             assert _averaged_step(client, 0) == _reference_average(1, 0)
-            _fail_step_on(shards.servers[1], 3, f"the {job} job's step 3 failed")
+            _fail_step_on(partitions.servers[1], 3, f"the {job} job's step 3 failed")
             logs.wait_for(re.escape(f"reports: the {job} job's step 3 failed"))
             client.close()
-            # Every worker left: each shard resets its job, and the next job counts from step 0.
+            # Every worker left: each partition resets its job, and the next job counts from step 0.
             deadline = time.monotonic() + 20
-            while any(s.call(lambda g: g.state.value) != "waiting" for s in shards.servers):
-                assert time.monotonic() < deadline, "the shards did not reset their job"
+            while any(s.call(lambda g: g.state.value) != "waiting" for s in partitions.servers):
+                assert time.monotonic() < deadline, "the partitions did not reset their job"
                 time.sleep(0.01)
 
 
 @pytest.mark.processes
-def test_a_stopped_shard_process_fails_the_step_for_every_worker_naming_the_shard(
+def test_a_stopped_partition_process_fails_the_step_for_every_worker_naming_the_partition(
     processes: ProcessGroup,
 ) -> None:
-    """SIGSTOP: the shard's connections stay open and it tells no one; shard 0 finds it silent."""
-    proxies, shards = _cli_shards(processes, 2, "--world-size", "2", "--heartbeat-timeout", "3")
+    """SIGSTOP: the partition's connections stay open and it tells no one; partition 0 finds it silent."""
+    proxies, partitions = _cli_partitions(processes, 2, "--world-size", "2", "--heartbeat-timeout", "3")
     try:
         workers = _synthetic_workers_past_step_2(processes, proxies[0].address)
-        shards[1].stop()
+        partitions[1].stop()
         for w in workers:
             assert w.wait(60) != 0, w.output
-            assert f"shard 1 ({proxies[1].address}) is unreachable" in w.output, w.output
-        assert "is unreachable: no answer for" in shards[0].output
+            assert f"partition 1 ({proxies[1].address}) is unreachable" in w.output, w.output
+        assert "is unreachable: no answer for" in partitions[0].output
     finally:
-        shards[1].resume()
+        partitions[1].resume()
         for proxy in proxies:
             proxy.stop()

@@ -1,16 +1,17 @@
-"""`ShardedLink`: the worker's side of sharded coordinators, one `GrpcLink` per partition.
+"""`PartitionedLink`: the worker's side of partitioned coordinators, one `GrpcLink` per partition.
 
-The job's coordinators split every key's chunks between them (the shard map; each coordinator is
-one partition, "shard N" in messages). Shard 0's JoinResponse carries the map; the worker joins
-every other partition as the worker id shard 0 gave it (`join_other_partitions`) and opens one
-link per partition. `ShardedLink` is a `Link` composed of those: each chunk goes to the partition
-that owns it (gradserver.common.shard_map), barriers and sample-range requests go to shard 0, and
+The job's coordinators split every key's chunks between them (the partition map; each
+coordinator is one partition, "partition N" in messages). Partition 0's JoinResponse carries the
+map; the worker joins every other partition as the worker id partition 0 gave it
+(`join_other_partitions`) and opens one link per partition. `PartitionedLink` is a `Link`
+composed of those: each chunk goes to the partition that owns it
+(gradserver.common.partition_map), barriers and sample-range requests go to partition 0, and
 every partition's link fills its chunks of the same result array. An average is returned only
 once every partition that owns a chunk of it delivered, and never when any partition failed its
 step: a worker never applies part of a step. The links share one condition, so a waiter wakes on
-news from any partition; a link that breaks (a coordinator killed or cut off) breaks the others at
-once, so every wait fails naming that shard instead of running into its deadline, and every
-partition counts this worker as lost.
+news from any partition; a link that breaks (a coordinator killed or cut off) breaks the others
+at once, so every wait fails naming that partition instead of running into its deadline, and
+every partition counts this worker as lost.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ from gradserver.common.messages import (
     ChunkHeader,
     DType,
     JoinAccepted,
+    SampleRangeAssignmentOut,
     SampleStats,
-    ShardAssignmentOut,
     TensorKey,
     WorkerEvent,
 )
-from gradserver.common.shard_map import ShardMap
+from gradserver.common.partition_map import PartitionMap
 from gradserver.common.timeouts import Timeouts
 
 from .base import ErrorRecord, PendingResult
@@ -60,20 +61,20 @@ class JoinedPartition:
 
 
 def join_other_partitions(first: JoinAccepted, join: JoinPartition) -> list[JoinedPartition]:
-    """Joins shards 1..K-1 of `first.shard_map` in order (every worker joins them in the same
-    order, so each shard's Join completes once the whole world reached it). Refuses shards whose
-    map, worker id or chunk size differ from shard 0's: the chunk rule needs all three equal."""
-    shard_map = ShardMap(first.shard_map)
+    """Joins partitions 1..K-1 of `first.partition_map` in order (every worker joins them in the same
+    order, so each partition's Join completes once the whole world reached it). Refuses partitions whose
+    map, worker id or chunk size differ from partition 0's: the chunk rule needs all three equal."""
+    partition_map = PartitionMap(first.partition_map)
     links: list[JoinedPartition] = []
     try:
-        for index in range(1, shard_map.count):
+        for index in range(1, partition_map.count):
             try:
-                channel, accepted = join(index, shard_map.addresses[index])
+                channel, accepted = join(index, partition_map.addresses[index])
             except GradServerError as exc:
-                where = shard_map.describe(index)
+                where = partition_map.describe(index)
                 raise type(exc)(f"{where}: {exc.message}", worker_id=exc.worker_id) from exc
             links.append(JoinedPartition(index, channel, accepted))
-            _check_alike(shard_map, index, first, accepted)
+            _check_alike(partition_map, index, first, accepted)
     except BaseException:
         for link in links:
             link.channel.close()
@@ -81,22 +82,23 @@ def join_other_partitions(first: JoinAccepted, join: JoinPartition) -> list[Join
     return links
 
 
-def _check_alike(shard_map: ShardMap, index: int, first: JoinAccepted, other: JoinAccepted) -> None:
-    where = shard_map.describe(index)
-    if other.shard_map != first.shard_map or other.shard_index != index:
+def _check_alike(partition_map: PartitionMap, index: int, first: JoinAccepted, other: JoinAccepted) -> None:
+    where = partition_map.describe(index)
+    if other.partition_map != first.partition_map or other.partition_index != index:
         raise FailedPreconditionError(
-            f"{where} runs with shard map {','.join(other.shard_map)} as shard {other.shard_index}, "
-            f"but shard 0 has {','.join(first.shard_map)}: start every shard with the same --shard-map"
+            f"{where} runs with partition map {','.join(other.partition_map)} as partition "
+            f"{other.partition_index}, but partition 0 has {','.join(first.partition_map)}: start every "
+            "partition with the same --partition-map"
         )
     if other.worker_id != first.worker_id or other.chunk_bytes != first.chunk_bytes:
         raise FailedPreconditionError(
             f"{where} made this worker {other.worker_id} with {other.chunk_bytes}-byte chunks, but "
-            f"shard 0 made it {first.worker_id} with {first.chunk_bytes}-byte chunks: start every "
-            "shard with the same --chunk-mib"
+            f"partition 0 made it {first.worker_id} with {first.chunk_bytes}-byte chunks: start every "
+            "partition with the same --chunk-mib"
         )
 
 
-class ShardedLink:
+class PartitionedLink:
     """A `Link` over one `GrpcLink` per coordinator partition."""
 
     transport = "grpc"
@@ -109,13 +111,13 @@ class ShardedLink:
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.accepted = first[1]
-        self.shard_map = ShardMap(self.accepted.shard_map)
+        self.partition_map = PartitionMap(self.accepted.partition_map)
         self.timeouts = timeouts
         self._chunk_elements = self.accepted.chunk_bytes // 4
         self._cond = threading.Condition()
         self._closing = False
         self._broken_by: int | None = None
-        self._delivered: dict[TensorKey, set[int]] = {}  # shards whose part of a key arrived
+        self._delivered: dict[TensorKey, set[int]] = {}  # partitions whose part of a key arrived
         self._links: list[GrpcLink] = []
         links = [(first[0], first[1])] + [(link.channel, link.accepted) for link in others]
         try:
@@ -127,7 +129,7 @@ class ShardedLink:
                         timeouts,
                         metadata,
                         cond=self._cond,
-                        on_break=functools.partial(self._shard_broke, index),
+                        on_break=functools.partial(self._partition_broke, index),
                     )
                 )
         except BaseException:
@@ -138,24 +140,24 @@ class ShardedLink:
         for index, link in enumerate(self._links):
             broken = link.trouble(-1)
             if broken is not None:
-                self._shard_broke(index, broken)
+                self._partition_broke(index, broken)
 
-    # --- errors naming the shard --------------------------------------------------------------
+    # --- errors naming the partition --------------------------------------------------------------
 
     def _named(self, index: int, error: GradServerError | ErrorRecord) -> GradServerError:
         record = error if isinstance(error, ErrorRecord) else ErrorRecord.of(error)
-        where = self.shard_map.describe(index)
+        where = self.partition_map.describe(index)
         if record.message.startswith(where):
             return record.exception()
         return dataclasses.replace(record, message=f"{where}: {record.message}").exception()
 
-    def _shard_broke(self, index: int, error: ErrorRecord) -> None:
-        """One shard's stream broke: every other one breaks too, naming that shard."""
+    def _partition_broke(self, index: int, error: ErrorRecord) -> None:
+        """One partition's stream broke: every other one breaks too, naming that partition."""
         with self._cond:
             if self._closing or self._broken_by is not None:
                 return
             self._broken_by = index
-        lost = UnavailableError(f"{self.shard_map.describe(index)} is lost: {error.message}")
+        lost = UnavailableError(f"{self.partition_map.describe(index)} is lost: {error.message}")
         for other, link in enumerate(self._links):
             if other != index:
                 link.abort_with(lost)
@@ -181,23 +183,25 @@ class ShardedLink:
         stats: SampleStats | None,
     ) -> None:
         """To the partition that owns the chunk."""
-        index = self.shard_map.owner(key, offset // self._chunk_elements)
+        index = self.partition_map.owner(key, offset // self._chunk_elements)
         try:
             self._links[index].send_chunk(key, header, offset, piece, stats)
         except GradServerError as exc:
             raise self._named(index, exc) from None
 
     def send(self, event: WorkerEvent) -> None:
-        """Control messages go to shard 0."""
+        """Control messages go to partition 0."""
         try:
             self._links[0].send(event)
         except GradServerError as exc:
             raise self._named(0, exc) from None
 
     def _owners(self, key: TensorKey, total: int) -> dict[int, int]:
-        """Shard index -> how many chunks of `key` it owns, for the shards owning any."""
+        """Partition index -> how many chunks of `key` it owns, for the partitions owning any."""
         num_chunks = chunk_count(total, self._chunk_elements)
-        counts = {i: self.shard_map.owned_chunks(key, num_chunks, i) for i in range(self.shard_map.count)}
+        counts = {
+            i: self.partition_map.owned_chunks(key, num_chunks, i) for i in range(self.partition_map.count)
+        }
         return {i: n for i, n in counts.items() if n}
 
     def expect(
@@ -232,7 +236,7 @@ class ShardedLink:
         return any(link.step_failed(step) for link in self._links)
 
     def _trouble(self, step: int) -> tuple[int, ErrorRecord] | None:
-        """The first shard that broke or failed `step`, and why."""
+        """The first partition that broke or failed `step`, and why."""
         for index, link in enumerate(self._links):
             record = link.trouble(step)
             if record is not None:
@@ -240,9 +244,9 @@ class ShardedLink:
         return None
 
     def wait_result(self, key: TensorKey, timeout: float | None = None) -> PendingResult:
-        """The average of `key` once every owning shard delivered its chunks. Any shard that broke
-        or failed the key's step fails it (naming that shard); after a local timeout the key stays
-        registered and a later call waits for the shards still missing."""
+        """The average of `key` once every owning partition delivered its chunks. Any partition that broke
+        or failed the key's step fails it (naming that partition); after a local timeout the key stays
+        registered and a later call waits for the partitions still missing."""
         limit = self.timeouts.receive if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._cond:
@@ -266,14 +270,14 @@ class ShardedLink:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = ", ".join(self.shard_map.describe(i) for i in owners)
+                    missing = ", ".join(self.partition_map.describe(i) for i in owners)
                     raise DeadlineExceededError(
                         f"no average for {key} within {limit:g} s from {missing}", step=key.step
                     )
                 self._cond.wait(remaining)
             del self._delivered[key]
         if result is None:
-            raise UnavailableError(f"{key} is not awaited on any shard", step=key.step, key=str(key))
+            raise UnavailableError(f"{key} is not awaited on any partition", step=key.step, key=str(key))
         return result
 
     def confirm_open(self, timeout: float) -> None:
@@ -290,7 +294,7 @@ class ShardedLink:
         except GradServerError as exc:
             raise self._named(0, exc) from None
 
-    def wait_samples(self, timeout: float | None) -> ShardAssignmentOut:
+    def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
         try:
             return self._links[0].wait_samples(timeout)
         except GradServerError as exc:
