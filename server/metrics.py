@@ -67,6 +67,17 @@ class CoordinatorMetrics:
             "The part of gradserver_received_bytes read from same-host workers' shared memory",
             registry=registry,
         )
+        self.shm_inline_fallbacks = Counter(
+            "gradserver_shm_inline_fallbacks",
+            "Averages sent inline to same-host workers because the output arena had no free slot "
+            "(a larger --shm-arena-mib avoids them)",
+            registry=registry,
+        )
+        self.shm_averaged_in_place_bytes = Counter(
+            "gradserver_shm_averaged_in_place_bytes",
+            "Bytes of averages written straight into an output slot (no copy to publish them)",
+            registry=registry,
+        )
         self.reduce_latency = Histogram(
             "gradserver_reduce_latency_seconds",
             "Per key: first contribution to last averaged chunk",

@@ -108,8 +108,10 @@ class ShmHub:
         slot_bytes: int,
         handshake_timeout: float,
         authenticate: Authenticate,
+        metrics: CoordinatorMetrics,
     ) -> None:
         self._parent = directory or None
+        self._metrics = metrics
         self._slots = shm.SlotArena(arena_bytes, slot_bytes)
         self._arena_bytes = self._slots.count * slot_bytes
         self._timeout = handshake_timeout
@@ -125,8 +127,6 @@ class ShmHub:
         # Slots handed to the averager to write into (`take`), keyed by the view's id.
         self._reserved: dict[int, tuple[memoryview, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.inline_fallbacks = 0  # averages sent inline to shm workers because no slot was free
-        self.averaged_in_place = 0  # bytes of averages the averager wrote straight into a slot
 
     async def start(self) -> None:
         for path in remove_stale_dirs(self._parent):
@@ -235,11 +235,11 @@ class ShmHub:
         data = memoryview(event.data).cast("B")
         if reserved is not None:
             offset = reserved[1]
-            self.averaged_in_place += len(data)
+            self._metrics.shm_averaged_in_place_bytes.inc(len(data))
         else:
             free = self._slots.take() if len(data) <= self._slots.slot_bytes else None
             if free is None:
-                self.inline_fallbacks += 1
+                self._metrics.shm_inline_fallbacks.inc()
                 return [(event, to)]
             offset = free
             self._out[offset : offset + len(data)] = data
@@ -395,7 +395,12 @@ class ShmOutbox:
         if config.no_shm or not shm.supported():
             return None
         hub = ShmHub(
-            config.shm_dir, config.shm_arena_bytes, config.chunk_bytes, config.heartbeat_timeout, authenticate
+            config.shm_dir,
+            config.shm_arena_bytes,
+            config.chunk_bytes,
+            config.heartbeat_timeout,
+            authenticate,
+            metrics,
         )
         try:
             await hub.start()

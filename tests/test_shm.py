@@ -23,7 +23,7 @@ from gradserver.common.messages import ReduceOp
 from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
 
-from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
+from .helpers.server import TEST_TIMEOUTS, ServerThread, metric, run_each
 from .helpers.shm import dev_shm, memfd_mappings
 
 pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
@@ -225,7 +225,7 @@ def test_averages_are_written_into_the_output_arena_and_a_failed_one_gives_its_s
         for out, error in results:
             assert out == _reference(2)
             assert "worker 1 sent a non-finite value" in error and "step 2" in error, error
-        assert server.call(lambda s: s.shm.averaged_in_place if s.shm else 0) > 0
+        assert server.call(lambda s: metric(s, "gradserver_shm_averaged_in_place_bytes_total")) > 0
         _poll(
             lambda: server.call(lambda s: s.shm._slots.free_slots if s.shm else -1) == slots,
             "every slot free",
@@ -242,7 +242,7 @@ def test_small_arenas_reuse_slots_and_fall_back_inline_with_the_same_bytes(shm_c
     clients = _connect(server.address, ["shm", "shm"], shm_arena_mib=2 * CHUNK_MIB)
     try:
         results = run_each(clients, _workload)
-        assert server.call(lambda s: s.shm.inline_fallbacks if s.shm else -1) > 0
+        assert server.call(lambda s: metric(s, "gradserver_shm_inline_fallbacks_total")) > 0
     finally:
         for c in clients:
             c.close()
