@@ -418,13 +418,13 @@ def test_row5_coordinator_restarted_on_the_same_port(processes, tmp_path) -> Non
 
 
 def test_a_worker_ahead_after_a_restart_rolls_its_step_back() -> None:
-    from gradserver.train.backends import LocalBackend, LocalHub
     from gradserver.train.corpus import TokenWindows, corpus_bytes
+    from gradserver.train.engines import LocalEngine, LocalHub
     from gradserver.train.model import CONFIGS, TransformerLM
     from gradserver.train.trainer import DistributedTrainer
     from gradserver.train.training import _rejoin
 
-    class Restartable(LocalBackend):
+    class Restartable(LocalEngine):
         resume = 0
 
         @property

@@ -468,8 +468,8 @@ def test_training_over_shm_sends_from_gradient_buffers_and_matches_grpc(shm_coor
     is sent), and the weights after training equal those trained over gRPC, bit for bit."""
     import torch
 
-    from gradserver.train.backends import RemoteBackend
     from gradserver.train.checkpoint import load_checkpoint
+    from gradserver.train.engines import CoordinatorEngine
     from gradserver.train.training import TrainConfig, train
 
     states = {}
@@ -479,7 +479,7 @@ def test_training_over_shm_sends_from_gradient_buffers_and_matches_grpc(shm_coor
         server = shm_coordinator(world_size=2, chunk_mib=4.0, max_message_mib=16.0)
 
         def work(c: CollectiveClient, config: TrainConfig = config) -> int:
-            train(RemoteBackend(c), config)
+            train(CoordinatorEngine(c), config)
             return c._link.arenas.zero_copy_bytes if c.transport == "shm" else 0
 
         copied = _run(server, [transport, transport], work)

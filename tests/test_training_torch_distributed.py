@@ -14,7 +14,7 @@ SIZES = compute_block_sizes(8, 4, 16)
 def test_torch_distributed_loss_is_reduced_on_the_gradients_device(monkeypatch) -> None:
     import torch.distributed as dist
 
-    from gradserver.train.backends import TorchDistributedBackend
+    from gradserver.train.engines import TorchDistributedEngine
 
     reduced: list[torch.Tensor] = []
 
@@ -31,7 +31,7 @@ def test_torch_distributed_loss_is_reduced_on_the_gradients_device(monkeypatch) 
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    backend = TorchDistributedBackend()
+    backend = TorchDistributedEngine()
     backend.start_step(0)
     backend.submit_block(0, 1, torch.zeros(sum(SIZES), device="meta"), SIZES)
     backend.submit_loss(2.5, 8)
@@ -45,11 +45,11 @@ def test_torch_distributed_loss_is_reduced_on_the_gradients_device(monkeypatch) 
 def test_nccl_engine_averages_gradients_and_loss_on_the_gpu(tmp_path) -> None:
     import torch.distributed as dist
 
-    from gradserver.train.backends import TorchDistributedBackend
+    from gradserver.train.engines import TorchDistributedEngine
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    backend = TorchDistributedBackend()
+    backend = TorchDistributedEngine()
     try:
         backend.start_step(0)
         backend.submit_block(0, 1, torch.full((sum(SIZES),), 2.0, device="cuda"), SIZES)
