@@ -4,7 +4,8 @@ A 2-D DeviceMesh (2, 2) of 4 ranks gives each rank two sub-groups (`dist.new_gro
 hood): they work under `gradserver run` and with GRADSERVER_COORDINATOR naming a coordinator the
 test started (the default group uses it, every sub-group its own embedded coordinator), with
 results equal to gloo's. PREMUL_SUM (FSDP2's gradient divide factor; gloo refuses it) is NCCL's
-sum of factor * x over the ranks, checked against that sum computed here.
+sum of factor * x over the ranks, checked against that sum computed here. send and recv are
+refused, saying why and what to use instead.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +23,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gradserver.torch._collective import CollectiveClient
+from gradserver.torch.backend import ProcessGroupGradServer
+
 from .helpers.processes import ProcessGroup
 from .helpers.ranks import rank_results, spawn_and_join
-
-pytestmark = pytest.mark.processes
+from .helpers.server import TEST_TIMEOUTS, ServerThread
 
 MESH_WORLD = 4
 
@@ -88,6 +92,7 @@ def _assert_like_gloo(got: list[dict[str, Any]], gloo: list[dict[str, Any]]) -> 
     assert got == gloo
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_a_2d_mesh_works_under_gradserver_run_like_gloo(
     processes: ProcessGroup, tmp_path: Path, gloo_mesh: list[dict[str, Any]]
@@ -103,6 +108,7 @@ def test_a_2d_mesh_works_under_gradserver_run_like_gloo(
     _assert_like_gloo(_mesh_results(out), gloo_mesh)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_a_2d_mesh_works_with_gradserver_coordinator_set_like_gloo(
     processes: ProcessGroup, tmp_path: Path, gloo_mesh: list[dict[str, Any]]
@@ -167,6 +173,7 @@ def _premul_sum(dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(total).float().to(dtype)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_premul_sum_multiplies_each_ranks_tensor_before_the_sum(tmp_path: Path) -> None:
     spawn_and_join(_premul_rank, [(r, str(tmp_path / "store"), str(tmp_path)) for r in range(PREMUL_WORLD)])
@@ -183,3 +190,27 @@ def test_premul_sum_multiplies_each_ranks_tensor_before_the_sum(tmp_path: Path) 
         assert torch.equal(got["reduce_scatter_tensor"], expected32.chunk(PREMUL_WORLD)[rank]), rank
         refused = bytes(got["integer refused"].tolist()).decode()
         assert "PREMUL_SUM takes floating types" in refused and "torch.int32" in refused, refused
+
+
+# --- send / recv -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_send_and_recv_are_refused_saying_why_and_what_to_use_instead(
+    coordinator: Callable[..., ServerThread],
+) -> None:
+    client = CollectiveClient.connect_as_rank(coordinator(world_size=1).address, 0, timeout=TEST_TIMEOUTS)
+    group = ProcessGroupGradServer(client)
+    try:
+        for call, what in (
+            (lambda: group.send([torch.ones(1)], 1), "send"),
+            (lambda: group.recv([torch.ones(1)], 1), "recv"),
+        ):
+            with pytest.raises(NotImplementedError) as refused:
+                call()
+            message = str(refused.value)
+            assert message.startswith(f"gradserver {what} (rank 0, peer rank 1): point-to-point"), message
+            assert "involves all 1 ranks of its group" in message, message
+            assert "dist.broadcast" in message and "dist.new_group" in message, message
+    finally:
+        group.shutdown()
