@@ -636,10 +636,6 @@ def create_process_group(
     cannot serve groups with other members."""
     timeout_s = timeout.total_seconds()
     settings = rank_settings()
-    # The default group is being created exactly while torch has none yet.
-    membership = coordinator_for(
-        store, rank, size, timeout_s, settings, default_group=not dist.is_initialized()
-    )
     timeouts = Timeouts(connect=min(timeout_s, 60.0), join=timeout_s, receive=timeout_s)
     tls = TlsFiles.load(
         settings.tls_ca, settings.tls_client_cert, settings.tls_client_key, what="gradserver backend TLS"
@@ -648,6 +644,10 @@ def create_process_group(
         raise InvalidArgumentError(
             "GRADSERVER_TLS_CLIENT_CERT needs GRADSERVER_TLS_CA to verify the coordinator"
         )
+    # The default group is being created exactly while torch has none yet.
+    membership = coordinator_for(
+        store, rank, size, timeout_s, settings, default_group=not dist.is_initialized()
+    )
     embedded = membership.embedded
     try:
         client = CollectiveClient.connect_as_rank(
