@@ -1,41 +1,45 @@
-"""Where a process group's coordinator is: GRADSERVER_COORDINATOR, or one that rank 0 starts.
+"""Where a process group's coordinator is: GRADSERVER_COORDINATOR, or one that its rank 0 starts.
 
-The embedded coordinator is the `gradserver coordinator` command in a child process of rank 0
-(so its event loop never competes with training for rank 0's GIL, and the client library stays
-independent of the server package), bound to 127.0.0.1 port 0. Rank 0 publishes its address in
-the torch Store that `init_process_group` set up; the other ranks read it from there. The child
-watches its parent (`--exit-with-parent`), so a SIGKILLed rank 0 leaves no coordinator behind, and
-the port file's directory goes as soon as the port is read; `stop` removes the shared-memory socket
-directory of a child that was SIGKILLed.
+GRADSERVER_COORDINATOR serves the default process group only. Every other group (`dist.new_group`,
+a DeviceMesh dimension), and the default group when no coordinator is named, gets an embedded
+coordinator: the `gradserver coordinator` command in a child process of the group's rank 0 (its
+lowest global rank; so its event loop never competes with training for that rank's GIL, and the
+client library stays independent of the server package), port 0, bound where every rank of the
+group can reach it (`_reach`: loopback when all are local, else the interface towards the torch
+Store's host). It requires a token that rank 0 draws for it alone and publishes, with its address,
+in the group's torch Store (each group's Store has its own key prefix); the token is never on a
+command line nor in a log. The child watches its parent (`--exit-with-parent`), so a SIGKILLed
+rank 0 leaves no coordinator behind, and the port file's directory goes as soon as the port is
+read; `stop` removes the shared-memory socket directory of a child that was SIGKILLed.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import secrets
 import tempfile
 from pathlib import Path
-from typing import Protocol
 
+from gradserver.common.config import env_name
 from gradserver.common.errors import UnavailableError
 from gradserver.worker.local_coordinator import coordinator_command, remove_shm_dirs
 from gradserver.worker.supervisor import Child, stop, wait_for_port
 
+from ._reach import LOOPBACK, Store, address_of, listen_host, publish_identity
 from ._settings import RankSettings, rank_settings
 
+__all__ = ["STORE_KEY", "TOKEN_KEY", "EmbeddedCoordinator", "Membership", "Store", "coordinator_for"]
+
 STORE_KEY = "gradserver/coordinator"
-
-
-class Store(Protocol):
-    """What the backend uses of a torch.distributed Store."""
-
-    def set(self, key: str, value: str) -> None: ...
-
-    def get(self, key: str) -> bytes: ...
+TOKEN_KEY = "gradserver/coordinator-token"
+_TOKEN_BYTES = 32
 
 
 class EmbeddedCoordinator:
-    """A `gradserver coordinator` child process for one process group, stopped by `stop()` or at
-    exit; it stops by itself when this process exits (`--exit-with-parent`)."""
+    """A `gradserver coordinator` child process for one process group on `host` (any free port),
+    requiring `auth_token` when one is given; stopped by `stop()` or at exit, and by itself when
+    this process exits (`--exit-with-parent`)."""
 
     def __init__(
         self,
@@ -43,6 +47,9 @@ class EmbeddedCoordinator:
         timeout_s: float,
         start_timeout_s: float = 60.0,
         settings: RankSettings | None = None,
+        *,
+        host: str = LOOPBACK,
+        auth_token: str = "",
     ) -> None:
         log_level = (settings or rank_settings()).log_level
         self._dir = tempfile.TemporaryDirectory(prefix="gradserver-pg-")
@@ -50,6 +57,9 @@ class EmbeddedCoordinator:
         command = coordinator_command(
             world_size,
             port_file,
+            # The last --bind wins: the helper's own is loopback.
+            "--bind",
+            address_of(host, 0),
             "--join-timeout",
             f"{timeout_s:g}",
             "--step-timeout",
@@ -59,8 +69,10 @@ class EmbeddedCoordinator:
             # It must not outlive this rank, SIGKILL included.
             "--exit-with-parent",
         )
+        # The token goes in the child's environment: a command line is visible to every user.
+        env = {env_name("auth_token"): auth_token} if auth_token else None
         # Its output is this rank's own (no sink): its log lines appear where the rank's do.
-        self._child = Child(command, "embedded coordinator", None)
+        self._child = Child(command, "embedded coordinator", None, env=env)
         self._process = self._child.proc
         self._cleaned = False
         atexit.register(self.stop)
@@ -77,9 +89,9 @@ class EmbeddedCoordinator:
             self.stop()
             raise UnavailableError(
                 f"the embedded gradserver coordinator exited with status {self._process.returncode} "
-                "before it listened (its log is above)"
+                f"before it listened on {host} (its log is above)"
             )
-        self.address = f"127.0.0.1:{port}"
+        self.address = address_of(host, port)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ends the child (SIGTERM, then SIGKILL after `timeout_s`) and removes what it could not
@@ -91,18 +103,42 @@ class EmbeddedCoordinator:
             remove_shm_dirs(self._process.pid)
 
 
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """The coordinator a rank joins: its address, the token it requires, whether it is the
+    external one (GRADSERVER_COORDINATOR, which may serve TLS; an embedded one never does), and
+    the embedded coordinator this rank started (its group's rank 0 only)."""
+
+    address: str
+    auth_token: str = dataclasses.field(repr=False)
+    external: bool = False
+    embedded: EmbeddedCoordinator | None = None
+
+
 def coordinator_for(
-    store: Store, rank: int, world_size: int, timeout_s: float, settings: RankSettings | None = None
-) -> tuple[str, EmbeddedCoordinator | None]:
-    """The address to join, and the coordinator this rank started (rank 0 without
-    GRADSERVER_COORDINATOR) or None."""
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    settings: RankSettings | None = None,
+    *,
+    default_group: bool = True,
+) -> Membership:
+    """The coordinator of a group of `world_size` that this process joins as `rank`: the one
+    GRADSERVER_COORDINATOR names for the default group, else an embedded one (started here when
+    `rank` is 0, else read from `store`, waiting up to the Store's timeout)."""
     settings = settings or rank_settings()
     external = settings.coordinator.strip()
-    if external:
-        return external, None
-    if rank == 0:
-        embedded = EmbeddedCoordinator(world_size, timeout_s, settings=settings)
-        store.set(STORE_KEY, embedded.address)
-        return embedded.address, embedded
-    # Store.get waits (up to the store's timeout) until rank 0 has published the address.
-    return store.get(STORE_KEY).decode(), None
+    if external and default_group:
+        return Membership(external, settings.auth_token, external=True)
+    if rank != 0:
+        publish_identity(store, rank)
+        # Store.get waits until rank 0 has published the address.
+        address = store.get(STORE_KEY).decode()
+        return Membership(address, store.get(TOKEN_KEY).decode())
+    host = listen_host(store, world_size)
+    token = secrets.token_hex(_TOKEN_BYTES)
+    embedded = EmbeddedCoordinator(world_size, timeout_s, settings=settings, host=host, auth_token=token)
+    store.set(TOKEN_KEY, token)
+    store.set(STORE_KEY, embedded.address)
+    return Membership(embedded.address, token, embedded=embedded)

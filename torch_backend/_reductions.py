@@ -16,8 +16,11 @@ rank computes the same bits:
   ops; float64 sums and products are rounded in rank order, the same on every rank. The cost:
   the allgather sends each byte as a float32, so every rank sends and receives 4 * N times the
   tensor's bytes (a coordinator reduction: 4 bytes per float32 element, once).
-- Anything else (integer AVG, bool SUM, complex, PREMUL_SUM) is refused at the call: TypeError
-  naming the dtype or NotImplementedError naming the op.
+- PREMUL_SUM(factor) (FSDP2's gradient divide factor; NCCL's semantics, gloo has none): each
+  rank's tensor multiplied by the factor in its own dtype (the factor rounded to that dtype, as
+  NCCL does), then summed as SUM is. Floating types only.
+- Anything else (integer AVG, bool SUM, complex) is refused at the call: TypeError naming the
+  dtype or NotImplementedError naming the op.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ class Plan(NamedTuple):
     """How one allreduce (or reduce_scatter) runs."""
 
     route: Route
-    op: str  # torch's name of the op: SUM, AVG, MIN, ...
+    op: str  # torch's name of the op as reduced: SUM, AVG, MIN, ... (PREMUL_SUM is a SUM)
     wire_op: ReduceOp  # the coordinator's op, for the coordinator and widened routes
+    # PREMUL_SUM's factor (a number or a one-element tensor), applied by `premultiplied`.
+    factor: float | torch.Tensor | None = None
 
 
 def op_name(op: Any) -> str:
@@ -78,9 +83,12 @@ def plan_reduction(what: str, op: Any, dtypes: Sequence[torch.dtype], size: int)
     """The route for `op` over tensors of `dtypes` in a group of `size`; raises
     NotImplementedError naming an op it does not support, TypeError naming a dtype."""
     name = op_name(op if op is not None else dist.ReduceOp.SUM)
+    if name == "PREMUL_SUM":
+        return _premul_plan(what, op, dtypes, size)
     if name not in _LOCAL:
         raise NotImplementedError(
-            f"gradserver {what} supports SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR and BXOR, not {name}"
+            f"gradserver {what} supports SUM, AVG, PREMUL_SUM, PRODUCT, MIN, MAX, BAND, BOR and BXOR, "
+            f"not {name}"
         )
     kinds = set(dtypes)
     if len(kinds) > 1:
@@ -108,6 +116,37 @@ def plan_reduction(what: str, op: Any, dtypes: Sequence[torch.dtype], size: int)
         "types, SUM integers too; MIN, MAX and PRODUCT real types and bool; BAND, BOR and BXOR "
         "integers and bool)"
     )
+
+
+def _premul_plan(what: str, op: Any, dtypes: Sequence[torch.dtype], size: int) -> Plan:
+    """PREMUL_SUM: a SUM of floating tensors, each multiplied by the op's factor first."""
+    # torch keeps the factor in C++; its pickled state is the only way Python reads it back.
+    _, factor = op.__getstate__()
+    if not isinstance(factor, float | int | torch.Tensor):
+        raise TypeError(f"gradserver {what}: PREMUL_SUM without a factor (got {factor!r})")
+    if isinstance(factor, torch.Tensor) and factor.numel() != 1:
+        raise ValueError(
+            f"gradserver {what}: PREMUL_SUM's factor must be one number, got a tensor of shape "
+            f"{tuple(factor.shape)}"
+        )
+    floating = [d for d in dtypes if d.is_floating_point]
+    if len(floating) != len(dtypes):
+        raise TypeError(
+            f"gradserver {what}: PREMUL_SUM takes floating types, not {sorted(map(str, set(dtypes)))}"
+        )
+    plan = plan_reduction(what, dist.ReduceOp.SUM, dtypes, size)
+    return plan._replace(factor=factor)
+
+
+def premultiplied(flat: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """`flat` times the plan's PREMUL_SUM factor, rounded to its dtype (a new tensor), or `flat`
+    itself for every other op."""
+    if plan.factor is None:
+        return flat
+    factor = plan.factor
+    if isinstance(factor, torch.Tensor):
+        return flat * factor.detach().to("cpu", flat.dtype).reshape(())
+    return flat * torch.tensor(factor, dtype=flat.dtype)
 
 
 def reduce_in_rank_order(parts: Sequence[torch.Tensor], op: str) -> torch.Tensor:

@@ -43,7 +43,14 @@ from gradserver.common.timeouts import Timeouts
 from ._collective import CollectiveClient
 from ._coordinator import EmbeddedCoordinator, Store, coordinator_for
 from ._devices import StreamOrder
-from ._reductions import Plan, from_limbs, plan_reduction, reduce_in_rank_order, to_limbs
+from ._reductions import (
+    Plan,
+    from_limbs,
+    plan_reduction,
+    premultiplied,
+    reduce_in_rank_order,
+    to_limbs,
+)
 from ._settings import rank_settings
 
 log = logging.getLogger("gradserver.torch")
@@ -51,8 +58,6 @@ log = logging.getLogger("gradserver.torch")
 BACKEND_NAME = "gradserver"
 _DEFAULT_GROUP = 0
 _groups = itertools.count()
-_external_lock = threading.Lock()
-_external_groups: list[str] = []  # the address of the one group joined to GRADSERVER_COORDINATOR
 # Opt-in: collectives refuse NaN/Inf (naming the rank and element) instead of passing them on.
 _COMPLETION_THREADS = 64  # the most callbacks that may block at once (one per DDP bucket in flight)
 
@@ -108,6 +113,14 @@ class ProcessGroupGradServer(dist.ProcessGroup):
 
     def getGroupDesc(self) -> str:
         return self._group_desc
+
+    # torch's checkpointing (DCP's state_dict, planner and saver) asks a group which devices its
+    # C++ backends serve: a Python group has none, so torch found none ("Default device not
+    # found, because no backend has been registered with this ProcessGroup"). Its collectives
+    # take host tensors (CUDA ones are copied to the host): the CPU.
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
 
     # --- collectives ------------------------------------------------------------------------
 
@@ -287,14 +300,10 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         return self._submit("scatter", run, [output], [output, *pieces])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        raise NotImplementedError(
-            "gradserver supports collectives only: point-to-point send is not supported"
-        )
+        raise NotImplementedError(_point_to_point("send", self.rank(), dst, self.size()))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        raise NotImplementedError(
-            "gradserver supports collectives only: point-to-point recv is not supported"
-        )
+        raise NotImplementedError(_point_to_point("recv", self.rank(), src, self.size()))
 
     def barrier(self, opts: Any = None) -> dist.Work:
         def run(sequence: int) -> None:
@@ -358,6 +367,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         """`flat` (a 1-D host tensor) reduced over the group as `plan` says, in its dtype. With
         `in_place` (an allreduce, whose tensors take the result anyway) a float32 result is
         written into `flat` itself, which may be the caller's tensor: no result is allocated."""
+        flat = premultiplied(flat, plan)  # PREMUL_SUM's factor, on this rank's contribution
         if plan.route == "coordinator":
             payload = _host_view(flat)
             into = payload if in_place else None
@@ -605,21 +615,27 @@ def _scatter_into(tensors: Sequence[torch.Tensor], result: torch.Tensor) -> None
         offset += n
 
 
+def _point_to_point(what: str, rank: int, peer: int, size: int) -> str:
+    """Why `what` (send or recv) between `rank` and `peer` is refused, and what to use instead."""
+    return (
+        f"gradserver {what} (rank {rank}, peer rank {peer}): point-to-point operations are not "
+        f"supported: every operation of a gradserver coordinator involves all {size} ranks of its "
+        "group, so it cannot relay a message between two of them; use dist.broadcast from the "
+        "sender (every rank of the group calls it), or a two-rank dist.new_group([sender, "
+        "receiver]) that both ranks create (every rank calls new_group) and broadcast in it"
+    )
+
+
 def create_process_group(
     store: Store, rank: int, size: int, timeout: datetime.timedelta
 ) -> ProcessGroupGradServer:
-    """The creator registered with torch: finds or starts the coordinator, joins as `rank`."""
+    """The creator registered with torch: finds or starts the group's coordinator, joins as `rank`.
+    The default group joins GRADSERVER_COORDINATOR when it is set; every later group (a
+    `dist.new_group`, a DeviceMesh dimension) gets its own embedded coordinator, also under
+    `gradserver run`: a coordinator's operations involve all of its workers, so one coordinator
+    cannot serve groups with other members."""
     timeout_s = timeout.total_seconds()
     settings = rank_settings()
-    address, embedded = coordinator_for(store, rank, size, timeout_s, settings)
-    if embedded is None and settings.coordinator:
-        with _external_lock:
-            if _external_groups:
-                raise NotImplementedError(
-                    "gradserver: dist.new_group subgroups need the embedded coordinator; with "
-                    "GRADSERVER_COORDINATOR set only the default process group is supported"
-                )
-            _external_groups.append(address)
     timeouts = Timeouts(connect=min(timeout_s, 60.0), join=timeout_s, receive=timeout_s)
     tls = TlsFiles.load(
         settings.tls_ca, settings.tls_client_cert, settings.tls_client_key, what="gradserver backend TLS"
@@ -628,20 +644,26 @@ def create_process_group(
         raise InvalidArgumentError(
             "GRADSERVER_TLS_CLIENT_CERT needs GRADSERVER_TLS_CA to verify the coordinator"
         )
+    # The default group is being created exactly while torch has none yet.
+    membership = coordinator_for(
+        store, rank, size, timeout_s, settings, default_group=not dist.is_initialized()
+    )
+    embedded = membership.embedded
     try:
         client = CollectiveClient.connect_as_rank(
-            address,
+            membership.address,
             rank,
             node_id=f"{os.uname().nodename}/pid{os.getpid()}/rank{rank}",
             timeout=timeouts,
-            tls=tls,
-            auth_token=settings.auth_token,
+            # An embedded coordinator serves no TLS (its token protects it); the external one may.
+            tls=tls if membership.external else None,
+            auth_token=membership.auth_token,
             server_name=settings.tls_server_name,
         )
     except BaseException:
         if embedded is not None:
             embedded.stop()
         raise
-    log.info("rank %d of %d joined the gradserver coordinator at %s", rank, size, address)
+    log.info("rank %d of %d joined the gradserver coordinator at %s", rank, size, membership.address)
     check_finite = settings.torch_check_finite
     return ProcessGroupGradServer(client, embedded, timeout_s, check_finite)

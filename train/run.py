@@ -20,8 +20,8 @@ line of its traceback, torch's `[rank1]: ` prefix read through).
 Exit codes: 0 when every rank exited 0 and the coordinator was stopped; the failing rank's code
 (128 + N for a rank killed by signal N; for a lost rank, which has none, the first survivor's);
 1 when the coordinator failed or ended first; 128 + N when run itself got signal N; 2 for bad
-arguments. Every process group of the script uses this one coordinator, so `dist.new_group`
-subgroups are refused (they need the embedded coordinator of plain torchrun). The coordinator
+arguments. The script's default process group uses this coordinator; each `dist.new_group`
+sub-group starts an embedded coordinator of its own (gradserver.torch). The coordinator
 takes its other settings from the environment as always (GRADSERVER_STEP_TIMEOUT,
 GRADSERVER_JOIN_TIMEOUT, GRADSERVER_TLS_CERT, ...), the ranks theirs (GRADSERVER_TLS_CA,
 GRADSERVER_TLS_CLIENT_CERT, ...): every variable means one thing to every process, so one
