@@ -222,6 +222,16 @@ class ShmChannel:
             )
         return self._out_view[ref.offset : ref.offset + ref.length].view(_F32)
 
+    def result_bytes(self, ref: ShmRef) -> np.ndarray:
+        """The raw bytes of a byte-moving collective's result the coordinator wrote at `ref` (a
+        read-only uint8 view; copy it, then `release`). Outside the arena: InternalError."""
+        if ref.offset + ref.length > len(self._out):
+            raise InternalError(
+                f"coordinator named output bytes [{ref.offset}, {ref.offset + ref.length}) outside "
+                f"its {len(self._out)}-byte arena"
+            )
+        return self._out_view[ref.offset : ref.offset + ref.length]
+
     def release(self, ref: ShmRef) -> None:
         """Tells the coordinator this worker is done with an output slot. A failure means the
         coordinator is gone, which the gRPC stream reports; nothing to do here."""
