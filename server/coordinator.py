@@ -60,7 +60,7 @@ from .job import (
 )
 from .liveness import Monitor, Timer
 from .membership import Member, Membership
-from .metrics import CoordinatorMetrics
+from .metrics import CoordinatorMetrics, Traffic
 from .outbox import Outboxes
 from .outgoing import Outgoing
 from .peers import ShardRole
@@ -215,6 +215,11 @@ class GradientServer:
         assert self._stopping is not None
         await asyncio.shield(self._stopping)
 
+    def traffic(self, worker_id: int) -> Traffic:
+        """Payload bytes read from and written to `worker_id` so far (inline and shared memory
+        together, headers not counted)."""
+        return self.metrics.traffic(worker_id)
+
     def pending_steps(self) -> set[int]:
         """Steps with a key or barrier waiting for contributions (read on the server's loop)."""
         return self._table.pending_steps()
@@ -343,7 +348,9 @@ class GradientServer:
     def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | ShardRequestIn) -> None:
         """Hands one contribution, barrier arrival or request to the table."""
         if isinstance(event, ChunkIn):
-            self._deliver(self._table.contribute(self._outboxes.resolve(event, stream.member)))
+            chunk = self._outboxes.resolve(event, stream.member)
+            self.metrics.payload_received(chunk.worker_id, len(chunk.data))
+            self._deliver(self._table.contribute(chunk))
         elif isinstance(event, BarrierIn):
             self._deliver(self._table.barrier(event))
         else:

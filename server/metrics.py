@@ -6,6 +6,8 @@ without sharing counters. Names start with `gradserver_`.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 from typing import Any
 
@@ -14,6 +16,16 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 log = logging.getLogger("gradserver.server.metrics")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Payload bytes exchanged with one worker since the coordinator started: contributions read
+    from it and results written to it, inline and through shared memory together, headers not
+    counted (docs/PROTOCOL.md, "Native collectives")."""
+
+    received_bytes: int
+    sent_bytes: int
 
 
 class CoordinatorMetrics:
@@ -77,6 +89,10 @@ class CoordinatorMetrics:
             states=["waiting", "running", "restarting", "finished", "failed"],
             registry=registry,
         )
+        # Per worker id: payload bytes read and written (`traffic`); in-process only, for tests and
+        # benchmarks that bound what each collective costs on the wire.
+        self._payload_received: collections.Counter[int] = collections.Counter()
+        self._payload_sent: collections.Counter[int] = collections.Counter()
         self._http: Any = None
         self.port = 0
         self._counted = (0, 0)  # steps and keys of the current job's table already counted
@@ -86,6 +102,17 @@ class CoordinatorMetrics:
         self.steps_completed.inc(steps_completed - self._counted[0])
         self.keys_reduced.inc(keys_reduced - self._counted[1])
         self._counted = (steps_completed, keys_reduced)
+
+    def payload_received(self, worker_id: int, nbytes: int) -> None:
+        self._payload_received[worker_id] += nbytes
+
+    def payload_sent(self, to: tuple[int, ...], nbytes: int) -> None:
+        for worker_id in to:
+            self._payload_sent[worker_id] += nbytes
+
+    def traffic(self, worker_id: int) -> Traffic:
+        """The payload bytes read from and written to `worker_id` so far."""
+        return Traffic(self._payload_received[worker_id], self._payload_sent[worker_id])
 
     def new_table(self) -> None:
         """A fresh job's table counts from 0 again."""

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from gradserver.common import codec
 from gradserver.common.errors import InvalidArgumentError, status_code_from_value
-from gradserver.common.messages import ChunkIn, ErrorOut
+from gradserver.common.messages import AveragedChunkOut, ChunkIn, ErrorOut
 
 from .membership import Member
 from .metrics import CoordinatorMetrics
@@ -79,6 +79,8 @@ class Outboxes:
                 code = status_code_from_value(item.event.code)
                 self._metrics.errors.labels(code.name).inc(len(item.to))
             for part in self.route(item):
+                if isinstance(part.event, AveragedChunkOut):
+                    self._metrics.payload_sent(part.to, _payload_bytes(part.event))
                 self._streams.send(part.to, codec.encode_server_event(part.event))
         if outgoing:
             self._streams.wake_readers()
@@ -127,3 +129,9 @@ class Outboxes:
     async def close(self) -> None:
         for outbox in self._outboxes:
             await outbox.close()
+
+
+def _payload_bytes(event: AveragedChunkOut) -> int:
+    if event.shm is not None:
+        return event.shm.length
+    return event.data.nbytes if isinstance(event.data, memoryview) else len(event.data)

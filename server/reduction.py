@@ -31,14 +31,17 @@ import logging
 import time
 from collections.abc import Callable
 
-from gradserver.common.chunking import chunk_count
+from gradserver.common.chunking import chunk_count, chunk_spans
 from gradserver.common.errors import Status
 from gradserver.common.messages import (
+    BYTE_KINDS,
+    ITEM_SIZE,
     AveragedChunkOut,
     BarrierIn,
     BarrierReleaseOut,
     ChunkHeader,
     ChunkIn,
+    CollectiveKind,
     DType,
     ErrorOut,
     KeyKind,
@@ -50,6 +53,7 @@ from gradserver.common.messages import (
 from gradserver.common.shard_map import ShardMap
 
 from .averaging import Averager, NonFiniteContribution, SumOverflow
+from .collectives import ByteCollective, Piece
 from .outgoing import Outgoing, error_to
 from .participation import Participation
 from .shards import ShardAssigner
@@ -79,13 +83,21 @@ class _Slot:
     reduced: int = 0
     # Chunks handed out to be averaged (`Reduce`), their parts kept until the result is back.
     inflight: dict[int, list[bytes | memoryview | None]] = dataclasses.field(default_factory=dict)
+    # ALL_GATHER, BROADCAST, ALL_TO_ALL: the chunks are routed there instead of averaged.
+    collective: ByteCollective | None = None
+    # REDUCE_SCATTER: the whole reduced result, cut into each rank's part once complete.
+    scattered: bytearray | None = None
 
     def __post_init__(self) -> None:
         self.received = [set() for _ in range(self.world_size)]
         self.stats = [None] * self.world_size
 
+    def chunks_of(self, w: int) -> int | None:
+        """How many chunks worker `w` sends for this key (None: not known yet)."""
+        return self.num_chunks if self.collective is None else self.collective.expected_chunks(w)
+
     def missing_workers(self) -> list[int]:
-        return [w for w in sorted(self.expected) if len(self.received[w]) < self.num_chunks]
+        return [w for w in sorted(self.expected) if len(self.received[w]) != self.chunks_of(w)]
 
     def chunk_complete(self, index: int) -> bool:
         parts = self.chunks.get(index)
@@ -254,6 +266,8 @@ class ReductionTable:
                 part = parts[worker_id]
                 if isinstance(part, memoryview):
                     parts[worker_id] = bytes(part)
+            if slot.collective is not None:
+                slot.collective.copy_held(worker_id)
 
     def worker_joined(self, worker_id: int) -> None:
         """A (re)joined worker takes part from the next step that has not started yet."""
@@ -270,6 +284,13 @@ class ReductionTable:
             if lost not in slot.expected or len(slot.received[lost]) == slot.num_chunks:
                 continue
             step = slot.key.step
+            if slot.key.kind is KeyKind.COLLECTIVE and slot.key.collective_kind is not CollectiveKind.REDUCE:
+                out += self._fail_step(
+                    step,
+                    f"step {step} aborted: worker {lost} {reason}; {slot.key} needs every rank",
+                    culprit=lost,
+                )
+                continue
             if slot.reduced or slot.inflight:
                 out += self._fail_step(
                     step,
@@ -308,6 +329,19 @@ class ReductionTable:
         rejected = self._admit(w, key.step, key, what=str(key))
         if rejected is not None:
             return rejected
+        if (
+            self._shard is not None
+            and key.kind is KeyKind.COLLECTIVE
+            and key.collective_kind is not CollectiveKind.REDUCE
+        ):
+            return self._reject(
+                w,
+                key.step,
+                _PRECONDITION,
+                key,
+                f"worker {w} sent {key}: sharded coordinators average only REDUCE collectives, "
+                f"not {key.collective_kind.name}",
+            )
         if (foreign := self._foreign_chunk(key, chunk.offset // self.chunk_elements)) is not None:
             return self._reject(w, key.step, _INVALID, key, f"worker {w} sent {foreign}")
         slot = self._pending.get(key.slot)
@@ -338,6 +372,9 @@ class ReductionTable:
                     f"worker {w} sent {key}, which is stale: {key.describe()} was reduced at step {last}",
                 )
         out = self._advance_worker(w, key.step)
+        if (native := self._native_problem(chunk, slot)) is not None:
+            code, problem = native
+            return out + self._fail_step(key.step, problem, culprit=w, culprit_code=code, key=key)
         if slot is None:
             slot = self._open(key, chunk.header)
             behind = self._left_behind(key.step, slot.expected, str(key), key)
@@ -375,6 +412,8 @@ class ReductionTable:
                 )
             slot.stats[w] = chunk.stats
         slot.received[w].add(index)
+        if slot.collective is not None:
+            return out + self._route(slot, chunk, index)
         parts = slot.chunks.setdefault(index, [None] * self.world_size)
         parts[w] = chunk.data
         self._buffered[w] += _nbytes(chunk.data)
@@ -560,6 +599,10 @@ class ReductionTable:
             opened=self._clock(),
             expected=self._roster.expected(key.step),
         )
+        if key.kind is KeyKind.COLLECTIVE and key.collective_kind in BYTE_KINDS:
+            slot.collective = ByteCollective(key, self.world_size, self.chunk_elements, header.total_elements)
+        elif key.kind is KeyKind.COLLECTIVE and key.collective_kind is CollectiveKind.REDUCE_SCATTER:
+            slot.scattered = bytearray(header.total_elements * ITEM_SIZE[header.dtype])
         self._roster.saw_step(key.step)
         self._pending[key.slot] = slot
         self._open_steps.add(key.step)
@@ -627,6 +670,8 @@ class ReductionTable:
                 f"worker {w} sent {chunk.key} with num_blocks {chunk.key.num_blocks}, but "
                 f"{other} says {slot.key.num_blocks}"
             )
+        if chunk.key.collective_kind != slot.key.collective_kind or chunk.key.root != slot.key.root:
+            return f"worker {w} sent {chunk.key}, but {other} is {slot.key}"
         if chunk.key.op != slot.key.op:
             return f"worker {w} sent {chunk.key}, but {other} is {slot.key.op.name}"
         if chunk.key.propagate_non_finite != slot.key.propagate_non_finite:
@@ -639,12 +684,99 @@ class ReductionTable:
                 f"worker {w} sent {chunk.key} with component_sizes {list(got.component_sizes)}, "
                 f"which differ from {other} {list(ref.component_sizes)}"
             )
+        if chunk.key.collective_kind is CollectiveKind.ALL_TO_ALL and slot.collective is not None:
+            return _split_mismatch(slot.collective, chunk)
         if got.total_elements != ref.total_elements or got.dtype != ref.dtype:
             return (
                 f"worker {w} sent {chunk.key} as {got.total_elements} {got.dtype.name} elements, "
                 f"but {other} has {ref.total_elements} {ref.dtype.name} elements"
             )
         return None
+
+    def _native_problem(self, chunk: ChunkIn, slot: _Slot | None) -> tuple[Status, str] | None:
+        """What makes `chunk` of a native collective impossible in this world (code, message)."""
+        key, w = chunk.key, chunk.worker_id
+        if key.kind is not KeyKind.COLLECTIVE or key.collective_kind is CollectiveKind.REDUCE:
+            return None
+        n = self.world_size
+        if key.collective_kind is CollectiveKind.BROADCAST and key.root >= n:
+            return _INVALID, f"worker {w} sent {key}, but the root {key.root} is not a rank of {n} workers"
+        if key.collective_kind is CollectiveKind.ALL_TO_ALL and len(key.split_bytes) != n:
+            return _INVALID, (
+                f"worker {w} sent {key} with {len(key.split_bytes)} split_bytes, one per rank of {n} "
+                "workers is needed"
+            )
+        if key.collective_kind is CollectiveKind.REDUCE_SCATTER and chunk.header.total_elements % n:
+            return _INVALID, (
+                f"worker {w} sent {key} of {chunk.header.total_elements} elements, which is not "
+                f"divisible by the {n} ranks"
+            )
+        expected = slot.expected if slot is not None else self._roster.expected(key.step)
+        if expected != frozenset(range(n)):
+            absent = ", ".join(str(v) for v in range(n) if v not in expected)
+            return _ABORTED, f"{key} needs every rank, but worker(s) {absent} take no part in step {key.step}"
+        return None
+
+    def _route(self, slot: _Slot, chunk: ChunkIn, index: int) -> list[Outgoing]:
+        """Hands one chunk of a byte-moving collective to its router; sends what became ready."""
+        collective = slot.collective
+        assert collective is not None
+        size = _nbytes(chunk.data)
+        self._step_stats.bytes_received(slot.key.step, size)
+        before = [collective.held_bytes(v) for v in range(self.world_size)]
+        pieces = collective.add(
+            chunk.worker_id, index, chunk.data, chunk.header.total_elements, chunk.key.split_bytes
+        )
+        for v in range(self.world_size):
+            self._buffered[v] += collective.held_bytes(v) - before[v]
+        live = self.live_workers()
+        out = [self._piece_out(slot, piece, live) for piece in pieces]
+        if collective.complete():
+            self._finish(slot, len(slot.expected))
+        return [o for o in out if o.to]
+
+    def _piece_out(self, slot: _Slot, piece: Piece, live: tuple[int, ...]) -> Outgoing:
+        return Outgoing(
+            tuple(w for w in piece.to if w in live),
+            AveragedChunkOut(
+                key=slot.key,
+                header=ChunkHeader(slot.header.dtype, piece.total),
+                offset=piece.offset,
+                data=piece.data,
+                num_contributors=len(slot.expected),
+            ),
+        )
+
+    def _scatter(
+        self, slot: _Slot, index: int, averaged: bytes | memoryview, to: tuple[int, ...]
+    ) -> list[Outgoing]:
+        """REDUCE_SCATTER: keeps chunk `index` of the result; once all of it is reduced, sends
+        each rank its part (so no input of the key is read after any rank got its part)."""
+        result = slot.scattered
+        assert result is not None
+        item = ITEM_SIZE[slot.header.dtype]
+        start = index * self.chunk_elements * item
+        result[start : start + _nbytes(averaged)] = averaged
+        if slot.reduced + 1 < slot.num_chunks:
+            return []
+        part = slot.header.total_elements // self.world_size
+        view = memoryview(result)
+        out: list[Outgoing] = []
+        for rank in to:
+            for offset, length in chunk_spans(part, self.chunk_elements):
+                begin = (rank * part + offset) * item
+                piece = Piece((rank,), part, offset, view[begin : begin + length * item])
+                out.append(self._piece_out(slot, piece, to))
+        return out
+
+    def _finish(self, slot: _Slot, contributors: int) -> None:
+        """`slot` is done: every result went out."""
+        del self._pending[slot.key.slot]
+        self._last_step[slot.key.slot] = slot.key.step
+        self.contributions_counted += contributors
+        self.keys_reduced += 1
+        if self._on_key_reduced is not None:
+            self._on_key_reduced(self._clock() - slot.opened)
 
     def _reduce(self, slot: _Slot, index: int) -> list[Outgoing]:
         parts = slot.inflight[index] = slot.chunks.pop(index)
@@ -705,6 +837,12 @@ class ReductionTable:
         assert averaged is not None
         for w, part in enumerate(slot.inflight.pop(index)):
             self._buffered[w] -= _nbytes(part)
+        if slot.scattered is not None:
+            outgoing = self._scatter(slot, index, averaged, request.to)
+            slot.reduced += 1
+            if slot.reduced == slot.num_chunks:
+                self._finish(slot, len(contributors))
+            return outgoing
         slot.reduced += 1
         stats = self._global_stats(slot) if slot.key.kind is KeyKind.WHOLE_MODEL else None
         outgoing = [
@@ -721,12 +859,7 @@ class ReductionTable:
             )
         ]
         if slot.reduced == slot.num_chunks:
-            del self._pending[slot.key.slot]
-            self._last_step[slot.key.slot] = slot.key.step
-            self.contributions_counted += len(contributors)
-            self.keys_reduced += 1
-            if self._on_key_reduced is not None:
-                self._on_key_reduced(self._clock() - slot.opened)
+            self._finish(slot, len(contributors))
         return outgoing
 
     @staticmethod
@@ -762,6 +895,9 @@ class ReductionTable:
                 for parts in [*slot.chunks.values(), *slot.inflight.values()]:
                     for w, part in enumerate(parts):
                         self._buffered[w] -= _nbytes(part)
+                if slot.collective is not None:
+                    for w in range(self.world_size):
+                        self._buffered[w] -= slot.collective.held_bytes(w)
                 del self._pending[ident]
                 self._last_step[ident] = step
         for ident2 in [k for k, b in self._barriers.items() if b.step == step]:
@@ -782,6 +918,18 @@ class ReductionTable:
         """Refuses one message (about a key, or a barrier name) to its sender only."""
         log.info("rejected: %s", message, extra={"step": step, "worker_id": w})
         return [error_to(w, step, code, message, subject)]
+
+
+def _split_mismatch(collective: ByteCollective, chunk: ChunkIn) -> str | None:
+    """ALL_TO_ALL: each rank sends its own total and splits, the same in every one of its chunks."""
+    w, key = chunk.worker_id, chunk.key
+    total, splits = collective.totals[w], collective.splits[w]
+    if total is None or (total == chunk.header.total_elements and splits == key.split_bytes):
+        return None
+    return (
+        f"worker {w} sent a chunk of {key} declaring {chunk.header.total_elements} bytes split "
+        f"{list(key.split_bytes)}, but its first chunk declared {total} bytes split {list(splits)}"
+    )
 
 
 def _nbytes(data: bytes | memoryview | None) -> int:

@@ -1,0 +1,430 @@
+"""Native collectives by bytes (ALL_GATHER, BROADCAST, REDUCE_SCATTER, ALL_TO_ALL): the pure
+table without sockets, then a real coordinator with raw gRPC streams and shared-memory workers:
+the bytes each rank receives, the bytes on the wire, and the errors naming the rank."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from gradserver.common import codec
+from gradserver.common.errors import InvalidArgumentError, Status
+from gradserver.common.messages import (
+    AveragedChunkOut,
+    ChunkHeader,
+    ChunkIn,
+    CollectiveKind,
+    DType,
+    ErrorOut,
+    ReduceOp,
+    TensorKey,
+)
+from gradserver.server.outgoing import Outgoing
+from gradserver.server.reduction import ReductionTable
+
+CHUNK = 4  # elements (bytes, for DTYPE_BYTES) per chunk in the pure-table tests
+GROUP = 3
+
+
+def table(world: int, timeout: float = 10.0, chunk: int = CHUNK) -> ReductionTable:
+    return ReductionTable(world, chunk, timeout, lambda: 0.0)
+
+
+def payload(rank: int, size: int, tag: int = 0) -> bytes:
+    return np.random.default_rng([rank, size, tag]).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def floats(rank: int, size: int, tag: int = 0) -> np.ndarray:
+    return np.random.default_rng([rank, size, tag, 1]).standard_normal(size).astype("<f4") * 1e3
+
+
+def key_of(
+    kind: CollectiveKind, *, op: ReduceOp = ReduceOp.SUM, root: int = 0, splits: Sequence[int] = ()
+) -> TensorKey:
+    return TensorKey.collective(0, GROUP, op, kind=kind, root=root, split_bytes=tuple(splits))
+
+
+def byte_chunks(rank: int, key: TensorKey, data: bytes, chunk: int = CHUNK) -> list[ChunkIn]:
+    """`data` cut as a worker cuts it; a non-root BROADCAST rank sends one header-only chunk."""
+    if key.collective_kind is CollectiveKind.BROADCAST and rank != key.root:
+        return [ChunkIn(rank, key, ChunkHeader(DType.BYTES, len(data)), 0, b"")]
+    header = ChunkHeader(DType.BYTES, len(data))
+    return [
+        ChunkIn(rank, key, header, off, data[off : off + chunk]) for off in range(0, max(1, len(data)), chunk)
+    ]
+
+
+def float_chunks(rank: int, key: TensorKey, data: np.ndarray, chunk: int = CHUNK) -> list[ChunkIn]:
+    header = ChunkHeader(DType.FLOAT32, data.size)
+    return [
+        ChunkIn(rank, key, header, off, data[off : off + chunk].tobytes())
+        for off in range(0, max(1, data.size), chunk)
+    ]
+
+
+class Results:
+    """What each rank received, assembled from the pieces; checks every byte comes exactly once."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.buffers: dict[int, bytearray] = {}
+        self.covered: dict[int, np.ndarray] = {}
+        self.empty: dict[int, int] = {}
+
+    def take(self, out: list[Outgoing]) -> None:
+        for item in out:
+            if not isinstance(item.event, AveragedChunkOut):
+                continue
+            event = item.event
+            data = bytes(event.data)
+            item_size = 1 if event.header.dtype is DType.BYTES else 4
+            for rank in item.to:
+                total = event.header.total_elements * item_size
+                buf = self.buffers.setdefault(rank, bytearray(total))
+                cover = self.covered.setdefault(rank, np.zeros(total, np.int64))
+                assert len(buf) == total, f"rank {rank} was told two result sizes"
+                start = event.offset * item_size
+                assert start + len(data) <= total
+                buf[start : start + len(data)] = data
+                cover[start : start + len(data)] += 1
+                if not data:
+                    self.empty[rank] = self.empty.get(rank, 0) + 1
+
+    def complete(self, rank: int) -> bool:
+        cover = self.covered.get(rank)
+        if cover is None:
+            return False
+        if cover.size == 0:
+            return self.empty.get(rank, 0) == 1
+        return bool((cover == 1).all())
+
+    def of(self, rank: int) -> bytes:
+        assert self.complete(rank), f"rank {rank}'s result is incomplete or has bytes sent twice"
+        return bytes(self.buffers[rank])
+
+
+def errors(out: list[Outgoing]) -> list[tuple[tuple[int, ...], ErrorOut]]:
+    return [(o.to, o.event) for o in out if isinstance(o.event, ErrorOut)]
+
+
+def run_interleaved(t: ReductionTable, per_rank: list[list[ChunkIn]], seed: int) -> list[Outgoing]:
+    """Feeds every rank's chunks in its own order, ranks interleaved at random."""
+    queues = [list(chunks) for chunks in per_rank]
+    rng = random.Random(seed)
+    out: list[Outgoing] = []
+    while any(queues):
+        rank = rng.choice([r for r, q in enumerate(queues) if q])
+        out += t.contribute(queues[rank].pop(0))
+    return out
+
+
+# --- the pure table ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("size", [0, 1, 7, 13])
+def test_all_gather_gives_every_rank_the_contributions_in_rank_order(world: int, size: int) -> None:
+    key = key_of(CollectiveKind.ALL_GATHER)
+    data = [payload(r, size) for r in range(world)]
+    for seed in range(3):
+        t = table(world)
+        got = Results(world)
+        got.take(run_interleaved(t, [byte_chunks(r, key, data[r]) for r in range(world)], seed))
+        for rank in range(world):
+            assert got.of(rank) == b"".join(data)
+        assert not t.has_pending() and all(t.buffered_bytes(r) == 0 for r in range(world))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("size", [0, 5, 11])
+def test_broadcast_relays_the_roots_bytes_to_every_rank(world: int, size: int) -> None:
+    for root in range(world):
+        key = key_of(CollectiveKind.BROADCAST, root=root)
+        data = payload(root, size)
+        for seed in range(3):
+            t = table(world)
+            got = Results(world)
+            got.take(run_interleaved(t, [byte_chunks(r, key, data) for r in range(world)], seed))
+            assert [got.of(r) for r in range(world)] == [data] * world
+            assert not t.has_pending()
+
+
+def test_broadcast_holds_the_roots_bytes_until_every_rank_arrived() -> None:
+    key = key_of(CollectiveKind.BROADCAST, root=1)
+    data = payload(1, 10)
+    t = table(3)
+    out = []
+    for c in byte_chunks(1, key, data) + byte_chunks(0, key, data):
+        out += t.contribute(c)
+    assert not any(isinstance(o.event, AveragedChunkOut) for o in out)
+    assert t.buffered_bytes(1) == 10
+    got = Results(3)
+    got.take(t.contribute(byte_chunks(2, key, data)[0]))
+    assert [got.of(r) for r in range(3)] == [data] * 3 and t.buffered_bytes(1) == 0
+
+
+def reduce_bytes(world: int, data: list[np.ndarray], op: ReduceOp) -> bytes:
+    """What a REDUCE of these inputs gives (the same table, kind REDUCE)."""
+    key = key_of(CollectiveKind.REDUCE, op=op)
+    t = table(world)
+    got = Results(world)
+    for rank in range(world):
+        for c in float_chunks(rank, key, data[rank]):
+            got.take(t.contribute(c))
+    return got.of(0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG])
+@pytest.mark.parametrize("part", [0, 1, 5])
+def test_reduce_scatter_gives_each_rank_its_part_of_the_exact_reduction(
+    world: int, op: ReduceOp, part: int
+) -> None:
+    size = part * world
+    data = [floats(r, size) for r in range(world)]
+    whole = reduce_bytes(world, data, op)
+    key = key_of(CollectiveKind.REDUCE_SCATTER, op=op)
+    for seed in range(3):
+        t = table(world)
+        got = Results(world)
+        got.take(run_interleaved(t, [float_chunks(r, key, data[r]) for r in range(world)], seed))
+        for rank in range(world):
+            assert got.of(rank) == whole[rank * part * 4 : (rank + 1) * part * 4]
+        assert not t.has_pending() and all(t.buffered_bytes(r) == 0 for r in range(world))
+
+
+def test_reduce_scatter_sends_nothing_before_the_whole_sum_is_reduced() -> None:
+    key = key_of(CollectiveKind.REDUCE_SCATTER)
+    data = [floats(r, 12) for r in range(2)]
+    t = table(2)
+    out = []
+    chunks = [float_chunks(r, key, data[r]) for r in range(2)]
+    for c in chunks[0] + chunks[1][:-1]:
+        out += t.contribute(c)
+    assert not any(isinstance(o.event, AveragedChunkOut) for o in out)
+    out = t.contribute(chunks[1][-1])
+    assert {o.to for o in out} == {(0,), (1,)}
+
+
+def all_to_all_expected(splits: list[list[int]], data: list[bytes]) -> list[bytes]:
+    world = len(splits)
+    pieces = []
+    for source in range(world):
+        begin, mine = 0, []
+        for length in splits[source]:
+            mine.append(data[source][begin : begin + length])
+            begin += length
+        pieces.append(mine)
+    return [b"".join(pieces[source][dest] for source in range(world)) for dest in range(world)]
+
+
+ALL_TO_ALL_SPLITS = {
+    "uneven": [[3, 0, 6], [1, 9, 2], [0, 0, 5]],
+    "gather-to-1": [[0, 5, 0], [0, 5, 0], [0, 5, 0]],
+    "scatter-from-2": [[0, 0, 0], [0, 0, 0], [7, 1, 6]],
+    "all-empty": [[0, 0, 0], [0, 0, 0], [0, 0, 0]],
+    "two-ranks": [[9, 2], [0, 13]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_TO_ALL_SPLITS))
+def test_all_to_all_routes_each_piece_to_its_rank_in_source_order(name: str) -> None:
+    splits = ALL_TO_ALL_SPLITS[name]
+    world = len(splits)
+    data = [payload(r, sum(splits[r]), 7) for r in range(world)]
+    expected = all_to_all_expected(splits, data)
+    for seed in range(4):
+        t = table(world)
+        got = Results(world)
+        per_rank = [
+            byte_chunks(r, key_of(CollectiveKind.ALL_TO_ALL, splits=splits[r]), data[r]) for r in range(world)
+        ]
+        got.take(run_interleaved(t, per_rank, seed))
+        assert [got.of(r) for r in range(world)] == expected
+        assert not t.has_pending() and all(t.buffered_bytes(r) == 0 for r in range(world))
+
+
+def test_no_all_to_all_result_is_complete_before_every_contribution_arrived() -> None:
+    splits = [[3, 6], [1, 10]]
+    data = [payload(r, sum(splits[r])) for r in range(2)]
+    chunks = [byte_chunks(r, key_of(CollectiveKind.ALL_TO_ALL, splits=splits[r]), data[r]) for r in range(2)]
+    t = table(2)
+    got = Results(2)
+    last = chunks[1].pop()
+    for c in itertools.chain(*chunks):
+        got.take(t.contribute(c))
+        assert not got.complete(0) and not got.complete(1)
+    got.take(t.contribute(last))
+    assert [got.of(0), got.of(1)] == all_to_all_expected(splits, data)
+
+
+def test_a_gather_size_that_differs_fails_the_operation_naming_the_rank_and_both_sizes() -> None:
+    key = key_of(CollectiveKind.ALL_GATHER)
+    t = table(3)
+    t.contribute(byte_chunks(0, key, payload(0, 8))[0])
+    out = t.contribute(byte_chunks(2, key, payload(2, 6))[0])
+    [(to, culprit), (to_others, others)] = sorted(errors(out), key=lambda e: e[1].code)
+    assert {to, to_others} == {(2,), (0, 1)} and others.code == int(Status.ABORTED)
+    assert culprit.step_failed and culprit.culprit_worker_id == 2
+    message = culprit.message
+    assert "worker 2" in message and "6" in message and "8" in message and "worker 0" in message
+    assert not t.has_pending() and t.buffered_bytes(0) == 0
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "words"),
+    [
+        (key_of(CollectiveKind.ALL_GATHER), key_of(CollectiveKind.BROADCAST), "BROADCAST"),
+        (key_of(CollectiveKind.BROADCAST, root=0), key_of(CollectiveKind.BROADCAST, root=1), "from rank 1"),
+    ],
+    ids=["kind", "root"],
+)
+def test_a_kind_or_root_that_differs_fails_the_operation_naming_the_rank(
+    first: TensorKey, second: TensorKey, words: str
+) -> None:
+    t = table(2)
+    t.contribute(byte_chunks(0, first, payload(0, 4))[0])
+    out = t.contribute(byte_chunks(1, second, payload(0, 4))[0])
+    errs = errors(out)
+    culprit = next(e for to, e in errs if to == (1,))
+    assert culprit.code == int(Status.INVALID_ARGUMENT) and "worker 1" in culprit.message
+    assert words in culprit.message
+    assert any(to == (0,) and e.code == int(Status.ABORTED) for to, e in errs)
+
+
+@pytest.mark.parametrize(
+    ("key", "data", "words"),
+    [
+        (key_of(CollectiveKind.BROADCAST, root=3), b"abc", "root 3 is not a rank of 3"),
+        (key_of(CollectiveKind.ALL_TO_ALL, splits=[1, 2]), b"abc", "2 split_bytes, one per rank of 3"),
+    ],
+    ids=["root", "splits"],
+)
+def test_a_root_or_split_that_does_not_fit_the_world_fails_the_operation(
+    key: TensorKey, data: bytes, words: str
+) -> None:
+    t = table(3)
+    chunk = ChunkIn(1, key, ChunkHeader(DType.BYTES, len(data)), 0, data)
+    [err] = [e for to, e in errors(t.contribute(chunk)) if to == (1,)]
+    assert err.code == int(Status.INVALID_ARGUMENT) and err.step_failed and words in err.message
+    assert "worker 1" in err.message
+
+
+def test_a_reduce_scatter_not_divisible_by_the_ranks_fails_naming_it() -> None:
+    key = key_of(CollectiveKind.REDUCE_SCATTER)
+    t = table(3)
+    out = t.contribute(float_chunks(2, key, floats(2, 7))[0])
+    [err] = [e for to, e in errors(out) if to == (2,)]
+    assert (
+        err.code == int(Status.INVALID_ARGUMENT) and "7 elements" in err.message and "3 ranks" in err.message
+    )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        key_of(CollectiveKind.ALL_GATHER),
+        key_of(CollectiveKind.BROADCAST, root=0),
+        key_of(CollectiveKind.ALL_TO_ALL, splits=[4, 4, 4]),
+    ],
+    ids=["all-gather", "broadcast", "all-to-all"],
+)
+def test_a_lost_rank_fails_the_operation_naming_it_and_frees_what_was_held(key: TensorKey) -> None:
+    t = table(3)
+    t.contribute(byte_chunks(0, key, payload(0, 12))[0])
+    [(to, err)] = errors(t.worker_lost(2, "disconnected"))
+    assert to == (0, 1) and err.code == int(Status.ABORTED) and err.step_failed
+    assert "worker 2 disconnected" in err.message and err.culprit_worker_id == 2
+    assert not t.has_pending() and t.buffered_bytes(0) == 0
+
+
+def test_a_missing_broadcast_rank_is_named_at_the_step_timeout() -> None:
+    now = [0.0]
+    t = ReductionTable(3, CHUNK, 5.0, lambda: now[0])
+    key = key_of(CollectiveKind.BROADCAST, root=0)
+    for c in byte_chunks(0, key, payload(0, 9)) + byte_chunks(2, key, payload(0, 9)):
+        t.contribute(c)
+    now[0] = 6.0
+    [(to, err)] = errors(t.expire())
+    assert err.code == int(Status.DEADLINE_EXCEEDED) and "worker(s) 1" in err.message and to == (0, 1, 2)
+
+
+def test_a_later_all_to_all_chunk_with_other_splits_fails_naming_both() -> None:
+    t = table(2)
+    first = byte_chunks(0, key_of(CollectiveKind.ALL_TO_ALL, splits=[4, 4]), payload(0, 8))
+    second = byte_chunks(0, key_of(CollectiveKind.ALL_TO_ALL, splits=[2, 6]), payload(0, 8))
+    t.contribute(first[0])
+    [err] = [e for to, e in errors(t.contribute(second[1])) if to == (0,)]
+    assert "split [2, 6]" in err.message and "split [4, 4]" in err.message
+
+
+def test_sharded_coordinators_refuse_the_native_kinds() -> None:
+    from gradserver.common.shard_map import ShardMap
+
+    shard_map = ShardMap.parse("a:1,b:2")
+    t = ReductionTable(2, CHUNK, 10.0, lambda: 0.0, shard=(shard_map, 0))
+    chunk = byte_chunks(0, key_of(CollectiveKind.ALL_GATHER), payload(0, 4))[0]
+    [(to, err)] = errors(t.contribute(chunk))
+    assert to == (0,) and err.code == int(Status.FAILED_PRECONDITION) and "ALL_GATHER" in err.message
+
+
+# --- the codec ----------------------------------------------------------------------------------
+
+LIMITS = codec.WireLimits(chunk_elements=CHUNK, max_tensor_elements=1 << 20, world_size=3)
+
+
+def test_the_new_key_fields_survive_the_wire() -> None:
+    key = key_of(CollectiveKind.ALL_TO_ALL, splits=[1, 0, 3])
+    chunk = ChunkIn(2, key, ChunkHeader(DType.BYTES, 4), 0, b"wxyz")
+    decoded = codec.decode_worker_message(codec.encode_worker_event(chunk), LIMITS)
+    assert isinstance(decoded, ChunkIn)
+    assert decoded.key.collective_kind is CollectiveKind.ALL_TO_ALL and decoded.key.split_bytes == (1, 0, 3)
+    assert decoded.header.dtype is DType.BYTES and bytes(decoded.data) == b"wxyz"
+    out = AveragedChunkOut(key_of(CollectiveKind.BROADCAST, root=2), ChunkHeader(DType.BYTES, 3), 1, b"ab", 3)
+    back = codec.decode_server_message(codec.encode_server_event(out))
+    assert isinstance(back, AveragedChunkOut) and back.key.root == 2 and bytes(back.data) == b"ab"
+    assert str(back.key) == "operation 0 collective BROADCAST from rank 2 of group 3"
+
+
+@pytest.mark.parametrize(
+    ("key", "dtype", "worker", "data", "words"),
+    [
+        (key_of(CollectiveKind.ALL_GATHER), DType.FLOAT32, 0, b"abcd", "dtype must be BYTES"),
+        (key_of(CollectiveKind.REDUCE), DType.BYTES, 0, b"abcd", "BYTES is never reduced"),
+        (key_of(CollectiveKind.REDUCE_SCATTER), DType.BYTES, 0, b"abcd", "BYTES is never reduced"),
+        (key_of(CollectiveKind.BROADCAST, root=1), DType.BYTES, 0, b"ab", "header-only"),
+        (key_of(CollectiveKind.BROADCAST, root=5), DType.BYTES, 5, b"ab", "root 5 is out of range"),
+        (key_of(CollectiveKind.ALL_TO_ALL, splits=[1, 1]), DType.BYTES, 0, b"ab", "2 split_bytes"),
+        (key_of(CollectiveKind.ALL_TO_ALL, splits=[1, 1, 1]), DType.BYTES, 0, b"ab", "sum to 3"),
+        (key_of(CollectiveKind.ALL_GATHER, root=1), DType.BYTES, 0, b"ab", "only for BROADCAST"),
+        (key_of(CollectiveKind.ALL_GATHER, splits=[1, 1, 0]), DType.BYTES, 0, b"ab", "only for ALL_TO_ALL"),
+    ],
+)
+def test_the_decoder_refuses_a_collective_chunk_that_is_wrong_on_its_own(
+    key: TensorKey, dtype: DType, worker: int, data: bytes, words: str
+) -> None:
+    chunk = ChunkIn(
+        worker, key, ChunkHeader(dtype, len(data) // (4 if dtype is DType.FLOAT32 else 1)), 0, data
+    )
+    with pytest.raises(InvalidArgumentError, match=words):
+        codec.decode_worker_message(codec.encode_worker_event(chunk), LIMITS)
+
+
+def test_the_decoder_refuses_an_unknown_collective_kind() -> None:
+    from gradserver.common._pb import gradient_server_pb2 as pb
+
+    msg = pb.WorkerMessage(
+        chunk=pb.GradientChunk(
+            worker_id=0,
+            key=pb.TensorKey(step=1, collective=pb.CollectiveKey(group=0, kind=9)),  # type: ignore[arg-type]
+            dtype=pb.DTYPE_BYTES,
+            total_elements=0,
+            data=b"",
+        )
+    )
+    with pytest.raises(InvalidArgumentError, match="unknown collective kind 9"):
+        codec.decode_worker_message(msg.SerializeToString(), LIMITS)
