@@ -103,8 +103,8 @@ def _rows(src: int, dst: int) -> int:
 def _all_to_all_single_uneven(rank: int, world: int, group: Any) -> list[torch.Tensor]:
     sent = [_rows(rank, j) for j in range(world)]
     received = [_rows(j, rank) for j in range(world)]
-    out = torch.full((sum(received), 2), -1, dtype=torch.int16)
-    data = _values("a2au", rank, (sum(sent), 2), torch.int16)
+    out = torch.full((sum(received), 2), -1, dtype=torch.int32)
+    data = _values("a2au", rank, (sum(sent), 2), torch.int32)  # gloo refuses int16
     dist.all_to_all_single(out, data, received, sent, group=group)
     return [out]
 
@@ -179,14 +179,18 @@ def _both_backends_rank(rank: int, world: int, store: str, out_dir: str, transpo
     os.environ["GRADSERVER_TRANSPORT"] = transport
     torch.set_num_threads(1)
     dist.init_process_group("gradserver", init_method=f"file://{store}", rank=rank, world_size=world)
+    where = "creating the gloo group"
     try:
         gloo = dist.new_group(backend="gloo")
         results: dict[str, Any] = {}
         for name, case in _cases(world).items():
-            results[name] = {"gradserver": case(rank, world, None), "gloo": case(rank, world, gloo)}
+            results[name] = {}
+            for backend, group in (("gradserver", None), ("gloo", gloo)):
+                where = f"{name} on {backend}"
+                results[name][backend] = case(rank, world, group)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     except Exception as exc:
-        (Path(out_dir) / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+        (Path(out_dir) / f"rank{rank}.error").write_text(f"{where}: {type(exc).__name__}: {exc}")
     finally:
         dist.destroy_process_group()
 
