@@ -69,7 +69,8 @@ class ShmLink(GrpcLink):
         piece: np.ndarray,
         stats: SampleStats | None,
     ) -> None:
-        ref = self.arenas.stage(key, offset, piece)
+        # An empty chunk (a broadcast's non-root rank, a zero-size tensor) has nothing to stage.
+        ref = self.arenas.stage(key, offset, piece) if piece.nbytes else None
         if ref is None:
             super().send_chunk(key, header, offset, piece, stats)
         else:
