@@ -15,10 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.messages import CollectiveKind
 from gradserver.torch._collective import CollectiveClient
 from gradserver.torch.backend import ProcessGroupGradServer
 
@@ -396,3 +399,38 @@ def test_every_tensor_a_native_collective_touched_stays_resizable(
             ]
     finally:
         _shutdown(groups)
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_that_cannot_fit_the_ranks_is_refused_before_anything_is_sent(
+    coordinator: Callable[..., ServerThread],
+) -> None:
+    """The worker library names the key and what does not fit: a reduce-scatter that does not
+    split into one part per rank, a broadcast root beyond the ranks, all-to-all splits that are
+    not one per rank summing to what is sent."""
+    world = 2
+    server = coordinator(world_size=world)
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        joins = [
+            pool.submit(CollectiveClient.connect_as_rank, server.address, r, timeout=TEST_TIMEOUTS)
+            for r in range(world)
+        ]
+        clients = [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in joins]
+    try:
+        client = clients[0]
+        with pytest.raises(InvalidArgumentError, match=r"REDUCE_SCATTER.*3 elements do not split into 2"):
+            client.send_collective(0, 0, np.ones(3, np.float32), kind=CollectiveKind.REDUCE_SCATTER)
+        with pytest.raises(InvalidArgumentError, match=r"BROADCAST from rank 2.*root 2 is out of range"):
+            client.send_collective(0, 0, np.ones(4, np.uint8), kind=CollectiveKind.BROADCAST, root=2)
+        with pytest.raises(InvalidArgumentError, match=r"ALL_TO_ALL.*split_bytes \[1, 2\] must hold"):
+            client.send_collective(
+                0, 0, np.ones(4, np.uint8), kind=CollectiveKind.ALL_TO_ALL, split_bytes=(1, 2)
+            )
+        # Nothing was sent: the same operation still runs once every rank contributes.
+        for rank, peer in enumerate(clients):
+            peer.send_collective(0, 0, np.full(2, rank, np.uint8), kind=CollectiveKind.ALL_GATHER)
+        for peer in clients:
+            assert peer.receive_collective(30).tolist() == [0, 0, 1, 1]
+    finally:
+        for peer in clients:
+            peer.close()

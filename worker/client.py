@@ -253,7 +253,10 @@ class WorkerClient:
         """Contributes `array` (float32: numpy, CPU or CUDA torch, or a sequence) to `key`'s
         reduction. Block keys carry their 9 `component_sizes`, whole-model keys this worker's
         `stats`. With `into` the result is written there (see `send_block_gradient`). Returns once
-        every chunk is queued for the transport; `receive(key.kind)` returns the result."""
+        every chunk is queued for the transport; `receive(key.kind)` returns the result.
+        A collective key of a kind that moves bytes (ALL_GATHER, BROADCAST, ALL_TO_ALL) takes an
+        array of any dtype and sends its raw bytes (a BROADCAST's non-root ranks send none, only
+        their length); its result is uint8 (`into`: any dtype of the result's size in bytes)."""
         self._check_step(key.step)
         if key.kind is KeyKind.COLLECTIVE and key.collective_kind in BYTE_KINDS:
             self._send_bytes(key, as_byte_array(array, what=str(key)), into=into)
