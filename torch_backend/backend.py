@@ -398,10 +398,15 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         plan = plan_reduction(what, op, [t.dtype for t in [*in_rank_order, *outputs]], self.size())
 
         def run(sequence: int) -> None:
-            # The part arrives once the whole sum is reduced, after every input was read: the
-            # output may be written in place even where it overlaps the input.
-            into = _host_bytes(outputs[0]) if len(outputs) == 1 else None
-            mine = self._reduce(sequence, _flatten(in_rank_order), plan, scatter=True, into=into)
+            # Pieces of the part stream in as the coordinator reduces each chunk, which every
+            # rank has sent by then: the output takes them directly unless it lies in the input
+            # elsewhere than in this rank's own part (whose bytes were sent before they arrive).
+            flat = _flatten(in_rank_order)
+            own = flat.chunk(self.size())[self.rank()] if flat.numel() else flat
+            into = None
+            if len(outputs) == 1 and (not _overlaps(flat, outputs[0]) or _same_memory(outputs[0], own)):
+                into = _host_bytes(outputs[0])
+            mine = self._reduce(sequence, flat, plan, scatter=True, into=into)
             _scatter_into(outputs, mine)
 
         return self._submit(what, run, outputs, [*in_rank_order, *outputs])
