@@ -1,9 +1,11 @@
-"""Routing of the byte-moving collectives (ALL_GATHER, BROADCAST, ALL_TO_ALL) of one operation.
+"""Where the result pieces of one native collective go, and when.
 
-Pure bookkeeping for the reduction table: it holds the contributions' chunks that cannot be
-forwarded yet and answers each arriving chunk with the result pieces that became ready (no float
-work: bytes are only sliced and routed). The table does the checks that concern every key (step
-order, duplicates, liveness, headers across ranks) before a chunk gets here.
+Pure bookkeeping for the reduction table. `ByteCollective` (ALL_GATHER, BROADCAST, ALL_TO_ALL)
+holds the contributions' chunks that cannot be forwarded yet and answers each arriving chunk with
+the result pieces that became ready (no float work: bytes are only sliced and routed).
+`ScatterParts` cuts a REDUCE_SCATTER's reduced chunks into the ranks' parts. The table does the
+checks that concern every key (step order, duplicates, liveness, headers across ranks) before a
+chunk gets here.
 
 - ALL_GATHER: chunk i of every rank is forwarded (to every rank, as rank j's bytes at j·S + i·C)
   once every rank sent its chunk i.
@@ -54,6 +56,7 @@ class ByteCollective:
         self.totals: list[int | None] = [None] * ranks
         self.splits: list[tuple[int, ...]] = [()] * ranks
         self._held: dict[tuple[int, int], Data] = {}  # (rank, chunk index) -> bytes not forwarded
+        self._held_bytes = [0] * ranks  # per rank, the bytes in `_held`
         self._received = [0] * ranks  # chunks per rank
         self._forwarded_indices = 0  # ALL_GATHER: chunk indices sent
         self._relayed = 0  # BROADCAST: root chunks sent
@@ -72,7 +75,7 @@ class ByteCollective:
 
     def held_bytes(self, rank: int) -> int:
         """Bytes of `rank`'s contribution held here (not forwarded yet)."""
-        return sum(_nbytes(d) for (w, _), d in self._held.items() if w == rank)
+        return self._held_bytes[rank]
 
     def complete(self) -> bool:
         """Every rank's every chunk arrived and everything was sent."""
@@ -101,11 +104,17 @@ class ByteCollective:
             self.splits[rank] = splits
         self._received[rank] += 1
         self._held[(rank, index)] = data
+        self._held_bytes[rank] += _nbytes(data)
         if self.kind is CollectiveKind.ALL_GATHER:
             return self._gather_ready()
         if self.kind is CollectiveKind.BROADCAST:
             return self._relay_ready()
         return self._route_ready()
+
+    def _take(self, rank: int, index: int) -> Data:
+        data = self._held.pop((rank, index))
+        self._held_bytes[rank] -= _nbytes(data)
+        return data
 
     def _all_received(self) -> bool:
         return all(self._received[w] == self.expected_chunks(w) for w in range(self.ranks))
@@ -120,7 +129,7 @@ class ByteCollective:
             index = self._forwarded_indices
             if not all((w, index) in self._held for w in range(self.ranks)):
                 return out
-            parts = [self._held.pop((w, index)) for w in range(self.ranks)]
+            parts = [self._take(w, index) for w in range(self.ranks)]
             self._forwarded_indices += 1
             if total == 0:
                 return [Piece(self._everyone(), 0, 0, b"")]  # one empty piece for an empty result
@@ -133,10 +142,11 @@ class ByteCollective:
         if not all(self._received[w] for w in others):
             return []
         for w in others:
-            self._held.pop((w, 0), None)  # header-only: nothing to send
+            if (w, 0) in self._held:
+                self._take(w, 0)  # header-only: nothing to send
         out: list[Piece] = []
         while (root, self._relayed) in self._held:
-            data = self._held.pop((root, self._relayed))
+            data = self._take(root, self._relayed)
             out.append(Piece(self._everyone(), self.size, self._relayed * self.chunk, data))
             self._relayed += 1
         return out
@@ -145,9 +155,8 @@ class ByteCollective:
         if any(total is None for total in self.totals):
             return []
         out: list[Piece] = []
-        for (source, index), data in sorted(self._held.items(), key=lambda item: item[0]):
-            del self._held[(source, index)]
-            out += self._route(source, index, data)
+        for source, index in sorted(self._held):
+            out += self._route(source, index, self._take(source, index))
         if self._all_received():
             for rank in range(self.ranks):
                 kept = self._kept.pop(rank, [])
@@ -178,4 +187,46 @@ class ByteCollective:
                 else:
                     out.append(piece)
             begin += length
+        return out
+
+
+class ScatterParts:
+    """Cuts the reduced chunks of one REDUCE_SCATTER into the ranks' parts as they come: rank r
+    gets elements [r·P, (r+1)·P) of the result (P = S / ranks), pieces at offsets within its part.
+    The piece that would complete a rank's part is kept (copied) until every chunk is reduced,
+    so no rank sees its part complete while others' inputs are still being read."""
+
+    def __init__(self, ranks: int, size: int, item_size: int, num_chunks: int) -> None:
+        self.ranks = ranks
+        self.part = size // ranks
+        self.item = item_size
+        self._chunks_left = num_chunks
+        self._sent = [0] * ranks  # elements of each part sent or kept
+        self._kept: list[Piece] = []
+
+    def reduced(self, start: int, data: Data) -> list[Piece]:
+        """Takes the reduced elements from `start` (`data`, whole elements); returns the pieces
+        ready to send (with every chunk reduced, the kept ones too)."""
+        self._chunks_left -= 1
+        view = memoryview(data).cast("B")
+        stop = start + len(view) // self.item
+        out: list[Piece] = []
+        for rank in range(self.ranks):
+            lo, hi = max(start, rank * self.part), min(stop, (rank + 1) * self.part)
+            if lo >= hi and not (self.part == 0 and self._chunks_left == 0):
+                continue
+            piece = Piece(
+                (rank,),
+                self.part,
+                lo - rank * self.part,
+                view[(lo - start) * self.item : (hi - start) * self.item],
+            )
+            self._sent[rank] += max(0, hi - lo)
+            if self._sent[rank] == self.part and self._chunks_left:
+                self._kept.append(dataclasses.replace(piece, data=bytes(piece.data)))
+            else:
+                out.append(piece)
+        if not self._chunks_left:
+            out += self._kept
+            self._kept = []
         return out

@@ -47,7 +47,8 @@ class Reducer:
         self._drainer: asyncio.Task[None] | None = None
 
     def submit(self, table: ReductionTable, request: Reduce) -> None:
-        out = self._averager.take_output(request.data, request.dtype)
+        # A reduce-scatter's chunks are copied into its result: no output buffer is worth taking.
+        out = None if request.scattered else self._averager.take_output(request.data, request.dtype)
         if not self._queue and request.nbytes < INLINE_BELOW_BYTES:
             self._done(table, request, out, self._average(request, out))
             return

@@ -7,7 +7,10 @@ is averaged as soon as the last worker's copy arrives and its buffers are freed.
 
 Beside the table: `participation` (which workers a step waits for: lost, rejoined, live),
 `shards` (the answers to shard requests), `step_stats` (per-step counts, logged at DEBUG),
-`outgoing` (what the table returns) and `averaging` (the float64 mean of one chunk).
+`outgoing` (what the table returns), `averaging` (the float64 mean of one chunk) and `collectives`
+(where the result pieces of the native collective kinds go: ALL_GATHER, BROADCAST, ALL_TO_ALL
+are routed there without float work; a REDUCE_SCATTER is reduced here like any key and its
+reduced chunks are cut into the ranks' parts there).
 
 Rules (docs/PROTOCOL.md lists them with their status codes):
 - A step either completes for every key or fails for all workers at once; the failure is
@@ -31,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gradserver.common.chunking import chunk_count, chunk_spans
+from gradserver.common.chunking import chunk_count
 from gradserver.common.errors import Status
 from gradserver.common.messages import (
     BYTE_KINDS,
@@ -53,7 +56,7 @@ from gradserver.common.messages import (
 from gradserver.common.shard_map import ShardMap
 
 from .averaging import Averager, NonFiniteContribution, SumOverflow
-from .collectives import ByteCollective, Piece
+from .collectives import ByteCollective, Piece, ScatterParts
 from .outgoing import Outgoing, error_to
 from .participation import Participation
 from .shards import ShardAssigner
@@ -85,8 +88,8 @@ class _Slot:
     inflight: dict[int, list[bytes | memoryview | None]] = dataclasses.field(default_factory=dict)
     # ALL_GATHER, BROADCAST, ALL_TO_ALL: the chunks are routed there instead of averaged.
     collective: ByteCollective | None = None
-    # REDUCE_SCATTER: the whole reduced result, cut into each rank's part once complete.
-    scattered: bytearray | None = None
+    # REDUCE_SCATTER: cuts the reduced chunks into the ranks' parts.
+    scattered: ScatterParts | None = None
 
     def __post_init__(self) -> None:
         self.received = [set() for _ in range(self.world_size)]
@@ -117,6 +120,11 @@ class Reduce:
     divide: bool
     finite_only: bool
     to: tuple[int, ...]  # the live workers when it completed
+
+    @property
+    def scattered(self) -> bool:
+        """A REDUCE_SCATTER chunk: its result is copied into the rank parts, not sent as is."""
+        return self.key.collective_kind is CollectiveKind.REDUCE_SCATTER
 
     @property
     def nbytes(self) -> int:
@@ -281,7 +289,7 @@ class ReductionTable:
         without it, that step fails instead: no average is ever a mixture."""
         out: list[Outgoing] = []
         for slot in list(self._pending.values()):
-            if lost not in slot.expected or len(slot.received[lost]) == slot.num_chunks:
+            if lost not in slot.expected or len(slot.received[lost]) == slot.chunks_of(lost):
                 continue
             step = slot.key.step
             if slot.key.kind is KeyKind.COLLECTIVE and slot.key.collective_kind is not CollectiveKind.REDUCE:
@@ -602,7 +610,8 @@ class ReductionTable:
         if key.kind is KeyKind.COLLECTIVE and key.collective_kind in BYTE_KINDS:
             slot.collective = ByteCollective(key, self.world_size, self.chunk_elements, header.total_elements)
         elif key.kind is KeyKind.COLLECTIVE and key.collective_kind is CollectiveKind.REDUCE_SCATTER:
-            slot.scattered = bytearray(header.total_elements * ITEM_SIZE[header.dtype])
+            item = ITEM_SIZE[header.dtype]
+            slot.scattered = ScatterParts(self.world_size, header.total_elements, item, slot.num_chunks)
         self._roster.saw_step(key.step)
         self._pending[key.slot] = slot
         self._open_steps.add(key.step)
@@ -750,24 +759,10 @@ class ReductionTable:
     def _scatter(
         self, slot: _Slot, index: int, averaged: bytes | memoryview, to: tuple[int, ...]
     ) -> list[Outgoing]:
-        """REDUCE_SCATTER: keeps chunk `index` of the result; once all of it is reduced, sends
-        each rank its part (so no input of the key is read after any rank got its part)."""
-        result = slot.scattered
-        assert result is not None
-        item = ITEM_SIZE[slot.header.dtype]
-        start = index * self.chunk_elements * item
-        result[start : start + _nbytes(averaged)] = averaged
-        if slot.reduced + 1 < slot.num_chunks:
-            return []
-        part = slot.header.total_elements // self.world_size
-        view = memoryview(result)
-        out: list[Outgoing] = []
-        for rank in to:
-            for offset, length in chunk_spans(part, self.chunk_elements):
-                begin = (rank * part + offset) * item
-                piece = Piece((rank,), part, offset, view[begin : begin + length * item])
-                out.append(self._piece_out(slot, piece, to))
-        return out
+        """REDUCE_SCATTER: the pieces of the ranks' parts that chunk `index` completes."""
+        assert slot.scattered is not None
+        pieces = slot.scattered.reduced(index * self.chunk_elements, averaged)
+        return [o for o in (self._piece_out(slot, piece, to) for piece in pieces) if o.to]
 
     def _finish(self, slot: _Slot, contributors: int) -> None:
         """`slot` is done: every result went out."""
@@ -795,7 +790,10 @@ class ReductionTable:
             self._reductions.append(request)
             return []
         try:
-            averaged = self._averager.reduce(
+            # A reduce-scatter's chunks are copied into its result, never sent as they are: no
+            # output buffer (the shared-memory arena) is worth taking for them.
+            average = self._averager.average if request.scattered else self._averager.reduce
+            averaged = average(
                 request.data, divide=request.divide, dtype=request.dtype, finite_only=request.finite_only
             )
         except (SumOverflow, NonFiniteContribution) as exc:

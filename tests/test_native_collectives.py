@@ -4,14 +4,19 @@ the bytes each rank receives, the bytes on the wire, and the errors naming the r
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import itertools
+import queue
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 
 from gradserver.common import codec
+from gradserver.common import shm as shm_support
 from gradserver.common.errors import InvalidArgumentError, Status
 from gradserver.common.messages import (
     AveragedChunkOut,
@@ -23,8 +28,14 @@ from gradserver.common.messages import (
     ReduceOp,
     TensorKey,
 )
+from gradserver.server.metrics import Traffic
 from gradserver.server.outgoing import Outgoing
 from gradserver.server.reduction import ReductionTable
+from gradserver.worker import WorkerClient
+
+from .helpers import raw
+from .helpers.raw import RawWorker
+from .helpers.server import TEST_TIMEOUTS, ServerThread
 
 CHUNK = 4  # elements (bytes, for DTYPE_BYTES) per chunk in the pure-table tests
 GROUP = 3
@@ -197,17 +208,19 @@ def test_reduce_scatter_gives_each_rank_its_part_of_the_exact_reduction(
         assert not t.has_pending() and all(t.buffered_bytes(r) == 0 for r in range(world))
 
 
-def test_reduce_scatter_sends_nothing_before_the_whole_sum_is_reduced() -> None:
+def test_no_reduce_scatter_part_is_complete_before_the_whole_sum_is_reduced() -> None:
     key = key_of(CollectiveKind.REDUCE_SCATTER)
-    data = [floats(r, 12) for r in range(2)]
+    data = [floats(r, 24) for r in range(2)]
     t = table(2)
-    out = []
+    got = Results(2)
     chunks = [float_chunks(r, key, data[r]) for r in range(2)]
     for c in chunks[0] + chunks[1][:-1]:
-        out += t.contribute(c)
-    assert not any(isinstance(o.event, AveragedChunkOut) for o in out)
-    out = t.contribute(chunks[1][-1])
-    assert {o.to for o in out} == {(0,), (1,)}
+        got.take(t.contribute(c))
+        assert not got.complete(0) and not got.complete(1)
+    assert got.buffers, "no piece was sent before the last chunk: parts are not streamed"
+    got.take(t.contribute(chunks[1][-1]))
+    whole = reduce_bytes(2, data, ReduceOp.SUM)
+    assert [got.of(0), got.of(1)] == [whole[:48], whole[48:]]
 
 
 def all_to_all_expected(splits: list[list[int]], data: list[bytes]) -> list[bytes]:
@@ -342,6 +355,29 @@ def test_a_lost_rank_fails_the_operation_naming_it_and_frees_what_was_held(key: 
     assert not t.has_pending() and t.buffered_bytes(0) == 0
 
 
+def test_a_native_collective_without_every_rank_fails_naming_the_absent_one() -> None:
+    t = ReductionTable(3, CHUNK, 10.0, lambda: 0.0, on_worker_loss="continue")
+    t.worker_lost(2, "disconnected")
+    out = t.contribute(byte_chunks(0, key_of(CollectiveKind.ALL_GATHER), payload(0, 4))[0])
+    [err] = [e for to, e in errors(out) if to == (0,)]
+    assert err.code == int(Status.ABORTED) and err.step_failed and "worker(s) 2" in err.message
+    assert "needs every rank" in err.message and not t.has_pending()
+
+
+def test_a_byte_chunk_sent_twice_is_refused_and_forwarded_once() -> None:
+    key = key_of(CollectiveKind.ALL_GATHER)
+    data = [payload(r, 6) for r in range(2)]
+    t = table(2)
+    first = byte_chunks(0, key, data[0])
+    t.contribute(first[0])
+    [(to, err)] = errors(t.contribute(ChunkIn(0, key, first[0].header, 0, b"zzzz")))
+    assert to == (0,) and err.code == int(Status.INVALID_ARGUMENT) and "twice" in err.message
+    got = Results(2)
+    for c in first[1:] + byte_chunks(1, key, data[1]):
+        got.take(t.contribute(c))
+    assert got.of(0) == got.of(1) == b"".join(data)
+
+
 def test_a_missing_broadcast_rank_is_named_at_the_step_timeout() -> None:
     now = [0.0]
     t = ReductionTable(3, CHUNK, 5.0, lambda: now[0])
@@ -428,3 +464,268 @@ def test_the_decoder_refuses_an_unknown_collective_kind() -> None:
     )
     with pytest.raises(InvalidArgumentError, match="unknown collective kind 9"):
         codec.decode_worker_message(msg.SerializeToString(), LIMITS)
+
+
+# --- a real coordinator -------------------------------------------------------------------------
+
+WIRE_CHUNK_BYTES = 64  # chunk_bytes: 16 elements (bytes, for DTYPE_BYTES) per chunk
+WIRE_CHUNK = WIRE_CHUNK_BYTES // 4
+
+
+def _wire_config(world: int, **overrides: Any) -> dict[str, Any]:
+    return {"world_size": world, "chunk_mib": WIRE_CHUNK_BYTES / (1 << 20), **overrides}
+
+
+def _join_raw(address: str, world: int) -> list[RawWorker]:
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        joined = list(pool.map(lambda i: raw.join(address, node_id=f"native-{i}"), range(world)))
+    workers = sorted(
+        (RawWorker(channel, accepted) for channel, accepted in joined), key=lambda w: w.worker_id
+    )
+    assert [w.worker_id for w in workers] == list(range(world))
+    return workers
+
+
+def _send(worker: RawWorker, key: TensorKey, data: bytes | np.ndarray) -> None:
+    """Sends one contribution as a worker cuts it (floats for the reductions, else bytes)."""
+    if isinstance(data, np.ndarray):
+        worker.send_tensor(key, data)
+        return
+    for c in byte_chunks(worker.worker_id, key, data, WIRE_CHUNK):
+        worker.send(c)
+
+
+def _receive(worker: RawWorker, key: TensorKey) -> bytes:
+    """This worker's whole result of `key` (its pieces, each byte exactly once)."""
+    got = Results(1)
+    while not got.complete(0):
+        event = worker.recv(timeout=TEST_TIMEOUTS.receive)
+        assert isinstance(event, AveragedChunkOut), f"worker {worker.worker_id} got {event!r}"
+        assert event.key == key, f"worker {worker.worker_id} got a piece of {event.key}, not {key}"
+        got.take([Outgoing((0,), event)])
+    return got.of(0)
+
+
+def _own_key(key: TensorKey, splits: list[list[int]], rank: int) -> TensorKey:
+    """`key` as `rank` sends it: an ALL_TO_ALL carries that rank's own split_bytes."""
+    if key.collective_kind is CollectiveKind.ALL_TO_ALL:
+        return dataclasses.replace(key, split_bytes=tuple(splits[rank]))
+    return key
+
+
+def _traffic(server: ServerThread, world: int) -> list[Traffic]:
+    return server.call(lambda s: [s.traffic(w) for w in range(world)])
+
+
+Operation = tuple[TensorKey, list[bytes | np.ndarray], list[bytes]]
+
+
+def _operations(world: int) -> tuple[list[Operation], list[list[int]]]:
+    """Operations 0.. of one group: each key, what each rank sends, what each must receive;
+    and the ALL_TO_ALL's split_bytes of each rank."""
+    size = 3 * WIRE_CHUNK + 5  # several chunks, the last one short
+    gathered = [payload(r, size, 1) for r in range(world)]
+    root = world - 1
+    broadcast = payload(root, size, 2)
+    part = WIRE_CHUNK + 3  # a part that spans two chunks
+    scattered = [floats(r, part * world, 3) for r in range(world)]
+    exact = np.sum(np.stack([d.astype(np.float64) for d in scattered]), axis=0)  # rank order
+    summed = exact.astype("<f4").tobytes()
+    splits = [[(7 * r + 3 * d + 1) % 23 for d in range(world)] for r in range(world)]
+    routed = [payload(r, sum(splits[r]), 4) for r in range(world)]
+
+    def key(op: int, kind: CollectiveKind, **fields: Any) -> TensorKey:
+        return TensorKey.collective(op, GROUP, ReduceOp.SUM, kind=kind, **fields)
+
+    return [
+        (key(0, CollectiveKind.ALL_GATHER), list(gathered), [b"".join(gathered)] * world),
+        (key(1, CollectiveKind.BROADCAST, root=root), [broadcast] * world, [broadcast] * world),
+        (
+            key(2, CollectiveKind.REDUCE_SCATTER),
+            list(scattered),
+            [summed[r * part * 4 : (r + 1) * part * 4] for r in range(world)],
+        ),
+        (key(3, CollectiveKind.ALL_TO_ALL), list(routed), all_to_all_expected(splits, routed)),
+    ], splits
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_kind_over_grpc_gives_each_rank_its_bytes_and_costs_what_the_contract_bounds(
+    coordinator, world: int
+) -> None:
+    server = coordinator(**_wire_config(world))
+    workers = _join_raw(server.address, world)
+    operations, splits = _operations(world)
+    try:
+        for key, inputs, expected in operations:
+            before = _traffic(server, world)
+            for rank, worker in enumerate(workers):
+                _send(worker, _own_key(key, splits, rank), inputs[rank])
+            got = [_receive(worker, key) for worker in workers]
+            assert got == expected, f"{key}: a rank received other bytes"
+            after = _traffic(server, world)
+            for rank in range(world):
+                received = after[rank].received_bytes - before[rank].received_bytes
+                sent = after[rank].sent_bytes - before[rank].sent_bytes
+                _check_bounds(key, rank, world, inputs, splits, received, sent)
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def _check_bounds(
+    key: TensorKey,
+    rank: int,
+    world: int,
+    inputs: list[bytes | np.ndarray],
+    splits: list[list[int]],
+    received: int,
+    sent: int,
+) -> None:
+    """The contract's bytes-on-the-wire bounds (payload bytes, from the coordinator's counters)."""
+    data = inputs[rank]
+    size = data.nbytes if isinstance(data, np.ndarray) else len(data)
+    kind = key.collective_kind
+    what = f"rank {rank} of {key}: received {received}, sent {sent} for S = {size}"
+    if kind is CollectiveKind.ALL_GATHER:
+        assert received == size and sent == world * size, what
+        assert received + sent <= 1.1 * (size + world * size), what
+    elif kind is CollectiveKind.BROADCAST:
+        assert received == (size if rank == key.root else 0) and sent == size, what
+    elif kind is CollectiveKind.REDUCE_SCATTER:
+        assert received == size and sent == size // world, what
+        assert received + sent <= 1.1 * (size + size / world), what
+    else:
+        assert received == size and sent == sum(split[rank] for split in splits), what
+
+
+def test_a_disagreeing_root_over_grpc_fails_the_operation_for_both_naming_the_rank(coordinator) -> None:
+    server = coordinator(**_wire_config(2))
+    workers = _join_raw(server.address, 2)
+    try:
+        data = payload(0, 20)
+        _send(workers[0], key_of(CollectiveKind.BROADCAST, root=0), data)
+        _send(workers[1], key_of(CollectiveKind.BROADCAST, root=1), data)
+        culprit, other = workers[1].recv_error(), workers[0].recv_error()
+        assert culprit.code == int(Status.INVALID_ARGUMENT) and other.code == int(Status.ABORTED)
+        for err in (culprit, other):
+            assert err.step_failed and err.culprit_worker_id == 1 and "worker 1" in err.message
+            assert "from rank 1" in err.message and "from rank 0" in err.message
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def test_a_rank_lost_during_an_all_gather_fails_it_for_the_others_naming_the_rank(coordinator) -> None:
+    server = coordinator(**_wire_config(3))
+    workers = _join_raw(server.address, 3)
+    key = key_of(CollectiveKind.ALL_GATHER)
+    try:
+        for worker in workers[:2]:
+            _send(worker, key, payload(worker.worker_id, 40))
+        workers[2].close()
+        for worker in workers[:2]:
+            err = worker.recv_error()
+            assert err.code == int(Status.ABORTED) and err.step_failed and err.culprit_worker_id == 2
+            assert "worker 2" in err.message
+    finally:
+        for worker in workers[:2]:
+            worker.close()
+
+
+# --- shared-memory workers --------------------------------------------------------------------
+
+
+class ShmRank:
+    """A shared-memory worker driven at the link level: the worker library has no public call
+    for the byte kinds yet (that is the coll-worker branch), so this sends chunks through its
+    link (staged in the input arena) and records each result piece, read from the output arena."""
+
+    def __init__(self, client: WorkerClient) -> None:
+        self.client = client
+        self.link = client._link  # see the class docstring
+        self.pieces: queue.Queue[tuple[AveragedChunkOut, bytes]] = queue.Queue()
+        self.via_shm = 0
+        self.link._on_chunk = self._record  # type: ignore[method-assign]
+
+    def _record(self, event: AveragedChunkOut) -> None:
+        if event.shm is None:
+            self.pieces.put((event, bytes(event.data)))
+            return
+        self.via_shm += 1
+        arenas = self.link.arenas  # type: ignore[attr-defined]
+        try:
+            self.pieces.put((event, arenas.average(event.shm).tobytes()))
+        finally:
+            arenas.release(event.shm)
+
+    def send(self, key: TensorKey, data: bytes | np.ndarray) -> None:
+        array = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        dtype = DType.FLOAT32 if isinstance(data, np.ndarray) else DType.BYTES
+        header = ChunkHeader(dtype, array.size)
+        if key.collective_kind is CollectiveKind.BROADCAST and self.client.worker_id != key.root:
+            self.link.send_chunk(key, header, 0, array[:0], None)
+            return
+        for offset in range(0, max(1, array.size), WIRE_CHUNK):
+            self.link.send_chunk(key, header, offset, array[offset : offset + WIRE_CHUNK], None)
+
+    def receive(self) -> bytes:
+        got = Results(1)
+        while not got.complete(0):
+            event, data = self.pieces.get(timeout=TEST_TIMEOUTS.receive)
+            got.take([Outgoing((0,), dataclasses.replace(event, data=data, shm=None))])
+        return got.of(0)
+
+
+@pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_workers_get_the_same_bytes_through_the_arenas(
+    coordinator, tmp_path, world: int
+) -> None:
+    server = coordinator(**_wire_config(world, shm_dir=str(tmp_path)))
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        clients = list(
+            pool.map(
+                lambda r: WorkerClient.connect(
+                    server.address, node_id=f"shm-{r}", timeout=TEST_TIMEOUTS, rank=r, transport="shm"
+                ),
+                range(world),
+            )
+        )
+    ranks = [ShmRank(c) for c in clients]
+    # Whole float32 elements everywhere: the arena hands out 4-byte aligned float32 views.
+    size = 3 * WIRE_CHUNK + 4
+    gathered = [payload(r, size, 5) for r in range(world)]
+    splits = [[4 * ((r + d) % 3) for d in range(world)] for r in range(world)]
+    routed = [payload(r, sum(splits[r]), 6) for r in range(world)]
+    part = WIRE_CHUNK + 2
+    scattered = [floats(r, part * world, 7) for r in range(world)]
+    summed = np.sum(np.stack([d.astype(np.float64) for d in scattered]), axis=0).astype("<f4").tobytes()
+    operations: list[Operation] = [
+        (key_of(CollectiveKind.ALL_GATHER), list(gathered), [b"".join(gathered)] * world),
+        (
+            TensorKey.collective(1, GROUP, kind=CollectiveKind.BROADCAST, root=1),
+            [gathered[1]] * world,
+            [gathered[1]] * world,
+        ),
+        (
+            TensorKey.collective(2, GROUP, ReduceOp.SUM, kind=CollectiveKind.REDUCE_SCATTER),
+            scattered,
+            [summed[r * part * 4 : (r + 1) * part * 4] for r in range(world)],
+        ),
+        (
+            TensorKey.collective(3, GROUP, kind=CollectiveKind.ALL_TO_ALL),
+            routed,
+            all_to_all_expected(splits, routed),
+        ),
+    ]
+    try:
+        for key, inputs, expected in operations:
+            for rank in ranks:
+                r = rank.client.worker_id
+                rank.send(_own_key(key, splits, r), inputs[r])
+            assert [rank.receive() for rank in ranks] == expected, f"{key}: a rank received other bytes"
+        assert all(rank.via_shm for rank in ranks), "no result came through the output arena"
+    finally:
+        for c in clients:
+            c.close()
