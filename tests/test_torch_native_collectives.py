@@ -434,3 +434,35 @@ def test_a_collective_that_cannot_fit_the_ranks_is_refused_before_anything_is_se
     finally:
         for peer in clients:
             peer.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_in_place_all_gather_and_reduce_scatter_give_what_separate_buffers_give(
+    coordinator: Callable[..., ServerThread], transport: str
+) -> None:
+    """FSDP's in-place forms: the all-gather input is this rank's own piece of the output, the
+    reduce-scatter output this rank's own part of the input, while results stream in in small
+    chunks."""
+    world, n = 3, 3000
+    server = coordinator(world_size=world, chunk_mib=1024 / 2**20)
+    groups = _groups(server.address, world, transport)
+    try:
+
+        def run(rank: int, group: ProcessGroupGradServer) -> list[torch.Tensor]:
+            gathered = torch.zeros(world * n)
+            own = gathered[rank * n : (rank + 1) * n]
+            own.copy_(torch.arange(float(n)) + 10_000 * rank)
+            group.all_gather_single(gathered, own).wait()
+            whole = torch.arange(float(world * n)) * (rank + 1)
+            group.reduce_scatter_single(whole[rank * n : (rank + 1) * n], whole).wait()
+            return [gathered, whole[rank * n : (rank + 1) * n].clone()]
+
+        total = sum(r + 1 for r in range(world))
+        for rank, (gathered, part) in enumerate(_on_every_rank(groups, run)):
+            assert torch.equal(
+                gathered, torch.cat([torch.arange(float(n)) + 10_000 * r for r in range(world)])
+            )
+            assert torch.equal(part, torch.arange(float(rank * n), float((rank + 1) * n)) * total)
+    finally:
+        _shutdown(groups)
