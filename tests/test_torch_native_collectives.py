@@ -466,3 +466,41 @@ def test_in_place_all_gather_and_reduce_scatter_give_what_separate_buffers_give(
             assert torch.equal(part, torch.arange(float(rank * n), float((rank + 1) * n)) * total)
     finally:
         _shutdown(groups)
+
+
+@pytest.mark.timeout(60)
+def test_an_all_gather_larger_than_the_shared_memory_arena_goes_on_inline_without_waiting(
+    coordinator: Callable[..., ServerThread],
+) -> None:
+    """An all-gather holds its input slots until its whole result is in: with 8 slots and 256
+    chunks, the chunks beyond the arena go inline at once (each used to wait 2 s for a slot)."""
+    world, nbytes = 2, 64 * 1024
+    server = coordinator(world_size=world, chunk_mib=1024 / 2**20)
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        joins = [
+            pool.submit(
+                CollectiveClient.connect,
+                server.address,
+                rank=r,
+                timeout=TEST_TIMEOUTS,
+                transport="shm",
+                shm_arena_mib=8 / 1024,
+            )
+            for r in range(world)
+        ]
+        clients = [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in joins]
+    try:
+        data = [np.full(nbytes, 1 + rank, np.uint8) for rank in range(world)]
+
+        def run(rank: int) -> np.ndarray:
+            clients[rank].send_collective(0, 0, data[rank], kind=CollectiveKind.ALL_GATHER)
+            return clients[rank].receive_collective(30)
+
+        with concurrent.futures.ThreadPoolExecutor(world) as pool:
+            results = list(pool.map(run, range(world)))
+        for result in results:
+            assert result.tobytes() == b"".join(d.tobytes() for d in data)
+        assert all(client.transport == "shm" for client in clients)
+    finally:
+        for client in clients:
+            client.close()

@@ -163,9 +163,11 @@ class ShmChannel:
             self._slots.free(offset, slots)
             self._cond.notify_all()
 
-    def stage(self, key: TensorKey, offset: int, piece: np.ndarray) -> ShmRef | None:
+    def stage(
+        self, key: TensorKey, offset: int, piece: np.ndarray, *, wait_s: float = _SLOT_WAIT_S
+    ) -> ShmRef | None:
         """Where the chunk `piece` (elements from `offset` of `key`) lies in the input arena once
-        written there; None when it must go inline (no slot freed up in time)."""
+        written there; None when it must go inline (no slot freed up within `wait_s`)."""
         nbytes = piece.nbytes
         address = int(piece.__array_interface__["data"][0])
         if (
@@ -177,7 +179,7 @@ class ShmChannel:
             return ShmRef("in", address - self._base, nbytes)
         if nbytes > self._slots.slot_bytes:
             return None
-        deadline = time.monotonic() + _SLOT_WAIT_S
+        deadline = time.monotonic() + wait_s
         with self._cond:
             while (slot := self._slots.take()) is None:
                 remaining = deadline - time.monotonic()

@@ -70,7 +70,14 @@ class ShmLink(GrpcLink):
         stats: SampleStats | None,
     ) -> None:
         # An empty chunk (a broadcast's non-root rank, a zero-size tensor) has nothing to stage.
-        ref = self.arenas.stage(key, offset, piece) if piece.nbytes else None
+        # The collective kinds other than REDUCE hold their slots until the whole result is in,
+        # so waiting for one of theirs to free up would only delay this one: inline at once.
+        if not piece.nbytes:
+            ref = None
+        elif _in_pieces(key):
+            ref = self.arenas.stage(key, offset, piece, wait_s=0.0)
+        else:
+            ref = self.arenas.stage(key, offset, piece)
         if ref is None:
             super().send_chunk(key, header, offset, piece, stats)
         else:
