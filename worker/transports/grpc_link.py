@@ -257,7 +257,7 @@ class GrpcLink:
             if num_chunks is None
             else num_chunks,
             dtype=dtype,
-            by_elements=_in_pieces(key),
+            by_elements=result_in_pieces(key),
             sized=sized,
         )
         with self._cond:
@@ -484,7 +484,8 @@ class GrpcLink:
                 InternalError,
                 f"coordinator sent an average for {event.key} that does not match what this "
                 f"worker sent ({event.header.total_elements} {event.header.dtype.name} elements at "
-                f"offset {event.offset})",
+                f"offset {event.offset}; this worker expects {pending.array.size} "
+                f"{pending.dtype.name} elements)",
                 step=event.key.step,
                 key=str(event.key),
             )
@@ -591,7 +592,7 @@ class GrpcLink:
             self._samples.clear()
 
 
-def _in_pieces(key: TensorKey) -> bool:
+def result_in_pieces(key: TensorKey) -> bool:
     """Whether `key`'s result arrives as pieces at any offsets (every collective kind but
     REDUCE), counted in elements instead of chunks."""
     return key.kind is KeyKind.COLLECTIVE and key.collective_kind is not CollectiveKind.REDUCE

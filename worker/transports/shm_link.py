@@ -31,7 +31,7 @@ from gradserver.common.messages import (
 from gradserver.common.timeouts import Timeouts
 
 from .base import ErrorRecord
-from .grpc_link import GrpcLink, _in_pieces
+from .grpc_link import GrpcLink, result_in_pieces
 from .shm_channel import ShmChannel
 
 
@@ -74,7 +74,7 @@ class ShmLink(GrpcLink):
         # so waiting for one of theirs to free up would only delay this one: inline at once.
         if not piece.nbytes:
             ref = None
-        elif _in_pieces(key):
+        elif result_in_pieces(key):
             ref = self.arenas.stage(key, offset, piece, wait_s=0.0)
         else:
             ref = self.arenas.stage(key, offset, piece)
@@ -90,7 +90,7 @@ class ShmLink(GrpcLink):
         self.arenas.key_done(key)
 
     def _on_chunk(self, event: AveragedChunkOut) -> None:
-        if not _in_pieces(event.key):
+        if not result_in_pieces(event.key):
             # Averaged: the coordinator holds no view of this chunk's input slot any more. (The
             # other collective kinds free their inputs once the whole result is in.)
             self.arenas.chunk_done(event.key, event.offset)
