@@ -20,13 +20,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
 from gradserver.common.messages import CollectiveKind
 from gradserver.torch._collective import CollectiveClient
 from gradserver.torch.backend import ProcessGroupGradServer
 
 from .helpers.ranks import rank_results, spawn_and_join
 from .helpers.server import TEST_TIMEOUTS, ServerThread
+from .test_sharding_coordinators import sharded  # noqa: F401 - the fixture: K coordinator partitions
 
 # --- every collective against gloo, ranks as processes ---------------------------------------
 
@@ -501,6 +502,32 @@ def test_an_all_gather_larger_than_the_shared_memory_arena_goes_on_inline_withou
         for result in results:
             assert result.tobytes() == b"".join(d.tobytes() for d in data)
         assert all(client.transport == "shm" for client in clients)
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.timeout(60)
+def test_sharded_coordinators_refuse_the_kinds_other_than_reduce_before_anything_is_sent(
+    sharded: Callable[..., Any],  # noqa: F811 - pytest passes the imported fixture
+) -> None:
+    """Each partition sees only its chunks, so none can gather, relay or route: the worker says
+    so, naming the key, and the next REDUCE of the group still runs."""
+    world = 2
+    shards = sharded(2, world_size=world)
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        joins = [
+            pool.submit(CollectiveClient.connect_as_rank, shards.address, r, timeout=TEST_TIMEOUTS)
+            for r in range(world)
+        ]
+        clients = [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in joins]
+    try:
+        with pytest.raises(FailedPreconditionError, match=r"ALL_GATHER of group 0: sharded coordinators"):
+            clients[0].send_collective(0, 0, np.ones(4, np.uint8), kind=CollectiveKind.ALL_GATHER)
+        for rank, client in enumerate(clients):
+            client.send_collective(0, 0, np.full(3, rank + 1.0, np.float32))
+        for client in clients:
+            assert client.receive_collective(30).tolist() == [3.0] * 3
     finally:
         for client in clients:
             client.close()
