@@ -1,9 +1,10 @@
 """A `WorkerClient` that joins as a given rank and runs generic collective keys.
 
-Torch-free: it moves float32 arrays. The process group in `backend` turns tensors into them.
-Each collective is one `CollectiveKey` whose step is the group's operation sequence number, so
-the coordinator reduces one group's operations one after another, exactly as it reduces steps.
-Only the client's public API is used: `send` and `receive` with collective keys.
+Torch-free: it moves float32 arrays (REDUCE, REDUCE_SCATTER) and raw bytes (ALL_GATHER,
+BROADCAST, ALL_TO_ALL). The process group in `backend` turns tensors into them. Each collective is
+one `CollectiveKey` whose step is the group's operation sequence number, so the coordinator runs
+one group's operations one after another, exactly as it reduces steps. Only the client's public
+API is used: `send` and `receive` with collective keys.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import socket
 
 import numpy as np
 
-from gradserver.common.messages import KeyKind, ReduceOp, TensorKey
+from gradserver.common.messages import BYTE_KINDS, CollectiveKind, KeyKind, ReduceOp, TensorKey
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 from gradserver.worker import WorkerClient
@@ -52,17 +53,35 @@ class CollectiveClient(WorkerClient):
         sequence: int,
         group: int,
         array: np.ndarray,
-        op: ReduceOp,
+        op: ReduceOp = ReduceOp.SUM,
         *,
+        kind: CollectiveKind = CollectiveKind.REDUCE,
+        root: int = 0,
+        split_bytes: tuple[int, ...] = (),
         into: np.ndarray | None = None,
         propagate_non_finite: bool = False,
     ) -> None:
-        """Contributes `array` (1-D float32) to operation `sequence` of `group`; with `into`
-        (it may be `array`) the result is written there (see `send_block_gradient`). With
-        `propagate_non_finite` a NaN or Inf (or a float32 overflow) is a result, not an error."""
-        key = TensorKey.collective(sequence, group, op, propagate_non_finite=propagate_non_finite)
-        self.send(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), into=into)
+        """Contributes `array` to operation `sequence` of `group`: 1-D float32 for REDUCE and
+        REDUCE_SCATTER, raw bytes (uint8) for ALL_GATHER, BROADCAST (`root`'s bytes; the others'
+        only say how many) and ALL_TO_ALL (`split_bytes[j]` of them for rank j). With `into` (it
+        may be `array` for a REDUCE) the result is written there (see `send_block_gradient`).
+        With `propagate_non_finite` a NaN or Inf (or a float32 overflow) is a result, not an
+        error."""
+        key = TensorKey.collective(
+            sequence,
+            group,
+            op,
+            propagate_non_finite=propagate_non_finite,
+            kind=kind,
+            root=root,
+            split_bytes=split_bytes,
+        )
+        if kind in BYTE_KINDS:
+            self.send(key, np.ascontiguousarray(array).reshape(-1).view(np.uint8), into=into)
+        else:
+            self.send(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), into=into)
 
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:
-        """The result of the oldest collective this rank sent and has not received yet."""
+        """The result of the oldest collective this rank sent and has not received yet: float32
+        for REDUCE and REDUCE_SCATTER (this rank's part), uint8 for the byte-moving kinds."""
         return self.receive(KeyKind.COLLECTIVE, timeout).gradients

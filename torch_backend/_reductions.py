@@ -1,21 +1,24 @@
-"""How the process group reduces each (op, dtype): on the coordinator, or from an allgather.
+"""How the process group reduces each (op, dtype): on the coordinator, or from an all-gather.
 
 The coordinator reduces float32 exactly (SUM: a float64 sum in rank order rounded once to
 float32; AVG: that sum divided by N, rounded once). Everything else is built on it, and every
 rank computes the same bits:
 
-- float32 SUM/AVG: one collective key, reduced by the coordinator.
+- float32 SUM/AVG: one collective key, reduced by the coordinator (REDUCE for an allreduce,
+  REDUCE_SCATTER for a reduce-scatter: the same bits for this rank's part). The widened and limb
+  routes below go the same way.
 - float16/bfloat16 SUM/AVG: widened to float32 (exact), reduced by the coordinator, rounded back
   to the dtype: two roundings (float64 -> float32 -> half). Identical on every rank; it can differ
   from a reduction done in the half type (gloo) in the last bit, and a result beyond the half
   type's range becomes inf, as it would there.
 - integer SUM (at most 256 ranks): four 16-bit limbs per element, exact, wrapping like torch's
   integer sum.
-- MIN, MAX, PRODUCT, BAND, BOR, BXOR, float64 SUM/AVG and integer SUM beyond 256 ranks: an
-  allgather, then a reduction in rank order on every rank. Exact for MIN, MAX and the bitwise
-  ops; float64 sums and products are rounded in rank order, the same on every rank. The cost:
-  the allgather sends each byte as a float32, so every rank sends and receives 4 * N times the
-  tensor's bytes (a coordinator reduction: 4 bytes per float32 element, once).
+- MIN, MAX, PRODUCT, BAND, BOR, BXOR, float64 SUM/AVG and integer SUM beyond 256 ranks: the
+  raw bytes of every rank (an ALL_GATHER; for a reduce-scatter an ALL_TO_ALL of the pieces, each
+  to the rank that keeps it), then a reduction in rank order. Exact for MIN, MAX and the bitwise
+  ops; float64 sums and products are rounded in rank order, the same on every rank. The cost: an
+  allreduce sends the tensor's bytes once and receives N times them; a reduce-scatter sends and
+  receives them once.
 - PREMUL_SUM(factor) (FSDP2's gradient divide factor; NCCL's semantics, gloo has none): each
   rank's tensor multiplied by the factor in its own dtype (the factor rounded to that dtype, as
   NCCL does), then summed as SUM is. Floating types only.

@@ -1,21 +1,32 @@
 """`ProcessGroupGradServer`: a torch.distributed process group whose collectives go through a
 gradserver coordinator.
 
-Every collective is one generic collective key of the coordinator (see docs/PROTOCOL.md): the
-group's operations are numbered in issue order and run one after another on one background
-thread per group; each call returns a `Work` at once, completed from other threads (so a future's
-callback may issue and wait for the next collective, as DDP comm hooks do). A failed collective
-fails the Work's future as C++ sees it (DDP raises a RuntimeError with the message, never a crash),
-and `wait()` raises the library's own error. Reductions are the coordinator's where it
-can (float64 sums in rank order rounded once to float32, so SUM and AVG are bit-identical on
-every rank and independent of arrival order), else an allgather and a reduction in rank order on
-every rank: `_reductions` says which op and dtype goes which way. Broadcast and allgather move the
-raw bytes of any dtype exactly: each byte travels as a float32 in [0, 255], and the ranks that do
-not own a segment send zeros, so a SUM reproduces the owner's bytes. reduce_scatter is an
-allreduce keeping this rank's part; alltoall an allgather keeping this rank's pieces. CUDA tensors
-are copied to the host once and back on the caller's stream (`_devices`). A rank that is lost
-makes every other rank's pending and later Work fail with the coordinator's error naming it
-(worker ids are the group's ranks).
+Every collective is one collective key of the coordinator (see docs/PROTOCOL.md, "Native
+collectives"): the group's operations are numbered in issue order and run one after another on
+one background thread per group; each call returns a `Work` at once, completed from other threads
+(so a future's callback may issue and wait for the next collective, as DDP comm hooks do). A
+failed collective fails the Work's future as C++ sees it (DDP raises a RuntimeError with the
+message, never a crash), and `wait()` raises the library's own error.
+
+What each call is on the coordinator:
+- allreduce: a REDUCE where the coordinator can reduce (float64 sums in rank order rounded once
+  to float32, so SUM and AVG are bit-identical on every rank and independent of arrival order),
+  else an ALL_GATHER and a reduction in rank order on every rank: `_reductions` says which op and
+  dtype goes which way.
+- reduce_scatter (and its single-tensor and coalesced forms): a REDUCE_SCATTER on the same routes
+  (each rank sends its input once and receives only its part, the bytes an allreduce would give
+  there); the ops the coordinator cannot reduce: an ALL_TO_ALL of the pieces, reduced in rank
+  order by the rank that keeps them.
+- allgather, all_gather_into_tensor: an ALL_GATHER of raw bytes (any dtype, byte-identical).
+- broadcast: a BROADCAST (the root's bytes, once; the others send none).
+- alltoall, all_to_all_single (uneven split sizes too): an ALL_TO_ALL of raw bytes; gather is
+  one toward the root (the others receive nothing), scatter one from the root.
+Results are written straight into a contiguous host output where nothing can overwrite its input
+meanwhile, else copied in; the caller's tensors keep their storage (`_host_view`, never
+`Tensor.numpy()`, which would make it non-resizable). CUDA tensors are copied to the host once
+and back on the caller's stream (`_devices`). A rank that is lost makes every other rank's
+pending and later Work fail with the coordinator's error naming it (worker ids are the group's
+ranks).
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from gradserver.common.errors import DeadlineExceededError, GradServerError, InvalidArgumentError
-from gradserver.common.messages import ReduceOp
+from gradserver.common.messages import CollectiveKind, ReduceOp
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 
@@ -143,65 +154,66 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     def reduce_scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
-        """An allreduce of every input, keeping this rank's part: each rank sends N times its output."""
-        size, rank = self.size(), self.rank()
-        op = opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else opts
-        inputs = [t for group in input_tensors for t in group]
-        plan = plan_reduction("reduce_scatter", op, [t.dtype for t in [*inputs, *output_tensors]], size)
-        _check_pieces("reduce_scatter", output_tensors, input_tensors, size)
-
-        def run(sequence: int) -> None:
-            reduced = self._reduce(sequence, _flatten(inputs), plan)
-            offset = 0
-            for output, group in zip(output_tensors, input_tensors, strict=True):
-                n = output.numel()
-                start = offset + rank * n
-                output.copy_(reduced[start : start + n].reshape(output.shape))
-                offset += sum(t.numel() for t in group)
-
-        return self._submit("reduce_scatter", run, output_tensors, [*inputs, *output_tensors])
+        """One REDUCE_SCATTER of every input: this rank's contribution holds its pieces grouped
+        by destination rank (piece r of every input, for each r in turn), so the part the
+        coordinator returns to rank r is its outputs, in order."""
+        _check_pieces("reduce_scatter", output_tensors, input_tensors, self.size())
+        by_rank = [group[r] for r in range(self.size()) for group in input_tensors]
+        return self._reduce_scatter("reduce_scatter", output_tensors, by_rank, opts)
 
     def alltoall(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
-        """Through an allgather (each rank sends 4 * N times its input bytes); equal pieces only."""
-        size, rank = self.size(), self.rank()
-        _check_pieces("alltoall", output_tensors, [input_tensors], size)
-        if len(output_tensors) != size or len({t.numel() for t in [*input_tensors, *output_tensors]}) > 1:
-            raise ValueError("gradserver alltoall: every input and output tensor must have the same numel")
+        """One ALL_TO_ALL: input j goes to rank j, output j comes from rank j (any sizes)."""
+        size = self.size()
+        if len(output_tensors) != size or len(input_tensors) != size:
+            raise ValueError(
+                f"gradserver alltoall: {len(input_tensors)} inputs and {len(output_tensors)} outputs "
+                f"for a group of {size}; it takes one of each per rank"
+            )
 
         def run(sequence: int) -> None:
-            mine = np.concatenate([_bytes_of(t) for t in input_tensors])
-            segments = self._gather_bytes(sequence, mine)
-            piece = mine.size // size
-            for r, output in enumerate(output_tensors):
-                _write_bytes_into([output], segments[r][rank * piece : (rank + 1) * piece])
+            splits = tuple(_nbytes(t) for t in input_tensors)
+            result = self._all_to_all(sequence, _concat_bytes(input_tensors), splits)
+            _write_bytes_into(output_tensors, result, what=f"rank {self.rank()}: gradserver alltoall")
 
         return self._submit("alltoall", run, output_tensors, [*input_tensors, *output_tensors])
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """One BROADCAST: the root sends its bytes once, the others only say how many."""
         root = opts.rootRank if isinstance(opts, dist.BroadcastOptions) else 0
         if not 0 <= root < self.size():
             raise ValueError(f"broadcast: root rank {root} is out of range for a group of {self.size()}")
 
         def run(sequence: int) -> None:
-            _write_bytes_into(tensors, self._broadcast_bytes(sequence, tensors, root))
+            nbytes = sum(_nbytes(t) for t in tensors)
+            data = _concat_bytes(tensors) if self.rank() == root else np.empty(nbytes, np.uint8)
+            into = _host_bytes(tensors[0]) if len(tensors) == 1 else None
+            self._client.send_collective(
+                sequence, _DEFAULT_GROUP, data, kind=CollectiveKind.BROADCAST, root=root, into=into
+            )
+            result = self._client.receive_collective(self._timeout_s)
+            _write_bytes_into(tensors, result, what=f"rank {self.rank()}: gradserver broadcast")
 
         return self._submit("broadcast", run, tensors, tensors)
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
+        """One ALL_GATHER of this rank's inputs (their bytes, concatenated)."""
         size = self.size()
         for i, outputs in enumerate(output_tensors):
             if len(outputs) != size:
                 raise ValueError(f"allgather: output list {i} holds {len(outputs)} tensors, the group {size}")
 
         def run(sequence: int) -> None:
-            mine = np.concatenate([_bytes_of(t) for t in input_tensors]) if input_tensors else np.zeros(0)
-            segments = self._gather_bytes(sequence, mine.astype(np.uint8))
+            rows = self._gather_rows(sequence, _concat_bytes(input_tensors))
             for r in range(size):
-                _write_bytes_into([outputs[r] for outputs in output_tensors], segments[r])
+                _write_bytes_into(
+                    [outputs[r] for outputs in output_tensors],
+                    rows[r],
+                    what=f"rank {self.rank()}: gradserver allgather",
+                )
 
         flat_outputs = [t for outputs in output_tensors for t in outputs]
         return self._submit("allgather", run, flat_outputs, [*input_tensors, *flat_outputs])
@@ -210,14 +222,30 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     # torch.distributed calls these by name on the group object (FSDP uses the first two).
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        """`all_gather_into_tensor`: `output` holds every rank's `input`, in rank order."""
-        pieces = _equal_pieces("all_gather_into_tensor", output, self.size(), like=input)
-        return self.allgather([pieces], [input], opts)
+        """`all_gather_into_tensor`: `output` holds every rank's `input`, in rank order (one
+        ALL_GATHER, written straight into `output` when it is a contiguous host tensor)."""
+        _equal_pieces("all_gather_into_tensor", output, self.size(), like=input)
+
+        def run(sequence: int) -> None:
+            data = _concat_bytes([input])
+            # Pieces of the result may arrive while this rank still sends: the output can take
+            # them directly unless the input lies in it elsewhere than in this rank's own piece
+            # (which receives the very bytes it holds).
+            own = output.reshape(-1).chunk(self.size())[self.rank()] if output.numel() else output
+            into = _host_bytes(output) if not _overlaps(input, output) or _same_memory(input, own) else None
+            self._client.send_collective(
+                sequence, _DEFAULT_GROUP, data, kind=CollectiveKind.ALL_GATHER, into=into
+            )
+            result = self._client.receive_collective(self._timeout_s)
+            _write_bytes_into([output], result, what=f"rank {self.rank()}: gradserver all_gather_into_tensor")
+
+        return self._submit("all_gather_into_tensor", run, [output], [input, output])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        """`reduce_scatter_tensor`: rank r gets the reduction of every rank's piece r of `input`."""
-        pieces = _equal_pieces("reduce_scatter_tensor", input, self.size(), like=output)
-        return self.reduce_scatter([output], [pieces], opts)
+        """`reduce_scatter_tensor`: rank r gets the reduction of every rank's piece r of `input`
+        (its pieces already lie in rank order: `input` is sent as it is)."""
+        _equal_pieces("reduce_scatter_tensor", input, self.size(), like=output)
+        return self._reduce_scatter("reduce_scatter_tensor", [output], [input], opts)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -241,20 +269,23 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> dist.Work:
-        """Equal splits along dim 0 (what the split sizes may also say); uneven ones are refused."""
-        size = self.size()
-        for name, splits, tensor in (
-            ("output", output_split_sizes, output),
-            ("input", input_split_sizes, input),
-        ):
-            if splits and (len(splits) != size or len(set(splits)) > 1 or sum(splits) != tensor.shape[0]):
-                raise NotImplementedError(
-                    f"gradserver all_to_all_single: {name}_split_sizes {list(splits)} are uneven; "
-                    f"only equal splits of dim 0 are supported (a group of {size})"
+        """One ALL_TO_ALL of slices along dim 0: equal ones, or the (uneven) split sizes given."""
+        size, rank = self.size(), self.rank()
+        in_splits = _split_bytes("all_to_all_single", "input", input, input_split_sizes, size)
+        out_splits = _split_bytes("all_to_all_single", "output", output, output_split_sizes, size)
+
+        def run(sequence: int) -> None:
+            # Pieces of the result may arrive while this rank still sends its input.
+            into = None if _overlaps(input, output) else _host_bytes(output)
+            result = self._all_to_all(sequence, _concat_bytes([input]), in_splits, into=into)
+            if result.size != sum(out_splits):
+                raise ValueError(
+                    f"rank {rank}: gradserver all_to_all_single received {result.size} bytes, but "
+                    f"output_split_sizes {list(output_split_sizes)} hold {sum(out_splits)}"
                 )
-        return self.alltoall(
-            _equal_pieces("all_to_all_single", output, size), _equal_pieces("all_to_all_single", input, size)
-        )
+            _write_bytes_into([output], result, what=f"rank {rank}: gradserver all_to_all_single")
+
+        return self._submit("all_to_all_single", run, [output], [input, output])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         """An allreduce whose result the root keeps; the other ranks' tensors are left as they were."""
@@ -265,37 +296,46 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     def gather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
-        """An allgather whose result only the root keeps."""
-        size, root = self.size(), _root("gather", opts, self.size())
+        """An ALL_TO_ALL toward the root: every rank sends its bytes to the root only, and the
+        other ranks receive nothing."""
+        size, rank, root = self.size(), self.rank(), _root("gather", opts, self.size())
         if len(input_tensors) != 1:
             raise ValueError(f"gradserver gather: expected one input tensor, got {len(input_tensors)}")
-        if self.rank() == root:
+        outputs: list[torch.Tensor] = []
+        if rank == root:
             if len(output_tensors) != 1 or len(output_tensors[0]) != size:
                 raise ValueError(f"gradserver gather: the root needs a gather_list of {size} tensors")
             outputs = output_tensors[0]
-        else:
-            outputs = [torch.empty_like(input_tensors[0]) for _ in range(size)]
-        return self.allgather([outputs], input_tensors)
+        (tensor,) = input_tensors
+
+        def run(sequence: int) -> None:
+            splits = tuple(_nbytes(tensor) if r == root else 0 for r in range(size))
+            result = self._all_to_all(sequence, _concat_bytes([tensor]), splits)
+            _write_bytes_into(outputs, result, what=f"rank {rank}: gradserver gather to rank {root}")
+
+        return self._submit("gather", run, outputs, [tensor, *outputs])
 
     def scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
-        """The root's list broadcast; each rank keeps its own piece."""
+        """An ALL_TO_ALL from the root: the root sends piece r to rank r, the others send nothing."""
         size, rank, root = self.size(), self.rank(), _root("scatter", opts, self.size())
         if len(output_tensors) != 1:
             raise ValueError(f"gradserver scatter: expected one output tensor, got {len(output_tensors)}")
         (output,) = output_tensors
+        pieces: list[torch.Tensor] = []
         if rank == root:
             if len(input_tensors) != 1 or len(input_tensors[0]) != size:
                 raise ValueError(f"gradserver scatter: the root needs a scatter_list of {size} tensors")
             if any(t.shape != output.shape or t.dtype != output.dtype for t in input_tensors[0]):
                 raise ValueError("gradserver scatter: every scatter_list tensor must match the output tensor")
-        pieces = list(input_tensors[0]) if rank == root else [torch.empty_like(output) for _ in range(size)]
+            pieces = list(input_tensors[0])
 
         def run(sequence: int) -> None:
-            result = self._broadcast_bytes(sequence, pieces, root)
-            nbytes = output.numel() * output.element_size()
-            _write_bytes_into([output], result[rank * nbytes : (rank + 1) * nbytes])
+            splits = tuple(_nbytes(t) for t in pieces) if rank == root else (0,) * size
+            into = None if any(_overlaps(t, output) for t in pieces) else _host_bytes(output)
+            result = self._all_to_all(sequence, _concat_bytes(pieces), splits, into=into)
+            _write_bytes_into([output], result, what=f"rank {rank}: gradserver scatter from rank {root}")
 
         return self._submit("scatter", run, [output], [output, *pieces])
 
@@ -337,49 +377,100 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     # --- internals ----------------------------------------------------------------------------
 
     def _exchange(
-        self, sequence: int, payload: np.ndarray, op: ReduceOp, *, into: np.ndarray | None = None
+        self,
+        sequence: int,
+        payload: np.ndarray,
+        op: ReduceOp,
+        *,
+        kind: CollectiveKind = CollectiveKind.REDUCE,
+        into: np.ndarray | None = None,
     ) -> np.ndarray:
+        """One coordinator reduction of float32 `payload`: all of it (REDUCE) or this rank's
+        part (REDUCE_SCATTER)."""
         self._client.send_collective(
-            sequence, _DEFAULT_GROUP, payload, op, into=into, propagate_non_finite=not self._check_finite
+            sequence,
+            _DEFAULT_GROUP,
+            payload,
+            op,
+            kind=kind,
+            into=into,
+            propagate_non_finite=not self._check_finite,
         )
         return self._client.receive_collective(self._timeout_s)
 
-    def _broadcast_bytes(self, sequence: int, tensors: Sequence[torch.Tensor], root: int) -> np.ndarray:
-        """The root's bytes of `tensors` (uint8) on every rank: the root sends them as float32,
-        the others zeros of the same length (their tensors' sizes), and the SUM is the root's."""
-        data = np.concatenate([_bytes_of(t) for t in tensors]) if tensors else np.zeros(0, np.uint8)
-        payload = data.astype(np.float32) if self.rank() == root else np.zeros(data.size, np.float32)
-        return self._exchange(sequence, payload, ReduceOp.SUM).astype(np.uint8)
+    def _reduce_scatter(
+        self, what: str, outputs: list[torch.Tensor], in_rank_order: list[torch.Tensor], opts: Any
+    ) -> dist.Work:
+        """Reduces `in_rank_order` (what goes to rank 0, then rank 1, ...) over the group; this
+        rank's part lands in `outputs`."""
+        op = opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else opts
+        plan = plan_reduction(what, op, [t.dtype for t in [*in_rank_order, *outputs]], self.size())
 
-    def _gather_bytes(self, sequence: int, mine: np.ndarray) -> np.ndarray:
-        """Every rank's `mine` (uint8, one length on every rank) as rows, in rank order: each rank
-        puts its bytes (as float32) in its own segment and zeros elsewhere, and the SUM of x and
-        zeros is x."""
-        size, rank = self.size(), self.rank()
-        payload = np.zeros(mine.size * size, np.float32)
-        payload[rank * mine.size : (rank + 1) * mine.size] = mine
-        gathered = self._exchange(sequence, payload, ReduceOp.SUM).astype(np.uint8)
-        return gathered.reshape(size, mine.size) if mine.size else np.zeros((size, 0), np.uint8)
+        def run(sequence: int) -> None:
+            # Pieces of the part stream in as the coordinator reduces each chunk, which every
+            # rank has sent by then: the output takes them directly unless it lies in the input
+            # elsewhere than in this rank's own part (whose bytes were sent before they arrive).
+            flat = _flatten(in_rank_order)
+            own = flat.chunk(self.size())[self.rank()] if flat.numel() else flat
+            into = None
+            if len(outputs) == 1 and (not _overlaps(flat, outputs[0]) or _same_memory(outputs[0], own)):
+                into = _host_bytes(outputs[0])
+            mine = self._reduce(sequence, flat, plan, scatter=True, into=into)
+            _scatter_into(outputs, mine)
+
+        return self._submit(what, run, outputs, [*in_rank_order, *outputs])
+
+    def _gather_rows(self, sequence: int, mine: np.ndarray) -> np.ndarray:
+        """Every rank's `mine` (uint8, one length on every rank) as rows, in rank order: one
+        ALL_GATHER."""
+        self._client.send_collective(sequence, _DEFAULT_GROUP, mine, kind=CollectiveKind.ALL_GATHER)
+        gathered = self._client.receive_collective(self._timeout_s)
+        return gathered.reshape(self.size(), mine.size)
+
+    def _all_to_all(
+        self, sequence: int, data: np.ndarray, splits: tuple[int, ...], *, into: np.ndarray | None = None
+    ) -> np.ndarray:
+        """One ALL_TO_ALL: `splits[j]` bytes of `data` go to rank j; returns what every rank sent
+        this one, in rank order (written into `into` when given: it must hold exactly that)."""
+        self._client.send_collective(
+            sequence, _DEFAULT_GROUP, data, kind=CollectiveKind.ALL_TO_ALL, split_bytes=splits, into=into
+        )
+        return self._client.receive_collective(self._timeout_s)
 
     def _reduce(
-        self, sequence: int, flat: torch.Tensor, plan: Plan, *, in_place: bool = False
+        self,
+        sequence: int,
+        flat: torch.Tensor,
+        plan: Plan,
+        *,
+        in_place: bool = False,
+        scatter: bool = False,
+        into: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """`flat` (a 1-D host tensor) reduced over the group as `plan` says, in its dtype. With
+        """`flat` (a 1-D host tensor) reduced over the group as `plan` says, in its dtype: all of
+        it, or with `scatter` this rank's part (its `1/size` of `flat`, in rank order). With
         `in_place` (an allreduce, whose tensors take the result anyway) a float32 result is
-        written into `flat` itself, which may be the caller's tensor: no result is allocated."""
+        written into `flat` itself, which may be the caller's tensor; `into` (the bytes of the
+        float32 result's destination) does the same for a scatter: no result is allocated."""
+        kind = CollectiveKind.REDUCE_SCATTER if scatter else CollectiveKind.REDUCE
         flat = premultiplied(flat, plan)  # PREMUL_SUM's factor, on this rank's contribution
         if plan.route == "coordinator":
             payload = _host_view(flat)
-            into = payload if in_place else None
-            return torch.from_numpy(self._exchange(sequence, payload, plan.wire_op, into=into))
+            target = payload if in_place else None if into is None else into.view(np.float32)
+            return torch.from_numpy(self._exchange(sequence, payload, plan.wire_op, kind=kind, into=target))
         if plan.route == "widened":
-            widened = self._exchange(sequence, flat.float().numpy(), plan.wire_op)
+            widened = self._exchange(sequence, flat.float().numpy(), plan.wire_op, kind=kind)
             return torch.from_numpy(widened).to(flat.dtype)
         if plan.route == "limbs":
-            return torch.from_numpy(
-                from_limbs(self._exchange(sequence, to_limbs(_host_view(flat)), ReduceOp.SUM))
-            )
-        rows = self._gather_bytes(sequence, _bytes_of(flat))
+            limbs = self._exchange(sequence, to_limbs(_host_view(flat)), ReduceOp.SUM, kind=kind)
+            return torch.from_numpy(from_limbs(limbs))
+        size, mine = self.size(), _bytes_of(flat)
+        if scatter:
+            # Piece j of every rank goes to rank j, which reduces the pieces in rank order.
+            piece = mine.size // size
+            rows = self._all_to_all(sequence, mine, (piece,) * size).reshape(size, piece)
+        else:
+            rows = self._gather_rows(sequence, mine)
         parts = [torch.from_numpy(row.copy()).view(flat.dtype) for row in rows]
         return reduce_in_rank_order(parts, plan.op)
 
@@ -574,14 +665,95 @@ def _pieces_of_each(
     return [_equal_pieces(what, tensor, size, like=like) for tensor, like in zip(tensors, likes, strict=True)]
 
 
-def _write_bytes_into(tensors: Sequence[torch.Tensor], data: np.ndarray) -> None:
+def _write_bytes_into(tensors: Sequence[torch.Tensor], data: np.ndarray, *, what: str) -> None:
+    """The bytes of `data` into `tensors`, in order; they must hold exactly that many. A tensor
+    whose memory the result was received into (`_host_bytes`) already holds its bytes."""
+    needed = sum(_nbytes(t) for t in tensors)
+    if data.size != needed:
+        raise ValueError(f"{what}: received {data.size} bytes for tensors holding {needed}")
     offset = 0
     for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes:
+        nbytes = _nbytes(tensor)
+        if nbytes and not _lies_at(tensor, data, offset):
             raw = torch.from_numpy(np.ascontiguousarray(data[offset : offset + nbytes]))
             tensor.copy_(raw.view(tensor.dtype).reshape(tensor.shape))
         offset += nbytes
+
+
+def _lies_at(tensor: torch.Tensor, data: np.ndarray, offset: int) -> bool:
+    """Whether `tensor`'s memory is `data`'s bytes from `offset` (the result was received there)."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.data_ptr() == int(data.__array_interface__["data"][0]) + offset
+    )
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory ranges intersect (same device)."""
+    if a.device != b.device or not _nbytes(a) or not _nbytes(b):
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end = a_start + (a.untyped_storage().nbytes() if not a.is_contiguous() else _nbytes(a))
+    b_end = b_start + (b.untyped_storage().nbytes() if not b.is_contiguous() else _nbytes(b))
+    return a_start < b_end and b_start < a_end
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors cover exactly the same bytes."""
+    return (
+        a.device == b.device
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.data_ptr() == b.data_ptr()
+        and _nbytes(a) == _nbytes(b)
+    )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _concat_bytes(tensors: Sequence[torch.Tensor]) -> np.ndarray:
+    """The tensors' bytes, in order (a view of the one tensor's memory when it is a contiguous
+    host tensor, else a copy)."""
+    if len(tensors) == 1:
+        return _bytes_of(tensors[0])
+    if not tensors:
+        return np.zeros(0, np.uint8)
+    return np.concatenate([_bytes_of(t) for t in tensors])
+
+
+def _host_bytes(tensor: torch.Tensor) -> np.ndarray | None:
+    """The bytes of `tensor`'s own memory, for a collective to write its result straight there;
+    None when it is not a contiguous host tensor (the result is copied in afterwards)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    return _host_view(tensor.detach().reshape(-1).view(torch.uint8))
+
+
+def _split_bytes(
+    what: str, name: str, tensor: torch.Tensor, splits: Sequence[int], size: int
+) -> tuple[int, ...]:
+    """The bytes of each of the `size` slices of `tensor` along dim 0: equal ones when `splits`
+    is empty, else those `splits` (rows per rank)."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"gradserver {what}: the {name} tensor must be contiguous")
+    rows = tensor.shape[0] if tensor.dim() else 1
+    row_bytes = _nbytes(tensor) // rows if rows else 0
+    if not splits:
+        if rows % size:
+            raise ValueError(
+                f"gradserver {what}: dim 0 of the {name} shape {tuple(tensor.shape)} does not split into "
+                f"{size} equal pieces; give {name}_split_sizes"
+            )
+        return (rows // size * row_bytes,) * size
+    if len(splits) != size or any(n < 0 for n in splits) or sum(splits) != rows:
+        raise ValueError(
+            f"gradserver {what}: {name}_split_sizes {list(splits)} must hold {size} non-negative sizes "
+            f"summing to dim 0 of the {name} shape {tuple(tensor.shape)}"
+        )
+    return tuple(int(n) * row_bytes for n in splits)
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

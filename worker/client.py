@@ -38,7 +38,9 @@ from gradserver.common.errors import (
     UnavailableError,
 )
 from gradserver.common.messages import (
+    BYTE_KINDS,
     ChunkHeader,
+    CollectiveKind,
     DType,
     HeartbeatIn,
     JoinAccepted,
@@ -62,7 +64,7 @@ from .results import (
     AveragedTensor,
     SampleRangeAssignment,
 )
-from .tensors import as_float32_array, as_result_buffer
+from .tensors import as_byte_array, as_byte_buffer, as_float32_array, as_result_buffer
 from .transports import DEFAULT_SHM_ARENA_MIB, TRANSPORTS, Link
 
 # TRANSPORTS stays importable from here: `gradserver worker` offers them as --transport choices.
@@ -263,8 +265,14 @@ class WorkerClient:
         """Contributes `array` (float32: numpy, CPU or CUDA torch, or a sequence) to `key`'s
         reduction. Block keys carry their 9 `component_sizes`, whole-model keys this worker's
         `stats`. With `into` the result is written there (see `send_block_gradient`). Returns once
-        every chunk is queued for the transport; `receive(key.kind)` returns the result."""
+        every chunk is queued for the transport; `receive(key.kind)` returns the result.
+        A collective key of a kind that moves bytes (ALL_GATHER, BROADCAST, ALL_TO_ALL) takes an
+        array of any dtype and sends its raw bytes (a BROADCAST's non-root ranks send none, only
+        their length); its result is uint8 (`into`: any dtype of the result's size in bytes)."""
         self._check_step(key.step)
+        if key.kind is KeyKind.COLLECTIVE and key.collective_kind in BYTE_KINDS:
+            self._send_bytes(key, as_byte_array(array, what=str(key)), into=into)
+            return
         sizes = tuple(int(s) for s in component_sizes)
         if key.kind is KeyKind.BLOCK and (len(sizes) != BLOCK_GRAD_COMPONENTS or any(s < 0 for s in sizes)):
             raise InvalidArgumentError(
@@ -449,20 +457,78 @@ class WorkerClient:
                 step=key.step,
                 key=str(key),
             )
-        result = None if into is None else as_result_buffer(into, int(array.size), what=str(key))
+        total = self._result_length(key, int(array.size))
+        assert total is not None  # only ALL_TO_ALL has no length before its result, and it moves bytes
+        result = None if into is None else as_result_buffer(into, total, what=str(key))
         self._link.raise_if_broken()
         payload = self._encoder.encode(key, array)
         header = ChunkHeader(self._encoder.dtype, int(array.size), sizes)
-        self._link.expect(key, sizes, int(array.size), self._encoder.dtype, array=result)
+        self._link.expect(key, sizes, total, self._encoder.dtype, array=result)
+        self._send_chunks(key, header, payload, stats)
+
+    def _send_bytes(self, key: TensorKey, data: np.ndarray, *, into: Any = None) -> None:
+        """A contribution to a collective that moves bytes (ALL_GATHER, BROADCAST, ALL_TO_ALL):
+        raw bytes, never rounded to the wire dtype. A BROADCAST's non-root ranks send one
+        header-only chunk that only says how many bytes they expect."""
+        nbytes = int(data.size)
+        limit = self._accepted.max_tensor_elements
+        if nbytes > limit:
+            raise InvalidArgumentError(
+                f"{key}: {nbytes} bytes exceed the coordinator's limit of {limit} elements",
+                step=key.step,
+                key=str(key),
+            )
+        total = self._result_length(key, nbytes)
+        result = None if into is None else as_byte_buffer(into, total, what=str(key))
+        self._link.raise_if_broken()
+        header = ChunkHeader(DType.BYTES, nbytes, ())
+        self._link.expect(key, (), total, DType.BYTES, array=result)
+        if key.collective_kind is CollectiveKind.BROADCAST and key.root != self.worker_id:
+            data = data[:0]
+        self._send_chunks(key, header, data, None)
+
+    def _send_chunks(
+        self, key: TensorKey, header: ChunkHeader, payload: np.ndarray, stats: SampleStats | None
+    ) -> None:
         try:
             # Chunks cut at the same element offsets whatever the dtype: the coordinator's chunk
-            # size is in float32 elements, so a 16-bit chunk carries half the bytes.
-            for offset, length in chunk_spans(int(array.size), self.chunk_bytes // 4):
+            # size is in float32 elements, so a 16-bit chunk carries half the bytes (a BYTES one a
+            # quarter).
+            for offset, length in chunk_spans(int(payload.size), self.chunk_bytes // 4):
                 self._link.send_chunk(key, header, offset, payload[offset : offset + length], stats)
         except BaseException:
             self._link.forget(key)
             raise
         self._sent[key.kind].append(key)
+
+    def _result_length(self, key: TensorKey, size: int) -> int | None:
+        """How many elements (bytes for BYTES) `key`'s result holds when this worker sends `size`;
+        None for an ALL_TO_ALL, whose result says. Refuses, naming the key, a collective whose
+        shape cannot fit the job's workers (the coordinator would fail the operation later)."""
+        if key.kind is not KeyKind.COLLECTIVE:
+            return size
+        kind, world = key.collective_kind, self.total_workers
+        problem = ""
+        if kind is CollectiveKind.REDUCE_SCATTER and size % world:
+            problem = f"{size} elements do not split into {world} equal parts, one per worker"
+        elif kind is CollectiveKind.BROADCAST and key.root >= world:
+            problem = f"root {key.root} is out of range for {world} workers"
+        elif kind is CollectiveKind.ALL_TO_ALL and (
+            len(key.split_bytes) != world or sum(key.split_bytes) != size
+        ):
+            problem = (
+                f"split_bytes {list(key.split_bytes)} must hold one entry per worker ({world}) and "
+                f"sum to the {size} bytes sent"
+            )
+        if problem:
+            raise InvalidArgumentError(f"{key}: {problem}", step=key.step, key=str(key))
+        if kind is CollectiveKind.REDUCE_SCATTER:
+            return size // world
+        if kind is CollectiveKind.ALL_GATHER:
+            return size * world
+        if kind is CollectiveKind.ALL_TO_ALL:
+            return None
+        return size
 
     def _receive(self, kind: KeyKind, timeout: float | None) -> tuple[TensorKey, transports.PendingResult]:
         if self._closed:

@@ -1,4 +1,5 @@
-"""Turning a user's gradient (numpy array, torch tensor on any device, sequence) into float32.
+"""Turning a user's gradient (numpy array, torch tensor on any device, sequence) into float32,
+and a collective's tensor into the raw bytes the byte-moving kinds carry.
 
 The wire carries little-endian float32. CPU data that already is contiguous float32 is used as
 is (no copy); a CUDA tensor is copied to the host once. Any other dtype is refused with a clear
@@ -67,3 +68,40 @@ def as_result_buffer(into: Any, num_elements: int, *, what: str) -> np.ndarray:
     if into.size != num_elements:
         raise InvalidArgumentError(f"{what}: into= holds {into.size} elements, the gradient {num_elements}")
     return into.reshape(-1)
+
+
+def as_byte_array(data: Any, *, what: str) -> np.ndarray:
+    """The raw bytes of `data` (a numpy array or torch tensor of any dtype, or bytes), 1-D uint8,
+    for the collective kinds that move bytes unreduced: a view when the memory is contiguous on
+    the host, else a copy."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(data, torch.Tensor):
+        data = data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    elif isinstance(data, bytes | bytearray | memoryview):
+        data = np.frombuffer(data, dtype=np.uint8)
+    if not isinstance(data, np.ndarray):
+        raise InvalidArgumentError(
+            f"{what}: expected a numpy array, a torch tensor or bytes, got {type(data).__name__}"
+        )
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
+def as_byte_buffer(into: Any, num_bytes: int | None, *, what: str) -> np.ndarray:
+    """A 1-D uint8 view of `into` (a numpy array or CPU torch tensor of any dtype) that a
+    byte-moving collective's result is written straight into; refused, naming `what`, when
+    writing there would not reach the caller's memory or its size in bytes differs from
+    `num_bytes` (None: the result's length is not known yet, `into` says what it must be)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(into, torch.Tensor):
+        if into.device.type != "cpu":
+            raise InvalidArgumentError(f"{what}: into= must be in host memory, got a tensor on {into.device}")
+        into = into.detach().numpy()
+    if not isinstance(into, np.ndarray):
+        raise InvalidArgumentError(
+            f"{what}: into= must be a numpy array or a CPU torch tensor, got {type(into).__name__}"
+        )
+    if not into.flags.c_contiguous or not into.flags.writeable:
+        raise InvalidArgumentError(f"{what}: into= must be a C-contiguous, writable array")
+    if num_bytes is not None and into.nbytes != num_bytes:
+        raise InvalidArgumentError(f"{what}: into= holds {into.nbytes} bytes, the result {num_bytes}")
+    return into.reshape(-1).view(np.uint8)

@@ -53,14 +53,22 @@ class PendingResult:
     array: np.ndarray
     num_chunks: int
     offsets: set[int] = dataclasses.field(default_factory=set)
-    # What the chunks travel as; the array is float32 whatever it is.
+    # What the chunks travel as; the array is float32 whatever it is (uint8 for BYTES).
     dtype: DType = DType.FLOAT32
     num_contributors: int = 0
     stats: SampleStats | None = None
     error: ErrorRecord | None = None
+    # A collective result other than REDUCE arrives in pieces at any offsets, so it is complete
+    # once its elements are all there (`num_chunks` is unused); an ALL_TO_ALL's length is known
+    # only from its first piece (`sized` False until then).
+    by_elements: bool = False
+    sized: bool = True
+    elements: int = 0
 
     @property
     def done(self) -> bool:
+        if self.by_elements:
+            return self.sized and bool(self.offsets) and self.elements == self.array.size
         return len(self.offsets) == self.num_chunks
 
 
@@ -95,12 +103,13 @@ class Link(Protocol):
         self,
         key: TensorKey,
         component_sizes: tuple[int, ...],
-        total: int,
+        total: int | None,
         dtype: DType,
         *,
         array: np.ndarray | None = None,
     ) -> None:
-        """Registers `key`'s average (written into `array` when given) before its chunks go."""
+        """Registers `key`'s average (written into `array` when given) before its chunks go;
+        `total` is its length in elements, None when only the result says (an ALL_TO_ALL)."""
         ...
 
     def send_chunk(

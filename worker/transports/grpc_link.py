@@ -49,11 +49,13 @@ from gradserver.common.messages import (
     BarrierReleaseOut,
     ChunkHeader,
     ChunkIn,
+    CollectiveKind,
     DType,
     ErrorOut,
     HeartbeatAckOut,
     HeartbeatIn,
     JoinAccepted,
+    KeyKind,
     LeaveIn,
     SampleRangeAssignmentOut,
     SampleStats,
@@ -236,22 +238,27 @@ class GrpcLink:
         self,
         key: TensorKey,
         component_sizes: tuple[int, ...],
-        total: int,
+        total: int | None,
         dtype: DType = DType.FLOAT32,
         *,
         array: np.ndarray | None = None,
         num_chunks: int | None = None,
     ) -> None:
-        """Registers `key`'s average, arriving in `dtype`; `PartitionedLink` passes the `array` every
-        partition fills and the `num_chunks` this partition owns."""
+        """Registers `key`'s average, arriving in `dtype` (`total` elements, None when only the
+        result says); `PartitionedLink` passes the `array` every partition fills and the
+        `num_chunks` this partition owns."""
+        sized = total is not None or array is not None
+        length = (array.size if array is not None else total) or 0
         pending = PendingResult(
             key=key,
             component_sizes=component_sizes,
-            array=np.empty(total, dtype=np.float32) if array is None else array,
-            num_chunks=chunk_count(total, self.accepted.chunk_bytes // 4)
+            array=_result_array(length, dtype) if array is None else array,
+            num_chunks=chunk_count(length, self.accepted.chunk_bytes // 4)
             if num_chunks is None
             else num_chunks,
             dtype=dtype,
+            by_elements=result_in_pieces(key),
+            sized=sized,
         )
         with self._cond:
             if key in self._results:
@@ -449,12 +456,18 @@ class GrpcLink:
             )
         if event.header.dtype is DType.FLOAT32:
             self._fill(event, np.frombuffer(event.data, dtype="<f4"))
+        elif event.header.dtype is DType.BYTES:
+            self._fill(event, np.frombuffer(event.data, dtype=np.uint8))
         else:
             self._fill(event, widen(event.data, event.header.dtype))
 
     def _fill(self, event: AveragedChunkOut, data: np.ndarray) -> None:
         with self._cond:
             pending = self._results.get(event.key)
+            if pending is not None and not pending.sized and event.header.dtype == pending.dtype:
+                # An ALL_TO_ALL result: its first piece says how long it is.
+                pending.array = _result_array(event.header.total_elements, pending.dtype)
+                pending.sized = True
         if pending is None or pending.error is not None:
             return  # a key this worker gave up on (timeout, failed step): nothing to fill
         length = data.size
@@ -465,12 +478,14 @@ class GrpcLink:
             or event.header.component_sizes != pending.component_sizes
             or event.header.dtype != pending.dtype
             or end > pending.array.size
+            or (pending.by_elements and event.offset in pending.offsets)
         ):
             error = ErrorRecord(
                 InternalError,
                 f"coordinator sent an average for {event.key} that does not match what this "
                 f"worker sent ({event.header.total_elements} {event.header.dtype.name} elements at "
-                f"offset {event.offset})",
+                f"offset {event.offset}; this worker expects {pending.array.size} "
+                f"{pending.dtype.name} elements)",
                 step=event.key.step,
                 key=str(event.key),
             )
@@ -481,10 +496,18 @@ class GrpcLink:
                 pending.error = error
             else:
                 pending.offsets.add(event.offset)
+                pending.elements += length
                 pending.num_contributors = event.num_contributors
                 pending.stats = event.stats
-            if pending.done or pending.error is not None:
+            complete = pending.done
+            if complete or pending.error is not None:
                 self._cond.notify_all()
+        if complete and pending.by_elements:
+            self._inputs_free(event.key)
+
+    def _inputs_free(self, key: TensorKey) -> None:
+        """Hook: a collective result other than REDUCE is complete, so the coordinator no longer
+        reads this worker's contribution to it (docs/PROTOCOL.md, "When inputs are free")."""
 
     def _coordinator_dropped(self, event: ErrorOut) -> None:
         """Hook: the coordinator dropped what `event` names (a failed step or a refused key), so
@@ -567,3 +590,14 @@ class GrpcLink:
             self._results.clear()
             self._barriers.clear()
             self._samples.clear()
+
+
+def result_in_pieces(key: TensorKey) -> bool:
+    """Whether `key`'s result arrives as pieces at any offsets (every collective kind but
+    REDUCE), counted in elements instead of chunks."""
+    return key.kind is KeyKind.COLLECTIVE and key.collective_kind is not CollectiveKind.REDUCE
+
+
+def _result_array(length: int, dtype: DType) -> np.ndarray:
+    """A result of `length` elements arriving in `dtype`: bytes stay bytes, floats are float32."""
+    return np.empty(length, dtype=np.uint8 if dtype is DType.BYTES else np.float32)

@@ -34,8 +34,10 @@ from gradserver.common.errors import (
 )
 from gradserver.common.messages import (
     ChunkHeader,
+    CollectiveKind,
     DType,
     JoinAccepted,
+    KeyKind,
     SampleRangeAssignmentOut,
     SampleStats,
     TensorKey,
@@ -208,11 +210,22 @@ class PartitionedLink:
         self,
         key: TensorKey,
         component_sizes: tuple[int, ...],
-        total: int,
+        total: int | None,
         dtype: DType = DType.FLOAT32,
         *,
         array: np.ndarray | None = None,
     ) -> None:
+        if total is None or (
+            key.kind is KeyKind.COLLECTIVE and key.collective_kind is not CollectiveKind.REDUCE
+        ):
+            # Each partition sees only its chunks, so it cannot gather, relay or route whole
+            # contributions (the coordinators refuse these kinds too; this says so before sending).
+            raise FailedPreconditionError(
+                f"{key}: partitioned coordinators only reduce; "
+                f"{key.collective_kind.name} needs one coordinator",
+                step=key.step,
+                key=str(key),
+            )
         array = np.empty(total, dtype=np.float32) if array is None else array
         try:
             for index, owned in self._owners(key, total).items():

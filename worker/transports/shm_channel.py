@@ -162,9 +162,11 @@ class ShmChannel:
             self._slots.free(offset, slots)
             self._cond.notify_all()
 
-    def stage(self, key: TensorKey, offset: int, piece: np.ndarray) -> ShmRef | None:
+    def stage(
+        self, key: TensorKey, offset: int, piece: np.ndarray, *, wait_s: float = _SLOT_WAIT_S
+    ) -> ShmRef | None:
         """Where the chunk `piece` (elements from `offset` of `key`) lies in the input arena once
-        written there; None when it must go inline (no slot freed up in time)."""
+        written there; None when it must go inline (no slot freed up within `wait_s`)."""
         nbytes = piece.nbytes
         address = int(piece.__array_interface__["data"][0])
         if (
@@ -176,7 +178,7 @@ class ShmChannel:
             return ShmRef("in", address - self._base, nbytes)
         if nbytes > self._slots.slot_bytes:
             return None
-        deadline = time.monotonic() + _SLOT_WAIT_S
+        deadline = time.monotonic() + wait_s
         with self._cond:
             while (slot := self._slots.take()) is None:
                 remaining = deadline - time.monotonic()
@@ -219,6 +221,16 @@ class ShmChannel:
                 f"its {len(self._out)}-byte arena"
             )
         return self._out_view[ref.offset : ref.offset + ref.length].view(_F32)
+
+    def result_bytes(self, ref: ShmRef) -> np.ndarray:
+        """The raw bytes of a byte-moving collective's result the coordinator wrote at `ref` (a
+        read-only uint8 view; copy it, then `release`). Outside the arena: InternalError."""
+        if ref.offset + ref.length > len(self._out):
+            raise InternalError(
+                f"coordinator named output bytes [{ref.offset}, {ref.offset + ref.length}) outside "
+                f"its {len(self._out)}-byte arena"
+            )
+        return self._out_view[ref.offset : ref.offset + ref.length]
 
     def release(self, ref: ShmRef) -> None:
         """Tells the coordinator this worker is done with an output slot. A failure means the

@@ -2,10 +2,12 @@
 
 The Exchange stream still carries every message (so ordering, back-pressure, errors and liveness
 are the gRPC link's), but a chunk's payload is written into this worker's input arena and only
-named in its message, and an average is read where the coordinator wrote it in its output arena.
-This link owns the `ShmChannel` and its bookkeeping: a staged chunk's slot is free again once its
-average, its key's refusal or its step's failure arrived (the coordinator then holds no view of
-it), and every output slot read is released. A chunk that finds no free slot in time goes inline.
+named in its message, and a result (an average, or a byte-moving collective's raw bytes) is read
+where the coordinator wrote it in its output arena. This link owns the `ShmChannel` and its
+bookkeeping: a staged chunk's slot is free again once its average (for the collective kinds other
+than REDUCE: once the whole result), its key's refusal or its step's failure arrived (the
+coordinator then holds no view of it), and every output slot read is released. A chunk that finds
+no free slot in time goes inline.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gradserver.common.messages import (
     AveragedChunkOut,
     ChunkHeader,
     ChunkIn,
+    DType,
     ErrorOut,
     JoinAccepted,
     SampleStats,
@@ -28,7 +31,7 @@ from gradserver.common.messages import (
 from gradserver.common.timeouts import Timeouts
 
 from .base import ErrorRecord
-from .grpc_link import GrpcLink
+from .grpc_link import GrpcLink, result_in_pieces
 from .shm_channel import ShmChannel
 
 
@@ -66,7 +69,15 @@ class ShmLink(GrpcLink):
         piece: np.ndarray,
         stats: SampleStats | None,
     ) -> None:
-        ref = self.arenas.stage(key, offset, piece)
+        # An empty chunk (a broadcast's non-root rank, a zero-size tensor) has nothing to stage.
+        # The collective kinds other than REDUCE hold their slots until the whole result is in,
+        # so waiting for one of theirs to free up would only delay this one: inline at once.
+        if not piece.nbytes:
+            ref = None
+        elif result_in_pieces(key):
+            ref = self.arenas.stage(key, offset, piece, wait_s=0.0)
+        else:
+            ref = self.arenas.stage(key, offset, piece)
         if ref is None:
             super().send_chunk(key, header, offset, piece, stats)
         else:
@@ -79,15 +90,23 @@ class ShmLink(GrpcLink):
         self.arenas.key_done(key)
 
     def _on_chunk(self, event: AveragedChunkOut) -> None:
-        # Averaged: the coordinator holds no view of this chunk's input slot any more.
-        self.arenas.chunk_done(event.key, event.offset)
+        if not result_in_pieces(event.key):
+            # Averaged: the coordinator holds no view of this chunk's input slot any more. (The
+            # other collective kinds free their inputs once the whole result is in.)
+            self.arenas.chunk_done(event.key, event.offset)
         if event.shm is None:
             super()._on_chunk(event)
             return
         try:
-            self._fill(event, self.arenas.average(event.shm))
+            if event.header.dtype is DType.BYTES:
+                self._fill(event, self.arenas.result_bytes(event.shm))
+            else:
+                self._fill(event, self.arenas.average(event.shm))
         finally:
             self.arenas.release(event.shm)
+
+    def _inputs_free(self, key: TensorKey) -> None:
+        self.arenas.key_done(key)
 
     def _coordinator_dropped(self, event: ErrorOut) -> None:
         # A failed step or a refused key is dropped by the coordinator: its slots are free.
