@@ -123,6 +123,8 @@ def _strings_in(path: Path) -> set[str]:
 def _names_a_data_file(package: Path, text: str) -> bool:
     if not text or len(text) > 200 or any(c in text for c in "\0\n ") or text.endswith(".py"):
         return False
+    if text.startswith("/"):  # an absolute path (e.g. /proc/...) names no file of the package
+        return False
     return (package / text).is_file()
 
 
