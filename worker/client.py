@@ -450,13 +450,7 @@ class WorkerClient:
         *,
         into: Any = None,
     ) -> None:
-        limit = self._accepted.max_tensor_elements
-        if array.size > limit:
-            raise InvalidArgumentError(
-                f"{key}: {array.size} elements exceed the coordinator's limit of {limit}",
-                step=key.step,
-                key=str(key),
-            )
+        self._check_size(key, int(array.size), "elements")
         total = self._result_length(key, int(array.size))
         assert total is not None  # only ALL_TO_ALL has no length before its result, and it moves bytes
         result = None if into is None else as_result_buffer(into, total, what=str(key))
@@ -471,13 +465,7 @@ class WorkerClient:
         raw bytes, never rounded to the wire dtype. A BROADCAST's non-root ranks send one
         header-only chunk that only says how many bytes they expect."""
         nbytes = int(data.size)
-        limit = self._accepted.max_tensor_elements
-        if nbytes > limit:
-            raise InvalidArgumentError(
-                f"{key}: {nbytes} bytes exceed the coordinator's limit of {limit} elements",
-                step=key.step,
-                key=str(key),
-            )
+        self._check_size(key, nbytes, "bytes")
         total = self._result_length(key, nbytes)
         result = None if into is None else as_byte_buffer(into, total, what=str(key))
         self._link.raise_if_broken()
@@ -486,6 +474,18 @@ class WorkerClient:
         if key.collective_kind is CollectiveKind.BROADCAST and key.root != self.worker_id:
             data = data[:0]
         self._send_chunks(key, header, data, None)
+
+    def _check_size(self, key: TensorKey, size: int, unit: str) -> None:
+        """Refuses, naming the key, a contribution beyond the coordinator's element limit (a
+        BYTES element is one byte)."""
+        limit = self._accepted.max_tensor_elements
+        if size > limit:
+            of_limit = f"{limit} elements" if unit == "bytes" else f"{limit}"
+            raise InvalidArgumentError(
+                f"{key}: {size} {unit} exceed the coordinator's limit of {of_limit}",
+                step=key.step,
+                key=str(key),
+            )
 
     def _send_chunks(
         self, key: TensorKey, header: ChunkHeader, payload: np.ndarray, stats: SampleStats | None

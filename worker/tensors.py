@@ -50,24 +50,13 @@ def as_result_buffer(into: Any, num_elements: int, *, what: str) -> np.ndarray:
     """A 1-D float32 view of `into` (a numpy array or CPU torch tensor) that averages are written
     straight into; refused, naming `what`, when writing there would not reach the caller's memory
     (another dtype or byte order, not contiguous, read-only, on a GPU) or the size differs."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(into, torch.Tensor):
-        if into.device.type != "cpu":
-            raise InvalidArgumentError(f"{what}: into= must be in host memory, got a tensor on {into.device}")
-        if into.dtype != torch.float32:
-            raise InvalidArgumentError(f"{what}: into= has dtype {into.dtype}; it must be float32")
-        into = into.detach().numpy()
-    if not isinstance(into, np.ndarray):
-        raise InvalidArgumentError(
-            f"{what}: into= must be a numpy array or a CPU torch tensor, got {type(into).__name__}"
-        )
-    if into.dtype != _F32:
-        raise InvalidArgumentError(f"{what}: into= has dtype {into.dtype}; it must be little-endian float32")
-    if not into.flags.c_contiguous or not into.flags.writeable:
-        raise InvalidArgumentError(f"{what}: into= must be a C-contiguous, writable array")
-    if into.size != num_elements:
-        raise InvalidArgumentError(f"{what}: into= holds {into.size} elements, the gradient {num_elements}")
-    return into.reshape(-1)
+    array = _host_array(into, what, torch_dtype="float32")
+    if array.dtype != _F32:
+        raise InvalidArgumentError(f"{what}: into= has dtype {array.dtype}; it must be little-endian float32")
+    _check_writable(array, what)
+    if array.size != num_elements:
+        raise InvalidArgumentError(f"{what}: into= holds {array.size} elements, the gradient {num_elements}")
+    return array.reshape(-1)
 
 
 def as_byte_array(data: Any, *, what: str) -> np.ndarray:
@@ -91,17 +80,30 @@ def as_byte_buffer(into: Any, num_bytes: int | None, *, what: str) -> np.ndarray
     byte-moving collective's result is written straight into; refused, naming `what`, when
     writing there would not reach the caller's memory or its size in bytes differs from
     `num_bytes` (None: the result's length is not known yet, `into` says what it must be)."""
+    array = _host_array(into, what)
+    _check_writable(array, what)
+    if num_bytes is not None and array.nbytes != num_bytes:
+        raise InvalidArgumentError(f"{what}: into= holds {array.nbytes} bytes, the result {num_bytes}")
+    return array.reshape(-1).view(np.uint8)
+
+
+def _host_array(into: Any, what: str, *, torch_dtype: str = "") -> np.ndarray:
+    """`into` as a numpy array over the caller's memory: a numpy array as it is, a CPU torch tensor
+    (of `torch_dtype` when given) as a view; refused, naming `what`, otherwise."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(into, torch.Tensor):
         if into.device.type != "cpu":
             raise InvalidArgumentError(f"{what}: into= must be in host memory, got a tensor on {into.device}")
+        if torch_dtype and into.dtype != getattr(torch, torch_dtype):
+            raise InvalidArgumentError(f"{what}: into= has dtype {into.dtype}; it must be {torch_dtype}")
         into = into.detach().numpy()
     if not isinstance(into, np.ndarray):
         raise InvalidArgumentError(
             f"{what}: into= must be a numpy array or a CPU torch tensor, got {type(into).__name__}"
         )
+    return into
+
+
+def _check_writable(into: np.ndarray, what: str) -> None:
     if not into.flags.c_contiguous or not into.flags.writeable:
         raise InvalidArgumentError(f"{what}: into= must be a C-contiguous, writable array")
-    if num_bytes is not None and into.nbytes != num_bytes:
-        raise InvalidArgumentError(f"{what}: into= holds {into.nbytes} bytes, the result {num_bytes}")
-    return into.reshape(-1).view(np.uint8)
