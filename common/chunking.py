@@ -13,6 +13,13 @@ from collections.abc import Iterator
 from .errors import InvalidArgumentError, ResourceExhaustedError
 
 
+def payload_nbytes(data: bytes | memoryview | None) -> int:
+    """The length in bytes of a chunk's payload (a memoryview's `len` counts its items)."""
+    if data is None:
+        return 0
+    return data.nbytes if isinstance(data, memoryview) else len(data)
+
+
 def chunk_count(total: int, chunk_elements: int) -> int:
     if chunk_elements <= 0:
         raise InvalidArgumentError(f"chunk size must be positive, got {chunk_elements} elements")

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gradserver.common.chunking import payload_nbytes
 from gradserver.common.messages import DType
 from gradserver.common.wire_dtype import first_non_finite, reduce_16
 
@@ -85,7 +86,7 @@ class Averager:
         buffers = self.output_buffers
         if buffers is None or dtype is not DType.FLOAT32 or len(contributions) < 2:
             return None
-        return buffers.take(_nbytes(contributions[0]))
+        return buffers.take(payload_nbytes(contributions[0]))
 
     def give_back(self, out: memoryview | None) -> None:
         """Returns a buffer from `take_output` that holds no average after all."""
@@ -225,10 +226,6 @@ class Averager:
                 raise NonFiniteContribution(*bad)
             raise SumOverflow(int(np.flatnonzero(~finite)[0]), dtype=dtype)
         return out.data
-
-
-def _nbytes(data: bytes | memoryview) -> int:
-    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 class SumOverflow(Exception):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gradserver.common.chunking import chunk_count
+from gradserver.common.chunking import chunk_count, payload_nbytes
 from gradserver.common.messages import CollectiveKind, TensorKey
 
 Data = bytes | memoryview
@@ -36,10 +36,6 @@ class Piece:
     total: int
     offset: int
     data: Data
-
-
-def _nbytes(data: Data) -> int:
-    return data.nbytes if isinstance(data, memoryview) else len(data)
 
 
 class ByteCollective:
@@ -104,7 +100,7 @@ class ByteCollective:
             self.splits[rank] = splits
         self._received[rank] += 1
         self._held[(rank, index)] = data
-        self._held_bytes[rank] += _nbytes(data)
+        self._held_bytes[rank] += payload_nbytes(data)
         if self.kind is CollectiveKind.ALL_GATHER:
             return self._gather_ready()
         if self.kind is CollectiveKind.BROADCAST:
@@ -113,7 +109,7 @@ class ByteCollective:
 
     def _take(self, rank: int, index: int) -> Data:
         data = self._held.pop((rank, index))
-        self._held_bytes[rank] -= _nbytes(data)
+        self._held_bytes[rank] -= payload_nbytes(data)
         return data
 
     def _all_received(self) -> bool:
@@ -168,7 +164,7 @@ class ByteCollective:
     def _route(self, source: int, index: int, data: Data) -> list[Piece]:
         """The pieces of `source`'s chunk `index` for each destination; the one completing a
         destination's result is kept back until every contribution arrived."""
-        start, stop = index * self.chunk, index * self.chunk + _nbytes(data)
+        start, stop = index * self.chunk, index * self.chunk + payload_nbytes(data)
         view = memoryview(data).cast("B")
         splits = self.splits[source]
         out: list[Piece] = []

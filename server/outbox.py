@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from gradserver.common import codec
+from gradserver.common.chunking import payload_nbytes
 from gradserver.common.errors import InvalidArgumentError, status_code_from_value
 from gradserver.common.messages import AveragedChunkOut, ChunkIn, ErrorOut
 
@@ -134,4 +135,4 @@ class Outboxes:
 def _payload_bytes(event: AveragedChunkOut) -> int:
     if event.shm is not None:
         return event.shm.length
-    return event.data.nbytes if isinstance(event.data, memoryview) else len(event.data)
+    return payload_nbytes(event.data)

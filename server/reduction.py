@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gradserver.common.chunking import chunk_count
+from gradserver.common.chunking import chunk_count, payload_nbytes
 from gradserver.common.errors import Status
 from gradserver.common.messages import (
     BYTE_KINDS,
@@ -128,7 +128,7 @@ class Reduce:
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(d) for d in self.data)
+        return sum(payload_nbytes(d) for d in self.data)
 
 
 @dataclasses.dataclass
@@ -309,7 +309,7 @@ class ReductionTable:
                 continue
             slot.expected = slot.expected - {lost}
             for parts in slot.chunks.values():
-                self._buffered[lost] -= _nbytes(parts[lost])
+                self._buffered[lost] -= payload_nbytes(parts[lost])
                 parts[lost] = None
             slot.received[lost].clear()
             if not slot.expected:
@@ -424,8 +424,8 @@ class ReductionTable:
             return out + self._route(slot, chunk, index)
         parts = slot.chunks.setdefault(index, [None] * self.world_size)
         parts[w] = chunk.data
-        self._buffered[w] += _nbytes(chunk.data)
-        self._step_stats.bytes_received(key.step, _nbytes(chunk.data))
+        self._buffered[w] += payload_nbytes(chunk.data)
+        self._step_stats.bytes_received(key.step, payload_nbytes(chunk.data))
         if slot.chunk_complete(index):
             out += self._reduce(slot, index)
         return out
@@ -730,7 +730,7 @@ class ReductionTable:
         """Hands one chunk of a byte-moving collective to its router; sends what became ready."""
         collective = slot.collective
         assert collective is not None
-        size = _nbytes(chunk.data)
+        size = payload_nbytes(chunk.data)
         self._step_stats.bytes_received(slot.key.step, size)
         before = [collective.held_bytes(v) for v in range(self.world_size)]
         pieces = collective.add(
@@ -834,7 +834,7 @@ class ReductionTable:
             )
         assert averaged is not None
         for w, part in enumerate(slot.inflight.pop(index)):
-            self._buffered[w] -= _nbytes(part)
+            self._buffered[w] -= payload_nbytes(part)
         if slot.scattered is not None:
             outgoing = self._scatter(slot, index, averaged, request.to)
             slot.reduced += 1
@@ -892,7 +892,7 @@ class ReductionTable:
             if slot.key.step == step:
                 for parts in [*slot.chunks.values(), *slot.inflight.values()]:
                     for w, part in enumerate(parts):
-                        self._buffered[w] -= _nbytes(part)
+                        self._buffered[w] -= payload_nbytes(part)
                 if slot.collective is not None:
                     for w in range(self.world_size):
                         self._buffered[w] -= slot.collective.held_bytes(w)
@@ -928,9 +928,3 @@ def _split_mismatch(collective: ByteCollective, chunk: ChunkIn) -> str | None:
         f"worker {w} sent a chunk of {key} declaring {chunk.header.total_elements} bytes split "
         f"{list(key.split_bytes)}, but its first chunk declared {total} bytes split {list(splits)}"
     )
-
-
-def _nbytes(data: bytes | memoryview | None) -> int:
-    if data is None:
-        return 0
-    return data.nbytes if isinstance(data, memoryview) else len(data)
