@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKENDS = ("gradserver", "gloo")
-OPERATIONS = ("all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
-DEFAULT_SIZES = (4, 256 * 1024, 16 * 1024 * 1024)
+OPERATIONS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+DEFAULT_SIZES = (4, 256 * 1024, 1024 * 1024, 16 * 1024 * 1024)
 _WARMUP = 2
 _JOIN_S = 900.0
 
@@ -49,6 +49,8 @@ def _one_call(name: str, world: int, rank: int, nbytes: int) -> tuple[Any, ...]:
         return (torch.empty(world * elements), torch.full((elements,), float(rank)))
     if name == "reduce_scatter_tensor":
         return (torch.empty(elements), torch.full((world * elements,), float(rank)))
+    if name == "all_reduce":
+        return (torch.full((elements,), float(rank)),)
     return (torch.full((elements,), float(rank)),)
 
 
@@ -57,6 +59,8 @@ def _run(name: str, tensors: tuple[Any, ...]) -> None:
         dist.all_gather_into_tensor(*tensors)
     elif name == "reduce_scatter_tensor":
         dist.reduce_scatter_tensor(*tensors)
+    elif name == "all_reduce":
+        dist.all_reduce(tensors[0])
     else:
         dist.broadcast(tensors[0], src=0)
 

@@ -10,8 +10,9 @@ mapped writable at all.
 The handshake on the coordinator's socket (fixed-size little-endian frames):
   coordinator -> worker: the 16-byte nonce announced in JoinResponse.shm_nonce
   worker -> coordinator: worker_id u32, session_id u64, member_token u64, + the input arena's fd
-  coordinator -> worker: status u8 (0 ok), message length u16, UTF-8 message, + the output arena's
-                         read-only fd when ok
+  coordinator -> worker: status u8 (0 ok), message length u16, UTF-8 message, + when ok the output
+                         arena's read-only fd and, when the coordinator offers the collective lane
+                         (common/lane.py), a read-write fd of the lane's arena
 After it, the worker sends u64 byte offsets of output slots it has finished reading (releases).
 """
 
@@ -131,6 +132,15 @@ def map_readonly(fd: int, what: str) -> mmap.mmap:
     """Maps a received arena read-only after checking that its size can no longer change.
 
     Raises ValueError naming `what` when the file is not a sealed arena."""
+    return _map_sealed(fd, what, mmap.PROT_READ)
+
+
+def map_shared(fd: int, what: str) -> mmap.mmap:
+    """Maps a received arena read-write (the collective lane's), after the same checks."""
+    return _map_sealed(fd, what, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _map_sealed(fd: int, what: str, prot: int) -> mmap.mmap:
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
@@ -140,7 +150,7 @@ def map_readonly(fd: int, what: str) -> mmap.mmap:
     size = os.fstat(fd).st_size
     if size <= 0:
         raise ValueError(f"{what} is empty")
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -197,12 +207,13 @@ def recv_exact(sock: socket.socket, size: int, fds: int = 0) -> tuple[bytes, lis
     return bytes(buf), list(received)
 
 
-def send_reply(sock: socket.socket, message: str, fd: int | None) -> None:
-    """The coordinator's answer to a hello: ok with the output arena's fd, or a refusal."""
+def send_reply(sock: socket.socket, message: str, fds: list[int] | None) -> None:
+    """The coordinator's answer to a hello: ok with the output arena's fd (and the lane's), or a
+    refusal (no fds)."""
     text = message.encode()[:60000]
-    frame = REPLY.pack(0 if fd is not None else 1, len(text)) + text
-    if fd is not None:
-        socket.send_fds(sock, [frame], [fd])
+    frame = REPLY.pack(0 if fds else 1, len(text)) + text
+    if fds:
+        socket.send_fds(sock, [frame], fds)
     else:
         sock.sendall(frame)
 

@@ -143,6 +143,13 @@ class CoordinatorConfig:
         default=False,
         metadata={"help": "offer no shared-memory fast path to workers on this host (gRPC only)"},
     )
+    no_lane: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "run one-shot collectives of same-host workers through the gRPC stream instead of "
+            "the shared-memory collective lane"
+        },
+    )
     shm_dir: str = dataclasses.field(
         default="",
         metadata={"help": "where the 0700 directory of the shared-memory socket goes ('': the temp dir)"},

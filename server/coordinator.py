@@ -251,6 +251,7 @@ class GradientServer:
         log.info("shutting down: %s", reason)
         await self._health.enter_graceful_shutdown()
         self._streams.broadcast(codec.encode_server_event(ShutdownOut(reason)))
+        self._outboxes.stopping(reason)
         deadline = asyncio.get_running_loop().time() + self.config.drain_timeout
         await self._streams.drain(lambda: self._table.has_pending(), deadline)  # noqa: PLW0108 - a reset replaces the table
         self._deliver(self._table.fail_all(Status.UNAVAILABLE, f"coordinator {reason}"))
@@ -350,7 +351,9 @@ class GradientServer:
         async def admit() -> Member:
             return self._streams.admit(stream_member(context, self._membership, self.config.tls_client_ca))
 
-        await self._streams.serve(await self._refusing(context, admit()), context)
+        member = await self._refusing(context, admit())
+        self._outboxes.streaming(member.worker_id)
+        await self._streams.serve(member, context)
 
     def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | SampleRangeRequestIn) -> None:
         """Hands one contribution, barrier arrival or request to the table."""

@@ -73,6 +73,11 @@ class CoordinatorMetrics:
             "(a larger --shm-arena-mib avoids them)",
             registry=registry,
         )
+        self.lane_rounds = Counter(
+            "gradserver_lane_rounds",
+            "Rounds of one-shot collectives served through the shared-memory collective lane",
+            registry=registry,
+        )
         self.shm_averaged_in_place_bytes = Counter(
             "gradserver_shm_averaged_in_place_bytes",
             "Bytes of averages written straight into an output slot (no copy to publish them)",

@@ -43,6 +43,10 @@ class Outbox(Protocol):
         """Sees every batch of messages the cores answered with (before they are queued)."""
         ...
 
+    def streaming(self, worker_id: int) -> None:
+        """A member's Exchange stream opened (it chose its transport by then)."""
+        ...
+
     def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
         """A member left (`lost`: without a goodbye), before the table hears of it."""
         ...
@@ -53,6 +57,10 @@ class Outbox(Protocol):
 
     def reset(self) -> None:
         """A fresh job starts (every worker left)."""
+        ...
+
+    def stopping(self, reason: str) -> None:
+        """The coordinator began a graceful shutdown (workers were just told)."""
         ...
 
     async def close(self) -> None: ...
@@ -113,6 +121,10 @@ class Outboxes:
         for outbox in self._outboxes:
             outbox.sent(outgoing)
 
+    def streaming(self, worker_id: int) -> None:
+        for outbox in self._outboxes:
+            outbox.streaming(worker_id)
+
     def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
         for outbox in self._outboxes:
             outbox.worker_gone(worker_id, reason, lost=lost, table=table)
@@ -126,6 +138,10 @@ class Outboxes:
     def reset(self) -> None:
         for outbox in self._outboxes:
             outbox.reset()
+
+    def stopping(self, reason: str) -> None:
+        for outbox in self._outboxes:
+            outbox.stopping(reason)
 
     async def close(self) -> None:
         for outbox in self._outboxes:

@@ -210,6 +210,12 @@ class PartitionRole:
     def sent(self, outgoing: Sequence[Outgoing]) -> None:
         self.failed_steps(outgoing)
 
+    def streaming(self, worker_id: int) -> None:
+        pass
+
+    def stopping(self, reason: str) -> None:
+        pass
+
     def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
         if lost:
             self.worker_lost(worker_id, reason, table.unsettled_steps())

@@ -37,12 +37,13 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from gradserver.common import shm
+from gradserver.common import lane, shm
 from gradserver.common.errors import GradServerError, InvalidArgumentError
 from gradserver.common.messages import AveragedChunkOut, ChunkIn, ShmRef
 
 from .averaging import Averager
 from .config import CoordinatorConfig
+from .lane import Lane
 from .membership import Member
 from .metrics import CoordinatorMetrics
 from .outgoing import Outgoing
@@ -52,6 +53,9 @@ log = logging.getLogger("gradserver.server.shm")
 
 _DIR_PREFIX = shm.SOCKET_DIR_PREFIX
 _STALE_AFTER_S = 60.0  # a directory this old whose socket nobody listens on is a dead one's
+# How long a worker that closed its socket has to be heard leaving on its gRPC stream before the
+# lane counts it as having stopped using shared memory.
+_LANE_DEPARTURE_GRACE_S = 2.0
 
 
 def remove_stale_dirs(parent: str | None, now: float | None = None) -> list[str]:
@@ -127,6 +131,8 @@ class ShmHub:
         # Slots handed to the averager to write into (`take`), keyed by the view's id.
         self._reserved: dict[int, tuple[memoryview, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # The collective lane, when offered: its arena goes to every worker that registers.
+        self.lane: Lane | None = None
 
     async def start(self) -> None:
         for path in remove_stale_dirs(self._parent):
@@ -150,6 +156,9 @@ class ShmHub:
             await asyncio.wait(list(self._tasks))
         for worker_id in list(self._peers):
             self.worker_gone(worker_id)
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -317,11 +326,17 @@ class ShmHub:
             except (ValueError, OSError) as exc:
                 raise InvalidArgumentError(str(exc)) from None
             self._register(_Peer(worker_id, member.token, conn, arena, memoryview(arena)))
-            ro = shm.readonly_fd(self._out_fd)
+            given = [shm.readonly_fd(self._out_fd)]
+            if self.lane is not None:
+                given.append(self.lane.shared_fd())
+                # Before the reply: the worker opens its Exchange stream as soon as it has it, and
+                # the lane closes for a worker streaming unregistered.
+                self.lane.registered(worker_id)
             try:
-                await asyncio.to_thread(shm.send_reply, conn, "ok", ro)
+                await asyncio.to_thread(shm.send_reply, conn, "ok", given)
             finally:
-                os.close(ro)
+                for fd in given:
+                    os.close(fd)
             log.info("worker %d uses shared memory (%d MiB input arena)", worker_id, len(arena) >> 20)
             conn.setblocking(False)
             peer = self._peers.get(worker_id)
@@ -334,6 +349,8 @@ class ShmHub:
             stale = [w for w, p in self._peers.items() if p.conn is conn]
             for worker_id in stale:
                 self.worker_gone(worker_id)
+                if self.lane is not None:
+                    self.lane.stopped_using(worker_id, None)
             with contextlib.suppress(OSError):
                 conn.settimeout(self._timeout)
                 await asyncio.to_thread(shm.send_reply, conn, text, None)
@@ -351,6 +368,19 @@ class ShmHub:
             self.worker_gone(peer.worker_id)  # a rejoined member replaces its predecessor
         self._peers[peer.worker_id] = peer
 
+    def _lane_socket_closed(self, worker_id: int) -> None:
+        """A worker closed its socket: it is leaving (or died), and its departure, heard on its
+        gRPC stream a moment later, fails the lane with the reason that departure gives. A
+        worker that stays a member without its socket has given up on shared memory, so no
+        longer uses the lane: that is checked after a grace period."""
+        lane = self.lane
+        assert lane is not None
+        registration = lane.socket_closed(worker_id)
+        if registration is not None:
+            asyncio.get_running_loop().call_later(
+                _LANE_DEPARTURE_GRACE_S, lane.stopped_using, worker_id, registration
+            )
+
     async def _read_releases(self, peer: _Peer) -> None:
         loop = asyncio.get_running_loop()
         pending = b""
@@ -362,6 +392,8 @@ class ShmHub:
                 if self._peers.get(peer.worker_id) is peer:
                     log.info("worker %d closed its shared-memory socket", peer.worker_id)
                     self.worker_gone(peer.worker_id)
+                    if self.lane is not None:
+                        self._lane_socket_closed(peer.worker_id)
                 return
             pending += data
             whole = len(pending) - len(pending) % shm.RELEASE.size
@@ -404,6 +436,8 @@ class ShmOutbox:
         )
         try:
             await hub.start()
+            if not config.no_lane and lane.supported():
+                hub.lane = Lane(config.world_size, config.chunk_bytes, averager, metrics, config.step_timeout)
         except OSError as exc:
             log.warning("shared memory is off (gRPC only): %r", exc)
             await hub.stop()
@@ -431,16 +465,27 @@ class ShmOutbox:
     def sent(self, outgoing: Sequence[Outgoing]) -> None:
         pass
 
+    def streaming(self, worker_id: int) -> None:
+        if self.hub.lane is not None:
+            self.hub.lane.streaming(worker_id)
+
     def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
         # Its arena may still be written (a zombie): what the table keeps of it is copied.
         table.copy_held_data(worker_id)
         self.hub.worker_gone(worker_id)
+        if self.hub.lane is not None:
+            self.hub.lane.worker_gone(worker_id, reason, lost=lost)
 
     def offer(self) -> dict[str, Any]:
         return {"shm_socket": self.hub.path, "shm_nonce": self.hub.nonce}
 
     def reset(self) -> None:
-        pass
+        if self.hub.lane is not None:
+            self.hub.lane.reset()
+
+    def stopping(self, reason: str) -> None:
+        if self.hub.lane is not None:
+            self.hub.lane.stopping(reason)
 
     async def close(self) -> None:
         await self.hub.stop()

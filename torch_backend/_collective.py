@@ -81,6 +81,37 @@ class CollectiveClient(WorkerClient):
         else:
             self.send(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), into=into)
 
+    def run_collective(
+        self,
+        sequence: int,
+        group: int,
+        array: np.ndarray,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        kind: CollectiveKind = CollectiveKind.REDUCE,
+        root: int = 0,
+        split_bytes: tuple[int, ...] = (),
+        into: np.ndarray | None = None,
+        propagate_non_finite: bool = False,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """`send_collective` and its receive in one call (`WorkerClient.collective`): through the
+        coordinator's collective lane when every rank is on its host, else over gRPC."""
+        key = TensorKey.collective(
+            sequence,
+            group,
+            op,
+            propagate_non_finite=propagate_non_finite,
+            kind=kind,
+            root=root,
+            split_bytes=split_bytes,
+        )
+        if kind in BYTE_KINDS:
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        else:
+            data = np.ascontiguousarray(array, dtype="<f4").reshape(-1)
+        return self.collective(key, data, into=into, timeout=timeout)
+
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:
         """The result of the oldest collective this rank sent and has not received yet: float32
         for REDUCE and REDUCE_SCATTER (this rank's part), uint8 for the byte-moving kinds."""

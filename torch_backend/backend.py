@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import datetime
 import functools
 import itertools
@@ -54,6 +55,7 @@ from gradserver.common.timeouts import Timeouts
 from ._collective import CollectiveClient
 from ._coordinator import EmbeddedCoordinator, Store, coordinator_for
 from ._devices import StreamOrder
+from ._queue import OperationQueue, Queued
 from ._reductions import (
     Plan,
     from_limbs,
@@ -71,6 +73,15 @@ _DEFAULT_GROUP = 0
 _groups = itertools.count()
 # Opt-in: collectives refuse NaN/Inf (naming the rank and element) instead of passing them on.
 _COMPLETION_THREADS = 64  # the most callbacks that may block at once (one per DDP bucket in flight)
+# An operation nobody waits for yet is run by the group's thread after this delay, unless it is
+# larger than _EAGER_BYTES (host bytes of every tensor involved): then at once, so it overlaps
+# with the caller's work (DDP's backward). A synchronous call waits at once and runs it itself.
+_PICKUP_DELAY_S = 0.0002
+_EAGER_BYTES = 1 << 20
+# The group's thread looks for such operations this often while they keep coming, and sleeps
+# until the next one after this long without any.
+_POLL_S = 0.002
+_IDLE_S = 1.0
 
 
 class ProcessGroupGradServer(dist.ProcessGroup):
@@ -92,7 +103,16 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         # (GradScaler relies on every rank seeing the Inf); with the check, they fail it, naming
         # the rank and the element.
         self._check_finite = check_finite
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradserver-pg")
+        # Operations run in issue order, one at a time: on the thread that waits for one (a
+        # synchronous call), or on the group's own thread (`_queue`).
+        self._queue: OperationQueue[_Operation] = OperationQueue(
+            self._run,
+            self._ran_in_background,
+            pickup_delay_s=_PICKUP_DELAY_S,
+            poll_s=_POLL_S,
+            idle_s=_IDLE_S,
+            name="gradserver-pg",
+        )
         # Works are completed on other threads than the one that runs the collectives: torch runs
         # a future's callbacks on the thread that completes it, and a callback that issues a
         # collective and waits for it (DDP comm hooks such as PowerSGD) would otherwise wait for
@@ -189,10 +209,15 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             nbytes = sum(_nbytes(t) for t in tensors)
             data = _concat_bytes(tensors) if self.rank() == root else np.empty(nbytes, np.uint8)
             into = _host_bytes(tensors[0]) if len(tensors) == 1 else None
-            self._client.send_collective(
-                sequence, _DEFAULT_GROUP, data, kind=CollectiveKind.BROADCAST, root=root, into=into
+            result = self._client.run_collective(
+                sequence,
+                _DEFAULT_GROUP,
+                data,
+                kind=CollectiveKind.BROADCAST,
+                root=root,
+                into=into,
+                timeout=self._timeout_s,
             )
-            result = self._client.receive_collective(self._timeout_s)
             _write_bytes_into(tensors, result, what=f"rank {self.rank()}: gradserver broadcast")
 
         return self._submit("broadcast", run, tensors, tensors)
@@ -233,10 +258,14 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             # (which receives the very bytes it holds).
             own = output.reshape(-1).chunk(self.size())[self.rank()] if output.numel() else output
             into = _host_bytes(output) if not _overlaps(input, output) or _same_memory(input, own) else None
-            self._client.send_collective(
-                sequence, _DEFAULT_GROUP, data, kind=CollectiveKind.ALL_GATHER, into=into
+            result = self._client.run_collective(
+                sequence,
+                _DEFAULT_GROUP,
+                data,
+                kind=CollectiveKind.ALL_GATHER,
+                into=into,
+                timeout=self._timeout_s,
             )
-            result = self._client.receive_collective(self._timeout_s)
             _write_bytes_into([output], result, what=f"rank {self.rank()}: gradserver all_gather_into_tensor")
 
         return self._submit("all_gather_into_tensor", run, [output], [input, output])
@@ -359,14 +388,11 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             return
         with self._issue:
             self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        # Operations cancelled before they ran: their Works must still end, or a waiter would hang.
-        # (Those that ran are being completed by the completion threads.)
-        for sequence, work in list(self._pending.items()):
-            if not work.started:
-                self._finish(
-                    sequence, work, RuntimeError(f"{work.name}: the process group was shut down first")
-                )
+        # Operations that never ran: their Works must still end, or a waiter would hang. (Those
+        # that ran are being completed by the completion threads.)
+        for operation in self._queue.close():
+            error = RuntimeError(f"{operation.work.name}: the process group was shut down first")
+            self._finish(operation.sequence, operation.work, error)
         self._completions.shutdown(wait=False)
         try:
             self._client.close()
@@ -387,7 +413,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     ) -> np.ndarray:
         """One coordinator reduction of float32 `payload`: all of it (REDUCE) or this rank's
         part (REDUCE_SCATTER)."""
-        self._client.send_collective(
+        return self._client.run_collective(
             sequence,
             _DEFAULT_GROUP,
             payload,
@@ -395,8 +421,8 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             kind=kind,
             into=into,
             propagate_non_finite=not self._check_finite,
+            timeout=self._timeout_s,
         )
-        return self._client.receive_collective(self._timeout_s)
 
     def _reduce_scatter(
         self, what: str, outputs: list[torch.Tensor], in_rank_order: list[torch.Tensor], opts: Any
@@ -423,8 +449,9 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     def _gather_rows(self, sequence: int, mine: np.ndarray) -> np.ndarray:
         """Every rank's `mine` (uint8, one length on every rank) as rows, in rank order: one
         ALL_GATHER."""
-        self._client.send_collective(sequence, _DEFAULT_GROUP, mine, kind=CollectiveKind.ALL_GATHER)
-        gathered = self._client.receive_collective(self._timeout_s)
+        gathered = self._client.run_collective(
+            sequence, _DEFAULT_GROUP, mine, kind=CollectiveKind.ALL_GATHER, timeout=self._timeout_s
+        )
         return gathered.reshape(self.size(), mine.size)
 
     def _all_to_all(
@@ -432,10 +459,15 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     ) -> np.ndarray:
         """One ALL_TO_ALL: `splits[j]` bytes of `data` go to rank j; returns what every rank sent
         this one, in rank order (written into `into` when given: it must hold exactly that)."""
-        self._client.send_collective(
-            sequence, _DEFAULT_GROUP, data, kind=CollectiveKind.ALL_TO_ALL, split_bytes=splits, into=into
+        return self._client.run_collective(
+            sequence,
+            _DEFAULT_GROUP,
+            data,
+            kind=CollectiveKind.ALL_TO_ALL,
+            split_bytes=splits,
+            into=into,
+            timeout=self._timeout_s,
         )
-        return self._client.receive_collective(self._timeout_s)
 
     def _reduce(
         self,
@@ -488,11 +520,42 @@ class ProcessGroupGradServer(dist.ProcessGroup):
                 raise RuntimeError(f"gradserver {what}: this process group was shut down")
             sequence = next(self._sequence)
             work = _CollectiveWork(f"rank {self.rank()}: gradserver {what} (operation {sequence})", future)
+            operation = _Operation(what, sequence, run, result, work, order)
             self._pending[sequence] = work
-            self._executor.submit(self._run, what, sequence, run, result, work, order)
+            queued = self._queue.submit(operation, eager=_host_nbytes(tensors) > _EAGER_BYTES)
+        work.run_here = functools.partial(self._run_here, queued)
         return work
 
-    def _run(
+    def _run_here(self, queued: Queued[_Operation], deadline: float) -> None:
+        """A waiter's turn: runs the operation on the waiter's thread and completes it there,
+        when it comes first (no thread hand-off for a synchronous call)."""
+        if self._queue.run_if_first(queued, deadline):
+            operation = queued.item
+            assert operation.outcome is not None
+            self._finish(operation.sequence, operation.work, operation.outcome, operation.order)
+
+    def _run(self, operation: _Operation) -> None:
+        operation.outcome = self._outcome(
+            operation.what,
+            operation.sequence,
+            operation.run,
+            operation.result,
+            operation.work,
+            operation.order,
+        )
+
+    def _ran_in_background(self, operation: _Operation) -> None:
+        """Completes an operation that another thread than its waiter's ran (the group's, or a
+        waiter of a later one), on a completion thread: a callback chained on its future may
+        issue and wait for the next collective."""
+        assert operation.outcome is not None
+        args = (operation.sequence, operation.work, operation.outcome, operation.order)
+        try:
+            self._completions.submit(self._finish, *args)
+        except RuntimeError:  # shut down meanwhile: complete it here, nobody can chain on it now
+            self._finish(*args)
+
+    def _outcome(
         self,
         what: str,
         sequence: int,
@@ -500,7 +563,8 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         result: list[torch.Tensor],
         work: _CollectiveWork,
         order: StreamOrder,
-    ) -> None:
+    ) -> list[torch.Tensor] | Exception:
+        """Runs one collective: its result tensors, or the exception to fail its Work with."""
         work.started = True
         outcome: list[torch.Tensor] | Exception
         try:
@@ -512,10 +576,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             outcome = type(exc)(message, step=exc.step, key=exc.key, worker_id=exc.worker_id)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work, not the thread
             outcome = exc if isinstance(exc, Exception) else RuntimeError(f"{work.name} failed: {exc!r}")
-        try:
-            self._completions.submit(self._finish, sequence, work, outcome, order)
-        except RuntimeError:  # shut down meanwhile: complete it here, nobody can chain on it now
-            self._finish(sequence, work, outcome, order)
+        return outcome
 
     def _finish(
         self,
@@ -533,6 +594,19 @@ class ProcessGroupGradServer(dist.ProcessGroup):
                 work.fail(outcome)
             else:
                 work.complete(outcome)
+
+
+@dataclasses.dataclass
+class _Operation:
+    """One issued collective: what runs it, its Work and, once run, its outcome."""
+
+    what: str
+    sequence: int
+    run: Callable[[int], None]
+    result: list[torch.Tensor]
+    work: _CollectiveWork
+    order: StreamOrder
+    outcome: list[torch.Tensor] | Exception | None = None
 
 
 class _CollectiveWork(dist.Work):
@@ -557,6 +631,8 @@ class _CollectiveWork(dist.Work):
         self._error: Exception | None = None
         result.add_done_callback(lambda _: self._done.set())
         self._future = result.then(self._value_or_raise)
+        # Set by the group: runs the operation on the waiting thread when it comes first.
+        self.run_here: Callable[[float], None] | None = None
 
     def complete(self, tensors: list[torch.Tensor]) -> None:
         self._result.set_result(tensors)
@@ -575,7 +651,11 @@ class _CollectiveWork(dist.Work):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Waits for the collective (bounded by the coordinator's step timeout and the receive
         timeout) or, given a positive `timeout`, at most that long: then DeadlineExceededError,
-        and the collective goes on in the background, as with torch's own backends."""
+        and the collective goes on in the background, as with torch's own backends. Without a
+        timeout (a synchronous call), an operation nobody has started yet runs right here."""
+        synchronous = timeout is None or not timeout.total_seconds()
+        if synchronous and self.run_here is not None and not self._done.is_set():
+            self.run_here(float("inf"))
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         if seconds > 0 and not self._done.wait(seconds):
             raise DeadlineExceededError(
@@ -589,6 +669,14 @@ class _CollectiveWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         return self._future
+
+
+def _host_nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the tensors; for a device tensor, more than `_EAGER_BYTES` (its copies to the
+    host and back are worth overlapping with the caller's work)."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return 1 << 62
+    return sum(_nbytes(t) for t in tensors)
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:

@@ -24,6 +24,7 @@ from gradserver.common.timeouts import Timeouts
 
 from .base import ErrorRecord, Link, PendingResult
 from .grpc_link import GrpcLink
+from .lane import LaneClient
 from .partitioned_link import JoinPartition, PartitionedLink, join_other_partitions
 from .shm_channel import ShmChannel
 from .shm_link import ShmLink
@@ -34,6 +35,7 @@ __all__ = [
     "TRANSPORT_ENV",
     "ErrorRecord",
     "JoinPartition",
+    "LaneClient",
     "Link",
     "PendingResult",
     "open_link",

@@ -25,6 +25,8 @@ from gradserver.common.messages import (
     WorkerEvent,
 )
 
+from .lane import LaneClient
+
 
 @dataclasses.dataclass(frozen=True)
 class ErrorRecord:
@@ -142,6 +144,11 @@ class Link(Protocol):
 
     def wait_result(self, key: TensorKey, timeout: float | None = None) -> PendingResult:
         """The complete average of `key`; raises its error, its step's failure or a timeout."""
+        ...
+
+    def lane(self) -> LaneClient | None:
+        """The collective lane this link can run one-shot collectives through (same host, the
+        coordinator offers it), or None."""
         ...
 
     def barrier(self, step: int, name: str, timeout: float | None) -> None:

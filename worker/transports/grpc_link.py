@@ -69,6 +69,7 @@ from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import widen
 
 from .base import ErrorRecord, PendingResult
+from .lane import LaneClient
 
 log = logging.getLogger("gradserver.worker")
 
@@ -187,6 +188,9 @@ class GrpcLink:
     def _requests(self) -> Iterator[bytes]:
         while (item := self._outbound.get()) is not None:
             yield item
+
+    def lane(self) -> LaneClient | None:
+        return None
 
     def allocate(self, num_elements: int) -> np.ndarray | None:
         """Inline payloads are copied into messages whatever array they come from."""

@@ -48,6 +48,7 @@ from gradserver.common.timeouts import Timeouts
 
 from .base import ErrorRecord, PendingResult
 from .grpc_link import GrpcLink
+from .lane import LaneClient
 
 # Joins partition `index` at `address` as the given worker id; returns its channel and answer.
 JoinPartition = Callable[[int, str], tuple[grpc.Channel, JoinAccepted]]
@@ -165,6 +166,10 @@ class PartitionedLink:
                 link.abort_with(lost)
 
     # --- the Link calls -----------------------------------------------------------------------
+
+    def lane(self) -> LaneClient | None:
+        """None: the lane is one coordinator's, and partitioned coordinators are for networks."""
+        return None
 
     def allocate(self, num_elements: int) -> np.ndarray | None:
         return None

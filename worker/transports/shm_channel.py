@@ -31,9 +31,11 @@ import weakref
 
 import numpy as np
 
-from gradserver.common import shm
+from gradserver.common import lane, shm
 from gradserver.common.errors import InternalError, PermissionDeniedError, UnavailableError
 from gradserver.common.messages import JoinAccepted, ShmRef, TensorKey
+
+from .lane import LaneClient
 
 log = logging.getLogger("gradserver.worker.shm")
 
@@ -61,8 +63,11 @@ class ShmChannel:
         slot_bytes: int,
         socket_path: str = "",
         coordinator_pid: int = 0,
+        lane: LaneClient | None = None,
     ) -> None:
         self._sock = sock
+        # The collective lane, when the coordinator offers it (its mapping is closed with this).
+        self.lane = lane
         self._arena_fd = arena_fd
         self._arena = arena
         self._arena_view = np.frombuffer(arena, dtype=np.uint8)
@@ -116,21 +121,20 @@ class ShmChannel:
             fd, arena = shm.create_arena(size, f"gradserver-in-{accepted.worker_id}")
             hello = shm.HELLO.pack(accepted.worker_id, accepted.session_id, accepted.member_token)
             socket.send_fds(sock, [hello], [fd])
-            reply, fds = shm.recv_exact(sock, shm.REPLY.size, fds=1)
-            status, length = shm.REPLY.unpack(reply)
-            text = shm.recv_exact(sock, length)[0].decode(errors="replace") if length else ""
-            if status != 0 or len(fds) != 1:
-                for extra in fds:
-                    os.close(extra)
-                raise PermissionDeniedError(f"the coordinator refused the shared-memory registration: {text}")
+            reply, fds = shm.recv_exact(sock, shm.REPLY.size, fds=2)
             try:
-                out = shm.map_readonly(fds[0], "the coordinator's output arena")
-            except ValueError as exc:
-                raise InternalError(str(exc)) from None
+                status, length = shm.REPLY.unpack(reply)
+                text = shm.recv_exact(sock, length)[0].decode(errors="replace") if length else ""
+                if status != 0 or not fds:
+                    raise PermissionDeniedError(
+                        f"the coordinator refused the shared-memory registration: {text}"
+                    )
+                out, lane = _map_given(fds, accepted.worker_id)
             finally:
-                os.close(fds[0])
+                for given in fds:
+                    os.close(given)
             coordinator_pid, _ = shm.peer_credentials(sock)
-            return cls(sock, fd, arena, out, slot_bytes, accepted.shm_socket, coordinator_pid)
+            return cls(sock, fd, arena, out, slot_bytes, accepted.shm_socket, coordinator_pid, lane)
         except OSError as exc:
             sock.close()
             if fd >= 0:
@@ -307,6 +311,27 @@ class ShmChannel:
             self._watch.join(_CLOSE_JOIN_S)  # it holds this channel, and so its mappings
         os.close(self._arena_fd)
         # Mappings still viewed by arrays (gradient buffers, results) are unmapped when those go.
-        for mapping in (self._arena, self._out):
+        mappings = [self._arena, self._out]
+        if self.lane is not None:
+            self.lane.memory.close()
+            mappings.append(self.lane.memory.mapping)
+        for mapping in mappings:
             with contextlib.suppress(BufferError):
                 mapping.close()
+
+
+def _map_given(fds: list[int], worker_id: int) -> tuple[mmap.mmap, LaneClient | None]:
+    """Maps what the coordinator's reply passed: its output arena (read-only) and, when it offers
+    the collective lane, the lane's arena (read-write). A descriptor that is not what it should
+    be is an InternalError (the registration fails, and the worker falls back to gRPC)."""
+    mapped: list[mmap.mmap] = []
+    try:
+        mapped.append(shm.map_readonly(fds[0], "the coordinator's output arena"))
+        if len(fds) < 2:
+            return mapped[0], None
+        mapped.append(shm.map_shared(fds[1], "the coordinator's collective lane"))
+        return mapped[0], LaneClient(lane.LaneMemory.attach(mapped[1]), worker_id)
+    except ValueError as exc:
+        for mapping in mapped:
+            mapping.close()
+        raise InternalError(str(exc)) from None

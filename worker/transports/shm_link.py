@@ -32,6 +32,7 @@ from gradserver.common.timeouts import Timeouts
 
 from .base import ErrorRecord
 from .grpc_link import GrpcLink, result_in_pieces
+from .lane import LaneClient
 from .shm_channel import ShmChannel
 
 
@@ -55,6 +56,9 @@ class ShmLink(GrpcLink):
         the receiver thread finds them from its first message."""
         self.arenas = arenas
         super().__init__(channel, accepted, timeouts, extra_metadata, cond=cond, on_break=on_break)
+
+    def lane(self) -> LaneClient | None:
+        return self.arenas.lane
 
     def allocate(self, num_elements: int) -> np.ndarray | None:
         """An array in the registered input arena (sent from where it lies), or None when the

@@ -1,0 +1,565 @@
+"""The collective lane: what both sides share of the same-host path for one-shot collectives
+(docs/PROTOCOL.md, "The collective lane").
+
+Over gRPC, even with payloads in shared memory, every collective costs a few control messages
+through two Python gRPC stacks: about 1 ms for a 4-byte allreduce, where gloo takes 0.2 ms. The
+lane moves the control of a collective into shared memory too. The coordinator creates one
+arena per job (`LaneLayout`): a header, one control block per worker, two input slots per worker
+and two output slots. A worker copies its part of a round into its input slot, writes a
+`Descriptor` of it and bumps its `posted` word; the coordinator's lane thread, woken on that
+word, checks that every worker's descriptor describes the same round of the same operation,
+reduces the input slots into an output slot (REDUCE, REDUCE_SCATTER: the same `Averager` and
+bytes as the gRPC path) and bumps `done`; each worker then reads its result (from the output
+slot, or for the kinds that move bytes straight from the others' input slots) and bumps its
+`taken` word. Waiting is a futex on these words: a wake-up costs microseconds, not a message.
+
+Rounds: an operation larger than a slot runs as several rounds, numbered across the whole lane
+(1, 2, ...), two in flight per worker (slot `round % 2`), so copying in, reducing and copying
+out overlap. A worker posts round g only when every worker has taken round g - 2, which also
+frees the output slot the coordinator writes at round g.
+
+The words are aligned 32-bit integers, each written by one side only (a worker's `posted` and
+`taken` by that worker, the header by the coordinator), read and written with single aligned
+loads and stores. The payload and descriptor are written before the word that publishes them:
+on x86-64, whose stores are seen in program order, that is enough; other processors would need
+barriers that Python cannot issue, so the lane is offered only on x86-64 Linux (`supported`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import mmap
+import os
+import platform
+import struct
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .messages import CollectiveKind, ReduceOp
+
+MAGIC = 0x4E4C5347  # "GSLN"
+VERSION = 1
+HEADER_BYTES = 4096
+_MESSAGE_OFFSET = 64
+MESSAGE_BYTES = HEADER_BYTES - _MESSAGE_OFFSET
+_ALIGN = 64
+_PAGE = mmap.PAGESIZE
+
+# Header words (32-bit indices into the control region).
+_W_MAGIC, _W_VERSION, _W_WORLD, _W_SLOT = 0, 1, 2, 3
+_W_STATE, _W_DONE, _W_STATUS, _W_CULPRIT = 4, 5, 6, 7
+_W_CULPRIT_STATUS, _W_FAILED_ROUND, _W_MESSAGE_LEN, _W_GENERATION = 8, 9, 10, 11
+_W_FAILED_GROUP = 12  # the failed operation's group + 1 (0: none); its number is a u64 at byte 56
+_FAILED_SEQUENCE_OFFSET = 56
+# A worker's control block: `posted` in one cache line, `taken` and `abandoned` in the next
+# (written by the same worker, read by everyone), then its two descriptors.
+_POSTED, _TAKEN, _ABANDONED = 0, 16, 17
+_DESCRIPTORS = 128
+
+_DESCRIPTOR = struct.Struct("<QQQQIIIBBBxI")  # see Descriptor; splits (u64 each) follow at +64
+_SPLITS_OFFSET = 64
+FLAG_PROPAGATE_NON_FINITE = 1
+
+
+class LaneState(enum.IntEnum):
+    """The header's state word. FORMING until the coordinator knows whether every worker of the
+    job uses the lane; CLOSED when one does not (collectives go over gRPC, for the whole job);
+    FAILED after an operation failed (the header says why; later operations go over gRPC)."""
+
+    FORMING = 0
+    OPEN = 1
+    CLOSED = 2
+    FAILED = 3
+
+
+def supported() -> bool:
+    """Whether this machine can run the lane: Linux futexes, and x86-64's ordered stores."""
+    return (
+        platform.system() == "Linux"
+        and platform.machine() in ("x86_64", "AMD64")
+        and _libc_syscall() is not None
+        and hasattr(os, "memfd_create")
+    )
+
+
+# --- futexes ------------------------------------------------------------------------------------
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the words are shared between processes
+_WAKE_ALL = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_syscall: object = None
+
+
+def _libc_syscall() -> object:
+    global _syscall  # noqa: PLW0603 - loaded once, on first use
+    if _syscall is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            function = libc.syscall
+        except (OSError, AttributeError):
+            return None
+        function.restype = ctypes.c_long
+        _syscall = function
+    return _syscall
+
+
+def futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleeps while the 32-bit word at `address` holds `expected`, at most `timeout_s` (a wake,
+    a changed word, a signal or the timeout all return; callers look at the word again)."""
+    seconds = max(timeout_s, 0.0)
+    spec = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
+    _libc_syscall()(  # type: ignore[operator]
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        _FUTEX_WAIT,
+        ctypes.c_uint32(expected),
+        ctypes.byref(spec),
+        None,
+        0,
+    )
+
+
+def futex_wake(address: int) -> None:
+    """Wakes every thread of every process sleeping on the word at `address`."""
+    _libc_syscall()(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _WAKE_ALL, None, None, 0)  # type: ignore[operator]
+
+
+_SPIN_LOOKS = 200  # about 20-40 µs of looking before a futex sleep
+
+
+def spin_for(world: int) -> int:
+    """How many quick looks at a word to take before sleeping on it: a futex sleep and wake-up
+    cost 10-15 µs, more than a round takes when every process of the job (the workers and the
+    coordinator) has a core of its own; when they share cores, a spinning process only delays
+    the one it waits for, so none."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return _SPIN_LOOKS if cores > world + 1 else 0
+
+
+def reached(value: int, target: int) -> bool:
+    """Whether round counter `value` is at `target` or past it (32-bit, wrapping)."""
+    return (value - target) & 0xFFFFFFFF < 0x80000000
+
+
+def next_round(value: int) -> int:
+    """The round after `value` (0 means none, so it is skipped when the counter wraps)."""
+    return (value + 1) & 0xFFFFFFFF or 1
+
+
+# --- layout -------------------------------------------------------------------------------------
+
+
+def _up(value: int, to: int) -> int:
+    return -(-value // to) * to
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneLayout:
+    """Where everything lies in a lane arena for `world` workers with `slot_bytes` slots."""
+
+    world: int
+    slot_bytes: int
+
+    @property
+    def descriptor_bytes(self) -> int:
+        return _up(_SPLITS_OFFSET + 8 * self.world, _ALIGN)
+
+    @property
+    def control_bytes(self) -> int:
+        return _DESCRIPTORS + 2 * self.descriptor_bytes
+
+    def control(self, worker: int) -> int:
+        return HEADER_BYTES + worker * self.control_bytes
+
+    def descriptor(self, worker: int, round_: int) -> int:
+        return self.control(worker) + _DESCRIPTORS + (round_ % 2) * self.descriptor_bytes
+
+    @property
+    def data_start(self) -> int:
+        return _up(self.control(self.world), _PAGE)
+
+    def input_slot(self, worker: int, round_: int) -> int:
+        return self.data_start + (2 * worker + round_ % 2) * self.slot_bytes
+
+    def output_slot(self, round_: int) -> int:
+        return self.data_start + (2 * self.world + round_ % 2) * self.slot_bytes
+
+    @property
+    def size(self) -> int:
+        return self.data_start + (2 * self.world + 2) * self.slot_bytes
+
+
+def slot_bytes_for(chunk_bytes: int, world: int) -> int:
+    """The lane's slot size: the coordinator's chunk size, a multiple of 4 bytes per worker (a
+    REDUCE_SCATTER round carries one piece per worker) and of the page."""
+    return max(_up(chunk_bytes, _PAGE), _up(4 * world, _PAGE))
+
+
+# --- descriptors --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Descriptor:
+    """What one worker posted for one round: round `part` of operation `sequence` of `group`,
+    `length` bytes in its input slot, covering its input from byte `offset` (of `total`; a
+    REDUCE_SCATTER's pieces: from `offset` of each part). `splits` are an ALL_TO_ALL's bytes for
+    each worker."""
+
+    sequence: int
+    total: int
+    offset: int
+    length: int
+    part: int
+    group: int
+    root: int
+    kind: CollectiveKind
+    op: ReduceOp
+    flags: int = 0
+    splits: tuple[int, ...] = ()
+
+    @property
+    def propagate_non_finite(self) -> bool:
+        return bool(self.flags & FLAG_PROPAGATE_NON_FINITE)
+
+
+# --- round geometry: the same on both sides -----------------------------------------------------
+
+
+def round_step(kind: CollectiveKind, world: int, slot_bytes: int) -> int:
+    """Bytes of a worker's input (of each part, for REDUCE_SCATTER) that one round covers."""
+    if kind is CollectiveKind.REDUCE_SCATTER:
+        return max(slot_bytes // world // 4 * 4, 4)
+    if kind is CollectiveKind.REDUCE:
+        return slot_bytes // 4 * 4
+    return slot_bytes
+
+
+def own_rounds(kind: CollectiveKind, total: int, world: int, slot_bytes: int) -> int:
+    """How many rounds a worker whose input is `total` bytes needs (at least one, so an empty
+    operation still synchronises). An ALL_TO_ALL runs the most any worker needs."""
+    span = total // world if kind is CollectiveKind.REDUCE_SCATTER else total
+    return max(1, -(-span // round_step(kind, world, slot_bytes)))
+
+
+def round_span(kind: CollectiveKind, total: int, world: int, slot_bytes: int, part: int) -> tuple[int, int]:
+    """(offset, length) of a worker's input that round `part` covers (of each part, for a
+    REDUCE_SCATTER); (span, 0) past its end."""
+    span = total // world if kind is CollectiveKind.REDUCE_SCATTER else total
+    step = round_step(kind, world, slot_bytes)
+    offset = min(part * step, span)
+    return offset, min(step, span - offset)
+
+
+def posted_length(kind: CollectiveKind, length: int, world: int, *, root: bool) -> int:
+    """Bytes a worker puts in its input slot for a round covering `length` bytes."""
+    if kind is CollectiveKind.REDUCE_SCATTER:
+        return length * world
+    if kind is CollectiveKind.BROADCAST and not root:
+        return 0
+    return length
+
+
+# --- the shared memory --------------------------------------------------------------------------
+
+
+class LaneMemory:
+    """A mapped lane arena: its 32-bit words (with their addresses, for futexes), descriptors
+    and slots. Both sides use it; `create` is the coordinator's, `attach` the worker's."""
+
+    def __init__(self, mapping: mmap.mmap, layout: LaneLayout) -> None:
+        self.mapping = mapping
+        self.layout = layout
+        self.buffer = memoryview(mapping)
+        self.bytes = np.frombuffer(mapping, dtype=np.uint8)
+        words = layout.data_start // 4
+        self.words = np.frombuffer(mapping, dtype=np.uint32, count=words)
+        self._base = int(self.bytes.__array_interface__["data"][0])
+        # Every offset a round needs, computed once (a round is tens of microseconds).
+        controls = [layout.control(w) // 4 for w in range(layout.world)]
+        self._posted = [c + _POSTED for c in controls]
+        self._taken = [c + _TAKEN for c in controls]
+        self._abandoned = [c + _ABANDONED for c in controls]
+        self._posted_at = [self._address(i) for i in self._posted]
+        self._taken_at = [self._address(i) for i in self._taken]
+        self._done_at = self._address(_W_DONE)
+        self._descriptors = [(layout.descriptor(w, 0), layout.descriptor(w, 1)) for w in range(layout.world)]
+        self._inputs = [(layout.input_slot(w, 0), layout.input_slot(w, 1)) for w in range(layout.world)]
+        self._outputs = (layout.output_slot(0), layout.output_slot(1))
+
+    @classmethod
+    def create(cls, mapping: mmap.mmap, layout: LaneLayout) -> LaneMemory:
+        memory = cls(mapping, layout)
+        memory.words[_W_MAGIC] = MAGIC
+        memory.words[_W_VERSION] = VERSION
+        memory.words[_W_WORLD] = layout.world
+        memory.words[_W_SLOT] = layout.slot_bytes
+        return memory
+
+    @classmethod
+    def attach(cls, mapping: mmap.mmap) -> LaneMemory:
+        """A worker's view of the arena it was given; ValueError when it is not a lane arena of
+        this version or its size does not match what its header says."""
+        if len(mapping) < HEADER_BYTES:
+            raise ValueError(f"the collective lane arena holds {len(mapping)} bytes, less than its header")
+        magic, version, world, slot = struct.unpack_from("<4I", mapping, 0)
+        if magic != MAGIC or version != VERSION:
+            raise ValueError(
+                f"not a version-{VERSION} collective lane arena (magic {magic:#x}, version {version})"
+            )
+        layout = LaneLayout(world, slot)
+        if world < 1 or slot < 4 or slot % 4 or layout.size != len(mapping):
+            raise ValueError(
+                f"the collective lane arena's header (world {world}, slots of {slot} bytes) does not "
+                f"match its size of {len(mapping)} bytes"
+            )
+        return cls(mapping, layout)
+
+    def close(self) -> None:
+        """Drops this object's views; the mapping itself is its owner's to close."""
+        self.words = np.zeros(0, np.uint32)
+        self.bytes = np.zeros(0, np.uint8)
+        self.buffer.release()
+
+    # --- words ---
+
+    def _word(self, index: int) -> int:
+        return int(self.words[index])
+
+    def _address(self, index: int) -> int:
+        return self._base + 4 * index
+
+    @property
+    def state(self) -> LaneState:
+        return LaneState(int(self.words[_W_STATE]))
+
+    @property
+    def done(self) -> int:
+        return int(self.words[_W_DONE])
+
+    @property
+    def generation(self) -> int:
+        return int(self.words[_W_GENERATION])
+
+    def posted(self, worker: int) -> int:
+        return int(self.words[self._posted[worker]])
+
+    def taken(self, worker: int) -> int:
+        return int(self.words[self._taken[worker]])
+
+    def abandoned(self, worker: int) -> int:
+        return int(self.words[self._abandoned[worker]])
+
+    def state_address(self) -> int:
+        return self._address(_W_STATE)
+
+    def done_address(self) -> int:
+        return self._done_at
+
+    def posted_address(self, worker: int) -> int:
+        return self._posted_at[worker]
+
+    def taken_address(self, worker: int) -> int:
+        return self._taken_at[worker]
+
+    def set_posted(self, worker: int, round_: int) -> None:
+        self.words[self._posted[worker]] = round_
+        futex_wake(self._posted_at[worker])
+
+    def set_taken(self, worker: int, round_: int) -> None:
+        self.words[self._taken[worker]] = round_
+        futex_wake(self._taken_at[worker])
+
+    def set_abandoned(self, worker: int, round_: int) -> None:
+        """This worker gave up on the operation at `round_` (its own deadline or error): the
+        coordinator fails it for everyone, naming this worker. (It may be asleep on any worker's
+        `posted` word: all are woken.)"""
+        self.words[self._abandoned[worker]] = round_
+        for address in self._posted_at:
+            futex_wake(address)
+
+    # --- the coordinator's words ---
+
+    def set_state(self, state: LaneState) -> None:
+        self.words[_W_STATE] = int(state)
+        self.wake_everyone()
+
+    def set_done(self, round_: int) -> None:
+        self.words[_W_DONE] = round_
+        futex_wake(self._done_at)
+
+    def reset(self, generation: int) -> None:
+        """A fresh job: every counter back to zero, state FORMING, a new generation."""
+        self.words[_W_DONE] = 0
+        self.words[_W_STATUS] = 0
+        self.words[_W_CULPRIT] = 0xFFFFFFFF
+        self.words[_W_FAILED_ROUND] = 0
+        self.words[_W_MESSAGE_LEN] = 0
+        self.words[_W_FAILED_GROUP] = 0
+        for worker in range(self.layout.world):
+            for index in (self._posted[worker], self._taken[worker], self._abandoned[worker]):
+                self.words[index] = 0
+        self.words[_W_GENERATION] = generation
+        self.set_state(LaneState.FORMING)
+
+    def record_failure(
+        self,
+        status: int,
+        culprit: int | None,
+        culprit_status: int,
+        message: str,
+        operation: tuple[int, int] | None = None,
+    ) -> None:
+        """Writes why the lane failed and which operation (group, number) it failed, if any; then
+        the FAILED state (which is what waiters look at)."""
+        if operation is not None:
+            group, sequence = operation
+            self.words[_W_FAILED_GROUP] = group + 1
+            struct.pack_into("<Q", self.buffer, _FAILED_SEQUENCE_OFFSET, sequence)
+        else:
+            self.words[_W_FAILED_GROUP] = 0
+        text = message.encode()[:MESSAGE_BYTES]
+        self.bytes[_MESSAGE_OFFSET : _MESSAGE_OFFSET + len(text)] = np.frombuffer(text, np.uint8)
+        self.words[_W_MESSAGE_LEN] = len(text)
+        self.words[_W_STATUS] = status
+        self.words[_W_CULPRIT] = 0xFFFFFFFF if culprit is None else culprit
+        self.words[_W_CULPRIT_STATUS] = culprit_status
+        self.words[_W_FAILED_ROUND] = self.done
+        self.set_state(LaneState.FAILED)
+
+    def failed_operation(self) -> tuple[int, int] | None:
+        """(group, operation number) of the operation a FAILED lane failed, if one was in flight."""
+        group = int(self.words[_W_FAILED_GROUP])
+        if not group:
+            return None
+        return group - 1, int.from_bytes(
+            self.buffer[_FAILED_SEQUENCE_OFFSET : _FAILED_SEQUENCE_OFFSET + 8], "little"
+        )
+
+    def failure(self) -> tuple[int, int | None, int, str]:
+        """(status, culprit, the culprit's own status, message) of a FAILED lane."""
+        length = min(self._word(_W_MESSAGE_LEN), MESSAGE_BYTES)
+        message = bytes(self.bytes[_MESSAGE_OFFSET : _MESSAGE_OFFSET + length]).decode(errors="replace")
+        culprit = self._word(_W_CULPRIT)
+        return (
+            self._word(_W_STATUS),
+            None if culprit == 0xFFFFFFFF else culprit,
+            self._word(_W_CULPRIT_STATUS),
+            message,
+        )
+
+    def wake_everyone(self) -> None:
+        """Wakes whoever sleeps on any word (a failure, a state change, a reset, a stop)."""
+        futex_wake(self.state_address())
+        futex_wake(self.done_address())
+        for worker in range(self.layout.world):
+            futex_wake(self.posted_address(worker))
+            futex_wake(self.taken_address(worker))
+
+    # --- descriptors and slots ---
+
+    def write_descriptor(self, worker: int, round_: int, d: Descriptor) -> None:
+        at = self._descriptors[worker][round_ & 1]
+        _DESCRIPTOR.pack_into(
+            self.buffer,
+            at,
+            d.sequence,
+            d.total,
+            d.offset,
+            d.length,
+            d.part,
+            d.group,
+            d.root,
+            int(d.kind),
+            int(d.op),
+            d.flags,
+            len(d.splits),
+        )
+        if d.splits:
+            struct.pack_into(f"<{len(d.splits)}Q", self.buffer, at + _SPLITS_OFFSET, *d.splits)
+
+    def read_descriptor(self, worker: int, round_: int) -> Descriptor:
+        """A worker's descriptor of `round_`; ValueError when its fields are out of range."""
+        at = self._descriptors[worker][round_ & 1]
+        sequence, total, offset, length, part, group, root, kind, op, flags, nsplits = (
+            _DESCRIPTOR.unpack_from(self.buffer, at)
+        )
+        if nsplits > self.layout.world:
+            raise ValueError(
+                f"worker {worker} described {nsplits} split sizes for {self.layout.world} workers"
+            )
+        splits = struct.unpack_from(f"<{nsplits}Q", self.buffer, at + _SPLITS_OFFSET) if nsplits else ()
+        try:
+            kind_, op_ = CollectiveKind(kind), ReduceOp(op)
+        except ValueError:
+            raise ValueError(f"worker {worker} described collective kind {kind} / reduce op {op}") from None
+        return Descriptor(
+            sequence, total, offset, length, part, group, root, kind_, op_, flags, tuple(splits)
+        )
+
+    def raw_descriptor(self, worker: int, round_: int) -> bytes:
+        """The fixed part of a worker's descriptor of `round_` as bytes, without its sequence
+        number: equal for every worker of a REDUCE, REDUCE_SCATTER or ALL_GATHER round (and the
+        same from one operation to the next of the same shape)."""
+        at = self._descriptors[worker][round_ & 1]
+        return bytes(self.buffer[at + 8 : at + _DESCRIPTOR.size])
+
+    def sequence(self, worker: int, round_: int) -> int:
+        """The operation number in a worker's descriptor of `round_`."""
+        return int.from_bytes(self.buffer[self._descriptors[worker][round_ & 1] :][:8], "little")
+
+    def input_slot(self, worker: int, round_: int, length: int) -> np.ndarray:
+        start = self._inputs[worker][round_ & 1]
+        return self.bytes[start : start + length]
+
+    def output_slot(self, round_: int, length: int) -> np.ndarray:
+        start = self._outputs[round_ & 1]
+        return self.bytes[start : start + length]
+
+
+def wait_word(
+    read: Callable[[], int],
+    address: int,
+    target: int,
+    deadline: float,
+    check: Callable[[], None],
+    *,
+    spin: int = 0,
+    slice_s: float = 0.05,
+) -> bool:
+    """Waits until `read()` reaches round `target` (True) or `deadline` passes (False). `check()`
+    runs at every wake-up and raises to stop waiting (a failure seen elsewhere). A futex wait on
+    `address` in `slice_s` slices, after `spin` quick looks."""
+    for _ in range(spin):
+        if reached(read(), target):
+            return True
+    while True:
+        value = read()
+        if reached(value, target):
+            return True
+        check()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        futex_wait(address, value, min(left, slice_s))
+
+
+def splits_offsets(splits: Sequence[int]) -> list[int]:
+    """Where each worker's piece starts in an ALL_TO_ALL input of these split sizes."""
+    offsets, at = [], 0
+    for size in splits:
+        offsets.append(at)
+        at += size
+    return offsets

@@ -1,0 +1,289 @@
+"""The worker's side of the collective lane (docs/PROTOCOL.md, "The collective lane"; the shared
+layout and futexes are `common/lane.py`).
+
+`LaneClient.run` carries one whole collective through the lane: round by round it copies its
+part into its input slot, describes it and posts it, then waits (a futex on the coordinator's
+`done` word) and reads its result: from the output slot (REDUCE, REDUCE_SCATTER) or straight
+from the other workers' input slots (ALL_GATHER, BROADCAST, ALL_TO_ALL). Two rounds are in
+flight at once, so copying in, reducing and copying out overlap for large operations.
+
+`run` answers None while the lane is not open for the job (the coordinator closed it because a
+worker uses gRPC, or it failed earlier): the caller then sends the operation over gRPC, as every
+other worker does, since they all read the same state word. Every wait is bounded: by the
+caller's deadline (then this worker marks itself as having given up, so the coordinator fails
+the operation for everyone, naming it), by the lane's failure (raised as the coordinator's
+error) and by `check` (the link's own view: a broken stream raises at once).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from gradserver.common import lane as shared
+from gradserver.common.errors import DeadlineExceededError, UnavailableError, error_from_status
+from gradserver.common.lane import Descriptor, LaneMemory, LaneState
+from gradserver.common.messages import CollectiveKind, TensorKey
+
+
+class LaneClient:
+    """One worker's use of a lane arena (mapped read-write by its `ShmChannel`)."""
+
+    def __init__(self, memory: LaneMemory, worker_id: int) -> None:
+        self.memory = memory
+        self.worker_id = worker_id
+        self._generation = memory.generation
+        self._next = 1  # the next round this worker posts
+        self._posted = 0
+        self._usable = True
+        self._spin = shared.spin_for(memory.layout.world)
+
+    def run(
+        self,
+        key: TensorKey,
+        data: np.ndarray,
+        result: np.ndarray | None,
+        deadline: float,
+        check: Callable[[], None],
+    ) -> np.ndarray | None:
+        """Runs collective `key` with this worker's input `data` (uint8); its result goes into
+        `result` (uint8, the result's exact size; None: allocated here, as an ALL_TO_ALL's size
+        is known only from the others' descriptors). Returns the result, or None when the lane is
+        not open (send it over gRPC). Raises the operation's failure."""
+        if not self._open(deadline, check):
+            self.raise_if_failed_at(key)
+            return None
+        operation = _Operation(self, key, data, result)
+        sized_later = key.collective_kind is CollectiveKind.ALL_TO_ALL
+        pending: collections.deque[tuple[int, int]] = collections.deque()
+        part = 0
+        try:
+            while part < operation.rounds or pending:
+                # An ALL_TO_ALL learns how many rounds it has from round 0's descriptors.
+                if (
+                    part < operation.rounds
+                    and len(pending) < 2
+                    and not (sized_later and part == 1 and pending)
+                ):
+                    pending.append((part, self._post(operation, part, deadline, check)))
+                    part += 1
+                    continue
+                done_part, g = pending.popleft()
+                self._finish(operation, done_part, g, deadline, check)
+        except BaseException:
+            self._give_up()
+            raise
+        assert operation.result is not None
+        return operation.result
+
+    # --- rounds -------------------------------------------------------------------------------
+
+    def _post(self, op: _Operation, part: int, deadline: float, check: Callable[[], None]) -> int:
+        memory, w = self.memory, self.worker_id
+        g = self._next
+        if self._posted >= 2:
+            # Round g reuses round g-2's slots: every worker must have read that round.
+            reuse = (g - 2) & 0xFFFFFFFF or 0xFFFFFFFF
+            for r in range(memory.layout.world):
+                if not shared.reached(memory.taken(r), reuse):
+                    self._wait(
+                        functools.partial(memory.taken, r),
+                        memory.taken_address(r),
+                        reuse,
+                        deadline,
+                        check,
+                        op,
+                        g,
+                    )
+        descriptor = op.fill(part, memory.input_slot(w, g, memory.layout.slot_bytes))
+        memory.write_descriptor(w, g, descriptor)
+        memory.set_posted(w, g)
+        self._next = shared.next_round(g)
+        self._posted += 1
+        return g
+
+    def _finish(self, op: _Operation, part: int, g: int, deadline: float, check: Callable[[], None]) -> None:
+        memory = self.memory
+        self._wait(lambda: memory.done, memory.done_address(), g, deadline, check, op, g)
+        op.read(part, g)
+        memory.set_taken(self.worker_id, g)
+
+    def _wait(
+        self,
+        read: Callable[[], int],
+        address: int,
+        target: int,
+        deadline: float,
+        check: Callable[[], None],
+        op: _Operation,
+        g: int,
+    ) -> None:
+        def raise_failure() -> None:
+            self._raise_if_failed(op.key)
+            check()
+
+        if shared.wait_word(read, address, target, deadline, raise_failure, spin=self._spin):
+            return
+        missing = [r for r in range(self.memory.layout.world) if not shared.reached(self.memory.posted(r), g)]
+        waiting = (
+            f"worker(s) {', '.join(map(str, missing))} had not contributed" if missing else "the coordinator"
+        )
+        raise DeadlineExceededError(
+            f"{op.key}: no result within this worker's deadline ({waiting})",
+            step=op.key.step,
+            key=str(op.key),
+        )
+
+    def _give_up(self) -> None:
+        """This worker leaves an operation half done (its deadline, a failure, a bad result
+        buffer): the others must not wait for its next round. Unless the lane failed anyway, it
+        says so in the lane, and the coordinator fails the operation for everyone, naming it.
+        Either way this worker sends its later collectives over gRPC."""
+        self._usable = False
+        if self.memory.state is LaneState.OPEN and self.memory.generation == self._generation:
+            self.memory.set_abandoned(self.worker_id, self._next)
+
+    def _open(self, deadline: float, check: Callable[[], None]) -> bool:
+        """Whether the lane is open for this job (waiting, bounded, while it forms)."""
+        memory = self.memory
+        if not self._usable:
+            return False
+        while memory.state is LaneState.FORMING and memory.generation == self._generation:
+            check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(
+                    "the coordinator did not say within this worker's deadline whether every worker "
+                    "uses the collective lane"
+                )
+            shared.futex_wait(memory.state_address(), int(LaneState.FORMING), min(left, 0.05))
+        if memory.generation != self._generation:
+            self._usable = False
+            raise UnavailableError("the coordinator started a fresh job: this worker is no longer a member")
+        return memory.state is LaneState.OPEN
+
+    def raise_if_failed_at(self, key: TensorKey) -> None:
+        """Raises the lane's failure when it failed operation `key` itself: every worker that
+        tries that operation hears why, even one that comes to it after the failure (later
+        operations go over gRPC)."""
+        memory = self.memory
+        if memory.state is LaneState.FAILED and memory.failed_operation() == (key.index, key.step):
+            self._raise_if_failed(key)
+
+    def _raise_if_failed(self, key: TensorKey) -> None:
+        memory = self.memory
+        if memory.generation != self._generation:
+            raise UnavailableError("the coordinator started a fresh job: this worker is no longer a member")
+        if memory.state is not LaneState.FAILED:
+            return
+        status, culprit, culprit_status, message = memory.failure()
+        code = culprit_status if culprit == self.worker_id else status
+        raise error_from_status(code, message, step=key.step, key=str(key), worker_id=culprit)
+
+
+class _Operation:
+    """One collective's geometry on this worker: what each round posts and reads."""
+
+    def __init__(self, lane: LaneClient, key: TensorKey, data: np.ndarray, result: np.ndarray | None) -> None:
+        self.lane = lane
+        self.key = key
+        self.data = data
+        self.result = result
+        self.kind = key.collective_kind
+        memory = lane.memory
+        self.world = memory.layout.world
+        self.slot = memory.layout.slot_bytes
+        self.total = int(data.size)
+        self.rounds = shared.own_rounds(self.kind, self.total, self.world, self.slot)
+        self._flags = shared.FLAG_PROPAGATE_NON_FINITE if key.propagate_non_finite else 0
+        self._receive_at: list[int] = []  # ALL_TO_ALL: where each sender's piece starts in the result
+        # A broadcast root whose result is its own input holds the bytes already.
+        self._in_place = (
+            self.kind is CollectiveKind.BROADCAST and result is not None and _same_memory(result, data)
+        )
+
+    def fill(self, part: int, slot: np.ndarray) -> Descriptor:
+        kind, world, total = self.kind, self.world, self.total
+        offset, length = shared.round_span(kind, total, world, self.slot, part)
+        me = self.lane.worker_id
+        if kind is CollectiveKind.REDUCE_SCATTER:
+            per_part = total // world
+            for j in range(world):
+                start = j * per_part + offset
+                slot[j * length : (j + 1) * length] = self.data[start : start + length]
+        elif kind is not CollectiveKind.BROADCAST or me == self.key.root:
+            slot[:length] = self.data[offset : offset + length]
+        posted = shared.posted_length(kind, length, world, root=me == self.key.root)
+        return Descriptor(
+            self.key.step,
+            total,
+            offset,
+            posted,
+            part,
+            self.key.index,
+            self.key.root,
+            kind,
+            self.key.op,
+            self._flags,
+            tuple(self.key.split_bytes) if kind is CollectiveKind.ALL_TO_ALL else (),
+        )
+
+    def read(self, part: int, g: int) -> None:
+        memory, kind, world, me = self.lane.memory, self.kind, self.world, self.lane.worker_id
+        if kind is CollectiveKind.ALL_TO_ALL:
+            self._read_all_to_all(part, g)
+            return
+        assert self.result is not None
+        offset, length = shared.round_span(kind, self.total, world, self.slot, part)
+        if kind is CollectiveKind.REDUCE:
+            self.result[offset : offset + length] = memory.output_slot(g, length)
+        elif kind is CollectiveKind.REDUCE_SCATTER:
+            self.result[offset : offset + length] = memory.output_slot(g, world * length)[
+                me * length : (me + 1) * length
+            ]
+        elif kind is CollectiveKind.ALL_GATHER:
+            for r in range(world):
+                at = r * self.total + offset
+                self.result[at : at + length] = memory.input_slot(r, g, length)
+        elif not (self._in_place and me == self.key.root):  # BROADCAST
+            self.result[offset : offset + length] = memory.input_slot(self.key.root, g, length)
+
+    def _read_all_to_all(self, part: int, g: int) -> None:
+        memory, me = self.lane.memory, self.lane.worker_id
+        senders = [memory.read_descriptor(s, g) for s in range(self.world)]
+        if part == 0:
+            self._size_all_to_all(senders)
+        assert self.result is not None
+        for s, d in enumerate(senders):
+            piece_start = shared.splits_offsets(d.splits)[me]
+            piece_end = piece_start + d.splits[me]
+            start, end = max(d.offset, piece_start), min(d.offset + d.length, piece_end)
+            if start < end:
+                at = self._receive_at[s] + start - piece_start
+                self.result[at : at + end - start] = memory.input_slot(s, g, d.offset + d.length)[
+                    start - d.offset : end - d.offset
+                ]
+
+    def _size_all_to_all(self, senders: list[Descriptor]) -> None:
+        """After round 0: how many rounds the operation has (the most any sender needs), and
+        where each sender's piece for this worker goes."""
+        me = self.lane.worker_id
+        self.rounds = max(shared.own_rounds(self.kind, d.total, self.world, self.slot) for d in senders)
+        sizes = [d.splits[me] for d in senders]
+        self._receive_at = shared.splits_offsets(sizes)
+        needed = sum(sizes)
+        if self.result is None:
+            self.result = np.empty(needed, np.uint8)
+        elif self.result.size != needed:
+            raise ValueError(
+                f"{self.key}: the other workers send this worker {needed} bytes, but the result "
+                f"buffer holds {self.result.size}"
+            )
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(a.size == b.size and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
