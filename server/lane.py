@@ -155,6 +155,12 @@ class Lane:
         """A worker left: an open lane fails (whoever waits for it would wait in vain)."""
         with self._lock:
             self._registered.discard(worker_id)
+            if self.memory.state is LaneState.FORMING:
+                # It will not register now: whoever waits for the lane to form goes over gRPC,
+                # where the job's rules answer for the missing worker.
+                self.memory.set_state(LaneState.CLOSED)
+                log.info("collective lane closed: worker %d %s before it formed", worker_id, reason)
+                return
             if self.memory.state is not LaneState.OPEN:
                 return
             key = self._in_flight()

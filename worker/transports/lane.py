@@ -264,7 +264,7 @@ class _Operation:
             start, end = max(d.offset, piece_start), min(d.offset + d.length, piece_end)
             if start < end:
                 at = self._receive_at[s] + start - piece_start
-                self.result[at : at + end - start] = memory.input_slot(s, g, d.offset + d.length)[
+                self.result[at : at + end - start] = memory.input_slot(s, g, d.length)[
                     start - d.offset : end - d.offset
                 ]
 
