@@ -629,16 +629,21 @@ class _CollectiveWork(dist.Work):
         self._result = result
         self._done = threading.Event()
         self._error: Exception | None = None
-        result.add_done_callback(lambda _: self._done.set())
-        self._future = result.then(self._value_or_raise)
+        # The chained future, made when first asked for (most calls never ask: a synchronous
+        # collective only waits), which costs a callback less per operation.
+        self._future: torch.futures.Future[list[torch.Tensor]] | None = None
+        self._future_lock = threading.Lock()
         # Set by the group: runs the operation on the waiting thread when it comes first.
         self.run_here: Callable[[float], None] | None = None
 
     def complete(self, tensors: list[torch.Tensor]) -> None:
+        # Before the future: its callbacks run inside set_result and may ask is_completed().
+        self._done.set()
         self._result.set_result(tensors)
 
     def fail(self, error: Exception) -> None:
         self._error = error
+        self._done.set()
         self._result.set_exception(error)  # type: ignore[arg-type]  # the stubs mistype it
 
     def _value_or_raise(self, result: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -668,7 +673,10 @@ class _CollectiveWork(dist.Work):
         return self._done.is_set()
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        return self._future
+        with self._future_lock:
+            if self._future is None:
+                self._future = self._result.then(self._value_or_raise)
+            return self._future
 
 
 def _host_nbytes(tensors: Sequence[torch.Tensor]) -> int:

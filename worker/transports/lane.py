@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import time
 from collections.abc import Callable
 
@@ -41,6 +42,7 @@ class LaneClient:
         self._posted = 0
         self._usable = True
         self._spin = shared.spin_for(memory.layout.world)
+        self._lock = threading.Lock()
 
     def run(
         self,
@@ -54,6 +56,17 @@ class LaneClient:
         `result` (uint8, the result's exact size; None: allocated here, as an ALL_TO_ALL's size
         is known only from the others' descriptors). Returns the result, or None when the lane is
         not open (send it over gRPC). Raises the operation's failure."""
+        with self._lock:  # one operation at a time, whatever threads call
+            return self._run(key, data, result, deadline, check)
+
+    def _run(
+        self,
+        key: TensorKey,
+        data: np.ndarray,
+        result: np.ndarray | None,
+        deadline: float,
+        check: Callable[[], None],
+    ) -> np.ndarray | None:
         if not self._open(deadline, check):
             self.raise_if_failed_at(key)
             return None
