@@ -13,9 +13,9 @@ stream is a same-host shared-memory worker's and no core is left for the thread)
 serves only those workers' small control messages, and the thread bought nothing: it competed
 with the workers and the loop for the same cores, and every numpy call in it handed the GIL to
 the loop and waited to get it back. Measured on 2 cores, two shared-memory workers, 4 MiB
-chunks: a chunk's average took 1.8-2.0 ms on the thread against 0.9 ms of CPU (1.0-1.1 ms on
-the loop), the queue in front of it stayed 13 deep, holding output slots, and a step took
-0.27 s instead of 0.20 s (docs/PERFORMANCE.md, "Averaging on the loop or a thread").
+chunks: a chunk's average took 1.6-2.0 ms on the thread for 0.9 ms of CPU (1.0-1.1 ms on the
+loop), the queue in front of it stayed ~13 deep, each entry holding an output slot, and a step
+took ~0.30 s instead of ~0.22 s (docs/PERFORMANCE.md, "Averaging on the loop or a thread").
 
 An output buffer (the shared-memory output arena) is taken and given back on the loop only; the
 thread just writes the average into it.
