@@ -64,7 +64,7 @@ from .metrics import CoordinatorMetrics, Traffic
 from .outbox import Outboxes
 from .outgoing import Outgoing
 from .peers import PartitionRole
-from .reducer import Reducer, Result
+from .reducer import Reducer, Result, average_on_loop, usable_cores
 from .reduction import Reduce, ReductionTable
 from .shm import ShmHub, ShmOutbox
 from .streams import Streams, WorkerStream
@@ -146,7 +146,8 @@ class GradientServer:
         self._averager = Averager(config.reduce_threads or _auto_reduce_threads())
         self._new_table = functools.partial(_new_table, config, self.metrics, self._partition, self._averager)
         self._table = self._new_table()
-        self._reducer = Reducer(self._averager, self._reduced)
+        self._cores = usable_cores()
+        self._reducer = Reducer(self._averager, self._reduced, self._average_on_loop)
         self._job = _new_job(config)
         self._streams = Streams(
             config,
@@ -299,6 +300,10 @@ class GradientServer:
         sent = table.reduced(request, *result) if table is self._table else []  # else: a reset
         self._deliver(sent)
         return sent
+
+    def _average_on_loop(self) -> bool:
+        hub = self.shm
+        return hub is not None and average_on_loop(self._streams.by_worker, hub.registered, self._cores)
 
     def _worker_gone(self, member: Member, reason: str, *, lost: bool) -> None:
         worker_id = member.worker_id

@@ -8,6 +8,15 @@ the averages in the order their chunks completed and the bytes are those of the 
 small request with nothing ahead of it is averaged at once on the loop: a thread hop would cost
 more than it saves.
 
+So is every request, whatever its size, while `on_loop` says so (`average_on_loop`: every
+stream is a same-host shared-memory worker's and no core is left for the thread). The loop then
+serves only those workers' small control messages, and the thread bought nothing: it competed
+with the workers and the loop for the same cores, and every numpy call in it handed the GIL to
+the loop and waited to get it back. Measured on 2 cores, two shared-memory workers, 4 MiB
+chunks: a chunk's average took 1.6-2.0 ms on the thread for 0.9 ms of CPU (1.0-1.1 ms on the
+loop), the queue in front of it stayed ~13 deep, each entry holding an output slot, and a step
+took ~0.30 s instead of ~0.22 s (docs/PERFORMANCE.md, "Averaging on the loop or a thread").
+
 An output buffer (the shared-memory output arena) is taken and given back on the loop only; the
 thread just writes the average into it.
 """
@@ -18,7 +27,8 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
 
 from gradserver.common.messages import AveragedChunkOut
 
@@ -30,6 +40,23 @@ log = logging.getLogger("gradserver.server")
 
 INLINE_BELOW_BYTES = 256 * 1024  # of contributions in all: averaged on the loop when nothing waits
 
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def average_on_loop(workers: Collection[int], uses_shm: Callable[[int], bool], cores: int) -> bool:
+    """Whether large averages run on the event loop rather than the averaging thread: only when
+    every worker with a stream (`workers`) uses shared memory, so no stream's payload waits for
+    the loop, and the host has no core for the thread besides one per such worker (they run
+    here) and the loop's."""
+    return bool(workers) and len(workers) + 2 > cores and all(uses_shm(w) for w in workers)
+
+
 Result = tuple[bytes | memoryview | None, SumOverflow | NonFiniteContribution | None]
 # Hands a result to its table on the loop; returns what was sent (nothing when it was dropped).
 Finish = Callable[[ReductionTable, Reduce, Result], list[Outgoing]]
@@ -39,9 +66,12 @@ _Pending = tuple[ReductionTable, Reduce, "memoryview | None", "asyncio.Future[Re
 class Reducer:
     """Averages `Reduce` requests in order; `finish` takes each result on the event loop."""
 
-    def __init__(self, averager: Averager, finish: Finish) -> None:
+    def __init__(
+        self, averager: Averager, finish: Finish, on_loop: Callable[[], bool] = lambda: False
+    ) -> None:
         self._averager = averager
         self._finish = finish
+        self._on_loop = on_loop
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._queue: collections.deque[_Pending] = collections.deque()
         self._drainer: asyncio.Task[None] | None = None
@@ -49,7 +79,8 @@ class Reducer:
     def submit(self, table: ReductionTable, request: Reduce) -> None:
         # A reduce-scatter's chunks are copied into its result: no output buffer is worth taking.
         out = None if request.scattered else self._averager.take_output(request.data, request.dtype)
-        if not self._queue and request.nbytes < INLINE_BELOW_BYTES:
+        # Only with nothing ahead of it: the results go back in request order.
+        if not self._queue and (request.nbytes < INLINE_BELOW_BYTES or self._on_loop()):
             self._done(table, request, out, self._average(request, out))
             return
         if self._pool is None:

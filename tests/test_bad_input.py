@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -34,7 +33,7 @@ from gradserver.worker import WorkerClient
 
 from .helpers.logwait import log_waiter
 from .helpers.raw import RawWorker, join
-from .helpers.server import TEST_TIMEOUTS, ServerThread
+from .helpers.server import TEST_TIMEOUTS, ServerThread, wait_pending
 
 SIZES = compute_block_sizes(8, 4, 16)
 TOTAL = sum(SIZES)
@@ -82,16 +81,6 @@ def raw_average(raw: RawWorker, timeout: float = 10.0) -> np.ndarray:
             if total == 0:
                 break
     return np.frombuffer(b"".join(parts[k] for k in sorted(parts)), dtype="<f4")
-
-
-def wait_pending(server: ServerThread, step: int, timeout: float = 10.0) -> None:
-    """Blocks until the coordinator holds a key of `step`, so a later message cannot overtake
-    the one that opened it."""
-    deadline = time.monotonic() + timeout
-    while step not in server.call(lambda s: s.pending_steps()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"step {step} never became pending")
-        time.sleep(0.01)
 
 
 def next_step_works(client: WorkerClient, raw: RawWorker, step: int) -> None:

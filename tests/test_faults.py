@@ -22,7 +22,7 @@ from gradserver.train.synthetic import SHAPES, synthetic_gradient
 from gradserver.worker import WorkerClient
 
 from .helpers.logwait import log_waiter
-from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
+from .helpers.server import TEST_TIMEOUTS, connect_all, run_each, wait_pending
 
 HEARTBEAT = 2.0
 # A loss must be detected by the heartbeat or the connection, not by the step timeout: bounds
@@ -231,6 +231,11 @@ def test_row8_a_reset_connection_is_a_clear_error_and_nothing_counts_twice(proxi
     try:
         direct.send_block_gradient(0, 0, 2, ones, sizes)
         via.send_block_gradient(0, 1, 2, ones, sizes)
+        # Step 0 must be in flight when the coordinator hears of the reset, which reaches it over
+        # another connection: had direct's chunk come second, it would be refused as "the world
+        # is incomplete" (a refusal of that key, not of the step), and the replacement's step 0
+        # below would wait for a block 1 that direct never sends.
+        wait_pending(server, 0)
         proxy.reset()
         with pytest.raises(ConnectionError):
             via.receive_averaged_block()  # its block 1 waits on a connection that is gone

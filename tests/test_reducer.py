@@ -1,20 +1,30 @@
 """Averaging off the event loop (server/reducer.py): the reduction table's deferred `Reduce`
 requests, averaged on a thread, come back in the order their chunks completed with the very
-bytes of the inline path; a result whose step failed meanwhile is dropped."""
+bytes of the inline path; a result whose step failed meanwhile is dropped. While every stream is
+a shared-memory worker's and no core is left for the thread, large averages run on the loop
+(the same bytes, still in order)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+from collections.abc import Callable
 
 import numpy as np
+import pytest
 
+from gradserver.common import shm as shm_support
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import Status
 from gradserver.common.messages import AveragedChunkOut, ChunkHeader, ChunkIn, DType, ErrorOut, TensorKey
+from gradserver.server import GradientServer
 from gradserver.server.averaging import Averager
 from gradserver.server.outgoing import Outgoing
-from gradserver.server.reducer import INLINE_BELOW_BYTES, Reducer, Result
+from gradserver.server.reducer import INLINE_BELOW_BYTES, Reducer, Result, average_on_loop
 from gradserver.server.reduction import Reduce, ReductionTable
+from gradserver.worker import WorkerClient
+
+from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
 
 CHUNK = 128 * 1024  # elements: 512 KiB per contribution, above the inline threshold
 WORLD = 3
@@ -40,7 +50,10 @@ def _averages(out: list[Outgoing]) -> list[tuple[int, bytes]]:
 
 
 async def _reduce_all(
-    table: ReductionTable, feed: list[ChunkIn], fail_step: int | None = None
+    table: ReductionTable,
+    feed: list[ChunkIn],
+    fail_step: int | None = None,
+    on_loop: Callable[[], bool] = lambda: False,
 ) -> list[Outgoing]:
     sent: list[Outgoing] = []
     finished = asyncio.Event()
@@ -55,13 +68,15 @@ async def _reduce_all(
             finished.set()
         return out
 
-    reducer = Reducer(Averager(2), finish)
+    reducer = Reducer(Averager(2), finish, on_loop)
     for chunk in feed:
         sent.extend(table.contribute(chunk))
         for request in table.take_reductions():
             assert request.nbytes >= INLINE_BELOW_BYTES
             waiting += 1
             reducer.submit(table, request)
+    if waiting == 0:
+        finished.set()  # every one was averaged on the loop
     if fail_step is not None:
         sent.extend(table.fail_step(fail_step, f"step {fail_step} failed by the test", Status.ABORTED))
     await asyncio.wait_for(finished.wait(), 30)
@@ -89,3 +104,92 @@ def test_an_average_whose_step_failed_while_it_was_computed_is_dropped() -> None
     assert [o.event.step for o in sent if isinstance(o.event, ErrorOut) and o.event.step_failed] == [0]
     assert all(table.buffered_bytes(w) == 0 for w in range(WORLD))
     assert not table.has_pending()
+
+
+def test_averages_on_the_loop_are_the_same_bytes_in_the_same_order_and_switching_keeps_it() -> None:
+    first = _chunks(0, 4, 1, NonBlockComponent.LM_HEAD)
+    second = _chunks(0, 3, 2, NonBlockComponent.FINAL_NORM)
+    third = _chunks(1, 3, 3, NonBlockComponent.FINAL_NORM)
+    inline = _table(defer=False)
+    expected = _averages([o for chunk in first + second + third for o in inline.contribute(chunk)])
+    assert (
+        _averages(asyncio.run(_reduce_all(_table(defer=True), first + second + third, on_loop=lambda: True)))
+        == expected
+    )
+
+    async def switching() -> list[Outgoing]:
+        table, sent, on_loop = _table(defer=True), [], [False]
+
+        def finish(t: ReductionTable, request: Reduce, result: Result) -> list[Outgoing]:
+            out = t.reduced(request, *result)
+            sent.extend(out)
+            return out
+
+        def feed(chunks: list[ChunkIn]) -> None:
+            for chunk in chunks:
+                sent.extend(table.contribute(chunk))
+                for request in table.take_reductions():
+                    reducer.submit(table, request)
+
+        reducer = Reducer(Averager(2), finish, lambda: on_loop[0])
+        feed(first)  # on the thread
+        on_loop[0] = True
+        feed(second)  # behind them, though the loop may average now
+        assert _averages(sent) == []
+        for _ in range(3000):  # 30 s at most
+            if len(_averages(sent)) == 7:
+                break
+            await asyncio.sleep(0.01)
+        feed(third)  # nothing waits: averaged at once, on the loop
+        assert len(_averages(sent)) == 10
+        await reducer.close()
+        return sent
+
+    assert _averages(asyncio.run(switching())) == expected
+
+
+def test_large_averages_run_on_the_loop_only_for_shared_memory_workers_without_a_core_to_spare() -> None:
+    shm = {0, 1}.__contains__
+    assert average_on_loop([0, 1], shm, cores=2)  # two workers and the loop fill two cores
+    assert average_on_loop([0, 1], shm, cores=3)
+    assert not average_on_loop([0, 1], shm, cores=4)  # one core is left for the thread
+    assert not average_on_loop([0, 1, 2], shm, cores=2)  # worker 2's payloads come over gRPC
+    assert not average_on_loop([], shm, cores=1)
+
+
+@pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
+@pytest.mark.parametrize("transports", [("shm", "shm"), ("shm", "grpc")])
+def test_the_coordinator_averages_on_its_loop_only_when_every_worker_uses_shared_memory(
+    coordinator: Callable[..., ServerThread], transports: tuple[str, str]
+) -> None:
+    server = coordinator(world_size=2, chunk_mib=1)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        joining = [
+            pool.submit(
+                WorkerClient.connect, server.address, node_id=f"t{i}", timeout=TEST_TIMEOUTS, transport=t
+            )
+            for i, t in enumerate(transports)
+        ]
+        clients = [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in joining]
+    try:
+        assert sorted(c.transport for c in clients) == sorted(transports)
+
+        def decisions(s: GradientServer) -> list[bool]:
+            cores, got = s._cores, []
+            for assumed in (2, 4):  # this host's workers fill it, or one core is left for the thread
+                s._cores = assumed
+                got.append(s._average_on_loop())
+            s._cores = cores
+            return got
+
+        assert server.call(decisions) == ([True, False] if transports == ("shm", "shm") else [False, False])
+        # The same averages either way (tests/test_shm.py compares them with gRPC's in detail).
+        data = [np.full(300_000, c.worker_id + 1, dtype=np.float32) for c in clients]
+        run_each(
+            clients, lambda c: c.send_non_block_gradient(0, NonBlockComponent.LM_HEAD, data[c.worker_id])
+        )
+        got = run_each(clients, lambda c: c.receive_averaged_non_block().gradients)
+        assert all(np.array_equal(g, np.full(300_000, 1.5, dtype=np.float32)) for g in got)
+    finally:
+        for c in clients:
+            c.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -80,6 +81,16 @@ class ServerThread:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError("coordinator thread did not stop")
+
+
+def wait_pending(server: ServerThread, step: int, timeout: float = 10.0) -> None:
+    """Blocks until the coordinator holds a key of `step`, so a later message (or another
+    connection's event) cannot overtake the one that opened it."""
+    deadline = time.monotonic() + timeout
+    while step not in server.call(lambda s: s.pending_steps()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"step {step} never became pending")
+        time.sleep(0.01)
 
 
 def connect_all(
