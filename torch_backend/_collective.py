@@ -18,6 +18,8 @@ from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
 from gradserver.worker import WorkerClient
 
+_F32 = np.dtype("<f4")
+
 
 class CollectiveClient(WorkerClient):
     """One rank of one process group, joined with its rank as worker id."""
@@ -107,9 +109,17 @@ class CollectiveClient(WorkerClient):
             split_bytes=split_bytes,
         )
         if kind in BYTE_KINDS:
-            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            data = (
+                array
+                if array.dtype == np.uint8 and array.ndim == 1
+                else np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            )
         else:
-            data = np.ascontiguousarray(array, dtype="<f4").reshape(-1)
+            data = (
+                array
+                if array.dtype == _F32 and array.ndim == 1
+                else np.ascontiguousarray(array, dtype=_F32).reshape(-1)
+            )
         return self.collective(key, data, into=into, timeout=timeout)
 
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:

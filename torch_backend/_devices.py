@@ -20,13 +20,13 @@ class StreamOrder:
     """The caller's stream for the tensors of one call (None for CPU tensors)."""
 
     def __init__(self, what: str, tensors: Sequence[torch.Tensor]) -> None:
-        devices = {t.device for t in tensors}
-        cuda = {d for d in devices if d.type == "cuda"}
         self.device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self._event: torch.cuda.Event | None = None
-        if not cuda:
+        if not any(t.is_cuda for t in tensors):
             return
+        devices = {t.device for t in tensors}
+        cuda = {d for d in devices if d.type == "cuda"}
         if len(devices) > 1:
             raise ValueError(
                 f"gradserver {what}: the tensors of one call must be on one device, "
@@ -42,13 +42,16 @@ class StreamOrder:
             return torch.futures.Future()
         return torch.futures.Future(devices=[self.device])
 
-    @contextlib.contextmanager
-    def on_caller_stream(self) -> Iterator[None]:
+    def on_caller_stream(self) -> contextlib.AbstractContextManager[None]:
         """Runs the block (on the group's thread) after the caller's work that was queued before
         the call, with the caller's stream current: copies in and out are ordered on it."""
         if self._stream is None or self._event is None:
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._on_stream()
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        assert self._event is not None and self._stream is not None
         self._event.synchronize()
         with torch.cuda.stream(self._stream):
             yield

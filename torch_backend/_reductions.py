@@ -71,8 +71,26 @@ class Plan(NamedTuple):
     factor: float | torch.Tensor | None = None
 
 
+def _names_by_type() -> dict[Any, str]:
+    names = {}
+    for name in _OP_NAMES:
+        kind = getattr(dist.ReduceOp, name, None)
+        if kind is not None:
+            names[kind] = name
+    return names
+
+
+_NAMES_BY_TYPE = _names_by_type()
+
+
 def op_name(op: Any) -> str:
     """torch's name of a ReduceOp (or RedOpType)."""
+    try:  # a dict look-up first: this runs for every collective
+        name = _NAMES_BY_TYPE.get(getattr(op, "op", op))
+    except TypeError:
+        name = None
+    if name is not None:
+        return name
     for name in _OP_NAMES:
         try:
             if op == getattr(dist.ReduceOp, name):

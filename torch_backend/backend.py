@@ -489,7 +489,8 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         if plan.route == "coordinator":
             payload = _host_view(flat)
             target = payload if in_place else None if into is None else into.view(np.float32)
-            return torch.from_numpy(self._exchange(sequence, payload, plan.wire_op, kind=kind, into=target))
+            result = self._exchange(sequence, payload, plan.wire_op, kind=kind, into=target)
+            return flat if in_place else torch.from_numpy(result)
         if plan.route == "widened":
             widened = self._exchange(sequence, flat.float().numpy(), plan.wire_op, kind=kind)
             return torch.from_numpy(widened).to(flat.dtype)
@@ -682,7 +683,7 @@ class _CollectiveWork(dist.Work):
 def _host_nbytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the tensors; for a device tensor, more than `_EAGER_BYTES` (its copies to the
     host and back are worth overlapping with the caller's work)."""
-    if any(t.device.type != "cpu" for t in tensors):
+    if any(t.is_cuda for t in tensors):
         return 1 << 62
     return sum(_nbytes(t) for t in tensors)
 
@@ -853,7 +854,10 @@ def _split_bytes(
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensors' elements, in order, as one contiguous 1-D host tensor (one copy)."""
+    """The tensors' elements, in order, as one contiguous 1-D host tensor (one copy; none for a
+    single contiguous host tensor, whose flat view it is)."""
+    if len(tensors) == 1 and not tensors[0].is_cuda and tensors[0].is_contiguous():
+        return tensors[0].detach().view(-1)
     flat = [t.detach().reshape(-1).to("cpu") for t in tensors]
     return (flat[0] if len(flat) == 1 else torch.cat(flat)).contiguous()
 
@@ -873,6 +877,8 @@ def _check_pieces(
 
 
 def _scatter_into(tensors: Sequence[torch.Tensor], result: torch.Tensor) -> None:
+    if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].data_ptr() == result.data_ptr():
+        return  # an in-place allreduce of one contiguous host tensor: the result is there already
     offset = 0
     for tensor in tensors:
         n = tensor.numel()

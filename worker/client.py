@@ -503,27 +503,30 @@ class WorkerClient:
     ) -> np.ndarray | None:
         """`key` through the collective lane: its result (float32 for REDUCE and REDUCE_SCATTER,
         uint8 for the kinds that move bytes), or None when the lane is not open for this job."""
-        if key.collective_kind in BYTE_KINDS:
+        moves_bytes = key.collective_kind in BYTE_KINDS
+        dtype = _U8 if moves_bytes else _F32
+        # Arrays already as the lane takes them (the torch backend's) skip the conversions: a
+        # small collective's whole budget is tens of microseconds.
+        if _ready(array, dtype):
+            data = array
+        elif moves_bytes:
             data = as_byte_array(array, what=str(key))
-            unit = "bytes"
         else:
             data = as_float32_array(array, what=str(key))
-            unit = "elements"
         size = int(data.size)
-        self._check_size(key, size, unit)
+        self._check_size(key, size, "bytes" if moves_bytes else "elements")
         total = self._result_length(key, size)
         result: np.ndarray | None = None
-        if key.collective_kind in BYTE_KINDS:
-            # An ALL_TO_ALL's size is known only in the lane, which allocates its result.
-            if into is not None:
+        if into is not None:
+            if _ready(into, dtype, writable=True) and (total is None or into.size == total):
+                result = into
+            elif moves_bytes:
                 result = as_byte_buffer(into, total, what=str(key))
-            elif total is not None:
-                result = np.empty(total, np.uint8)
-        else:
-            assert total is not None
-            result = (
-                np.empty(total, np.float32) if into is None else as_result_buffer(into, total, what=str(key))
-            )
+            else:
+                assert total is not None
+                result = as_result_buffer(into, total, what=str(key))
+        elif total is not None:  # an ALL_TO_ALL's size is known only in the lane, which allocates it
+            result = np.empty(total, dtype)
         self._link.raise_if_broken()
         deadline = time.monotonic() + (self.timeouts.receive if timeout is None else timeout)
         raw = lane.run(
@@ -628,3 +631,18 @@ class WorkerClient:
 def _bytes_view(array: np.ndarray) -> np.ndarray:
     """The bytes of a contiguous array, as a flat uint8 view of the same memory."""
     return array.reshape(-1).view(np.uint8)
+
+
+_F32 = np.dtype("<f4")
+_U8 = np.dtype(np.uint8)
+
+
+def _ready(array: Any, dtype: np.dtype[Any], *, writable: bool = False) -> bool:
+    """Whether `array` is a 1-D C-contiguous numpy array of `dtype` (writable, if asked)."""
+    return (
+        type(array) is np.ndarray
+        and array.dtype == dtype
+        and array.ndim == 1
+        and array.flags.c_contiguous
+        and (not writable or array.flags.writeable)
+    )
