@@ -53,14 +53,17 @@ _PAGE = mmap.PAGESIZE
 _W_MAGIC, _W_VERSION, _W_WORLD, _W_SLOT = 0, 1, 2, 3
 _W_STATE, _W_DONE, _W_STATUS, _W_CULPRIT = 4, 5, 6, 7
 _W_CULPRIT_STATUS, _W_FAILED_ROUND, _W_MESSAGE_LEN, _W_GENERATION = 8, 9, 10, 11
-_W_FAILED_GROUP = 12  # the failed operation's group + 1 (0: none); its number is a u64 at byte 56
-_FAILED_SEQUENCE_OFFSET = 56
+_W_FAILED_KNOWN = 12  # 1 when the failure names the newest lane operation (a u64 at byte 56)
+_FAILED_OPERATION_OFFSET = 56
 # A worker's control block: `posted` in one cache line, `taken` and `abandoned` in the next
 # (written by the same worker, read by everyone), then its two descriptors.
 _POSTED, _TAKEN, _ABANDONED = 0, 16, 17
 _DESCRIPTORS = 128
 
-_DESCRIPTOR = struct.Struct("<QQQQIIIBBBxI")  # see Descriptor; splits (u64 each) follow at +64
+# See Descriptor: lane operation, its number (the key's step), total, offset, length, part, group,
+# root, kind, op, flags, split count; the splits (u64 each) follow at +64.
+_DESCRIPTOR = struct.Struct("<QQQQQIIIBBBxI")
+_IDENTITY_BYTES = 16  # the lane operation and the key's step: what differs between operations
 _SPLITS_OFFSET = 64
 FLAG_PROPAGATE_NON_FINITE = 1
 
@@ -213,7 +216,8 @@ def slot_bytes_for(chunk_bytes: int, world: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Descriptor:
-    """What one worker posted for one round: round `part` of operation `sequence` of `group`,
+    """What one worker posted for one round: round `part` of operation `sequence` of `group`
+    (its `index`-th operation through the lane),
     `length` bytes in its input slot, covering its input from byte `offset` (of `total`; a
     REDUCE_SCATTER's pieces: from `offset` of each part). `splits` are an ALL_TO_ALL's bytes for
     each worker."""
@@ -229,6 +233,7 @@ class Descriptor:
     op: ReduceOp
     flags: int = 0
     splits: tuple[int, ...] = ()
+    index: int = 0  # the worker's count of lane operations, this one included
 
     @property
     def propagate_non_finite(self) -> bool:
@@ -407,7 +412,7 @@ class LaneMemory:
         self.words[_W_CULPRIT] = 0xFFFFFFFF
         self.words[_W_FAILED_ROUND] = 0
         self.words[_W_MESSAGE_LEN] = 0
-        self.words[_W_FAILED_GROUP] = 0
+        self.words[_W_FAILED_KNOWN] = 0
         for worker in range(self.layout.world):
             for index in (self._posted[worker], self._taken[worker], self._abandoned[worker]):
                 self.words[index] = 0
@@ -420,16 +425,14 @@ class LaneMemory:
         culprit: int | None,
         culprit_status: int,
         message: str,
-        operation: tuple[int, int] | None = None,
+        operation: int | None = None,
     ) -> None:
-        """Writes why the lane failed and which operation (group, number) it failed, if any; then
-        the FAILED state (which is what waiters look at)."""
+        """Writes why the lane failed and the newest lane operation any worker had begun (every
+        worker that tries one up to it hears this failure), then the FAILED state (which is what
+        waiters look at)."""
         if operation is not None:
-            group, sequence = operation
-            self.words[_W_FAILED_GROUP] = group + 1
-            struct.pack_into("<Q", self.buffer, _FAILED_SEQUENCE_OFFSET, sequence)
-        else:
-            self.words[_W_FAILED_GROUP] = 0
+            struct.pack_into("<Q", self.buffer, _FAILED_OPERATION_OFFSET, operation)
+        self.words[_W_FAILED_KNOWN] = int(operation is not None)
         text = message.encode()[:MESSAGE_BYTES]
         self.bytes[_MESSAGE_OFFSET : _MESSAGE_OFFSET + len(text)] = np.frombuffer(text, np.uint8)
         self.words[_W_MESSAGE_LEN] = len(text)
@@ -439,14 +442,23 @@ class LaneMemory:
         self.words[_W_FAILED_ROUND] = self.done
         self.set_state(LaneState.FAILED)
 
-    def failed_operation(self) -> tuple[int, int] | None:
-        """(group, operation number) of the operation a FAILED lane failed, if one was in flight."""
-        group = int(self.words[_W_FAILED_GROUP])
-        if not group:
+    def failed_operation(self) -> int | None:
+        """The newest lane operation a FAILED lane's failure covers (None: none had begun)."""
+        if not self.words[_W_FAILED_KNOWN]:
             return None
-        return group - 1, int.from_bytes(
-            self.buffer[_FAILED_SEQUENCE_OFFSET : _FAILED_SEQUENCE_OFFSET + 8], "little"
-        )
+        return int.from_bytes(self.buffer[_FAILED_OPERATION_OFFSET : _FAILED_OPERATION_OFFSET + 8], "little")
+
+    def newest_operation(self) -> int | None:
+        """The newest lane operation any worker has posted a round of (its latest descriptor
+        stays in place until its round after next), or None."""
+        newest = None
+        for worker in range(self.layout.world):
+            round_ = self.posted(worker)
+            if round_:
+                at = self._descriptors[worker][round_ & 1]
+                index = int.from_bytes(self.buffer[at : at + 8], "little")
+                newest = index if newest is None else max(newest, index)
+        return newest
 
     def failure(self) -> tuple[int, int | None, int, str]:
         """(status, culprit, the culprit's own status, message) of a FAILED lane."""
@@ -475,6 +487,7 @@ class LaneMemory:
         _DESCRIPTOR.pack_into(
             self.buffer,
             at,
+            d.index,
             d.sequence,
             d.total,
             d.offset,
@@ -493,7 +506,7 @@ class LaneMemory:
     def read_descriptor(self, worker: int, round_: int) -> Descriptor:
         """A worker's descriptor of `round_`; ValueError when its fields are out of range."""
         at = self._descriptors[worker][round_ & 1]
-        sequence, total, offset, length, part, group, root, kind, op, flags, nsplits = (
+        index, sequence, total, offset, length, part, group, root, kind, op, flags, nsplits = (
             _DESCRIPTOR.unpack_from(self.buffer, at)
         )
         if nsplits > self.layout.world:
@@ -506,19 +519,20 @@ class LaneMemory:
         except ValueError:
             raise ValueError(f"worker {worker} described collective kind {kind} / reduce op {op}") from None
         return Descriptor(
-            sequence, total, offset, length, part, group, root, kind_, op_, flags, tuple(splits)
+            sequence, total, offset, length, part, group, root, kind_, op_, flags, tuple(splits), index
         )
 
     def raw_descriptor(self, worker: int, round_: int) -> bytes:
-        """The fixed part of a worker's descriptor of `round_` as bytes, without its sequence
-        number: equal for every worker of a REDUCE, REDUCE_SCATTER or ALL_GATHER round (and the
-        same from one operation to the next of the same shape)."""
+        """The shape part of a worker's descriptor of `round_` as bytes (all but the operation's
+        identity): equal for every worker of a REDUCE, REDUCE_SCATTER or ALL_GATHER round, and
+        from one operation to the next of the same shape."""
         at = self._descriptors[worker][round_ & 1]
-        return bytes(self.buffer[at + 8 : at + _DESCRIPTOR.size])
+        return bytes(self.buffer[at + _IDENTITY_BYTES : at + _DESCRIPTOR.size])
 
-    def sequence(self, worker: int, round_: int) -> int:
-        """The operation number in a worker's descriptor of `round_`."""
-        return int.from_bytes(self.buffer[self._descriptors[worker][round_ & 1] :][:8], "little")
+    def identity(self, worker: int, round_: int) -> bytes:
+        """The lane operation and key step of a worker's descriptor of `round_`, as bytes."""
+        at = self._descriptors[worker][round_ & 1]
+        return bytes(self.buffer[at : at + _IDENTITY_BYTES])
 
     def input_slot(self, worker: int, round_: int, length: int) -> np.ndarray:
         start = self._inputs[worker][round_ & 1]

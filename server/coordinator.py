@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from gradserver.common import codec
+from gradserver.common.averaging import Averager
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
     GradServerError,
@@ -43,7 +44,6 @@ from gradserver.common.rpc import SERVICE_NAME, to_grpc
 
 from . import join
 from .auth import client_identity, peer_host, stream_member
-from .averaging import Averager
 from .binding import bind_port, grpc_server, publish_endpoints
 from .config import CoordinatorConfig
 from .events import EventLog

@@ -32,12 +32,12 @@ from collections.abc import Callable
 
 from gradserver.common import lane as shared
 from gradserver.common import shm
+from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
 from gradserver.common.errors import Status
 from gradserver.common.lane import LaneLayout, LaneMemory, LaneState
+from gradserver.common.lane_rounds import RoundPlan, RoundProblem, key_of, plan_round
 from gradserver.common.messages import CollectiveKind, TensorKey
 
-from .averaging import Averager, NonFiniteContribution, SumOverflow
-from .lane_rounds import RoundPlan, RoundProblem, key_of, plan_round
 from .metrics import CoordinatorMetrics
 
 log = logging.getLogger("gradserver.server.lane")
@@ -251,9 +251,9 @@ class Lane:
         and a round of this shape was planned before (the common case: a training loop issues
         the same few collectives over and over), else from the descriptors."""
         memory, world = self.memory, self.layout.world
-        sequence = memory.sequence(0, g)
+        identity = memory.identity(0, g)
         shape = tuple(memory.raw_descriptor(w, g) for w in range(world))
-        same_operation = all(memory.sequence(w, g) == sequence for w in range(1, world))
+        same_operation = all(memory.identity(w, g) == identity for w in range(1, world))
         cached = self._plans.get(shape) if same_operation else None
         if cached is not None:
             return cached
@@ -389,9 +389,11 @@ class Lane:
         *,
         quiet: bool = False,
     ) -> None:
-        """Fails the lane. `key` is the operation in flight: every worker that tries it, then or
-        later, hears this failure; later operations go over gRPC."""
-        operation = (key.index, key.step) if key is not None else None
+        """Fails the lane. Every worker that tries an operation some worker had begun in it hears
+        this failure, then or later; later operations go over gRPC. (`key`, the operation the
+        message names, is the caller's.)"""
+        del key
+        operation = self.memory.newest_operation()
         self.memory.record_failure(int(status), culprit, int(culprit_status), message, operation)
         if quiet:
             log.info("collective lane closed: %s", message)

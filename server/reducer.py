@@ -30,9 +30,9 @@ import logging
 import os
 from collections.abc import Callable, Collection
 
+from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
 from gradserver.common.messages import AveragedChunkOut
 
-from .averaging import Averager, NonFiniteContribution, SumOverflow
 from .outgoing import Outgoing
 from .reduction import Reduce, ReductionTable
 

@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
 from gradserver.common.chunking import chunk_count, payload_nbytes
 from gradserver.common.errors import Status
 from gradserver.common.messages import (
@@ -55,7 +56,6 @@ from gradserver.common.messages import (
 )
 from gradserver.common.partition_map import PartitionMap
 
-from .averaging import Averager, NonFiniteContribution, SumOverflow
 from .collectives import ByteCollective, Piece, ScatterParts
 from .outgoing import Outgoing, error_to
 from .participation import Participation

@@ -38,10 +38,10 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from gradserver.common import lane, shm
+from gradserver.common.averaging import Averager
 from gradserver.common.errors import GradServerError, InvalidArgumentError
 from gradserver.common.messages import AveragedChunkOut, ChunkIn, ShmRef
 
-from .averaging import Averager
 from .config import CoordinatorConfig
 from .lane import Lane
 from .membership import Member

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradserver.server.averaging import Averager, NonFiniteContribution
+from gradserver.common.averaging import Averager, NonFiniteContribution
 
 
 def _parts(n: int, size: int = 4096) -> list[bytes]:

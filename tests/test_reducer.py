@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from gradserver.common import shm as shm_support
+from gradserver.common.averaging import Averager
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import Status
 from gradserver.common.messages import AveragedChunkOut, ChunkHeader, ChunkIn, DType, ErrorOut, TensorKey
 from gradserver.server import GradientServer
-from gradserver.server.averaging import Averager
 from gradserver.server.outgoing import Outgoing
 from gradserver.server.reducer import INLINE_BELOW_BYTES, Reducer, Result, average_on_loop
 from gradserver.server.reduction import Reduce, ReductionTable

@@ -446,7 +446,7 @@ def test_a_closed_arena_socket_does_not_hang_the_coordinator(shm_coordinator) ->
 
 
 def test_a_reduction_split_across_threads_gives_the_same_bytes() -> None:
-    from gradserver.server.averaging import Averager, NonFiniteContribution
+    from gradserver.common.averaging import Averager, NonFiniteContribution
 
     size = 1_000_003
     arrays = [_data(w, 9, size) for w in range(3)]

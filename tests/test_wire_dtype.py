@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gradserver.common import codec
+from gradserver.common.averaging import Averager, SumOverflow
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import GradServerError, InvalidArgumentError
 from gradserver.common.messages import (
@@ -30,7 +31,6 @@ from gradserver.common.wire_dtype import (
     round_f64,
     widen,
 )
-from gradserver.server.averaging import Averager, SumOverflow
 from gradserver.server.reduction import ReductionTable
 from gradserver.train import cli as worker_cli
 from gradserver.worker import WorkerClient

@@ -40,6 +40,7 @@ class LaneClient:
         self._generation = memory.generation
         self._next = 1  # the next round this worker posts
         self._posted = 0
+        self._operations = 0  # lane operations begun, the same count on every worker
         self._usable = True
         self._spin = shared.spin_for(memory.layout.world)
         self._lock = threading.Lock()
@@ -70,7 +71,8 @@ class LaneClient:
         if not self._open(deadline, check):
             self.raise_if_failed_at(key)
             return None
-        operation = _Operation(self, key, data, result)
+        self._operations += 1
+        operation = _Operation(self, key, data, result, self._operations)
         sized_later = key.collective_kind is CollectiveKind.ALL_TO_ALL
         pending: collections.deque[tuple[int, int]] = collections.deque()
         part = 0
@@ -180,12 +182,14 @@ class LaneClient:
         return memory.state is LaneState.OPEN
 
     def raise_if_failed_at(self, key: TensorKey) -> None:
-        """Raises the lane's failure when it failed operation `key` itself: every worker that
-        tries that operation hears why, even one that comes to it after the failure (later
-        operations go over gRPC)."""
+        """Raises the lane's failure when another worker had begun this operation (this worker's
+        next lane operation) in the lane when it failed: every worker that tries it hears why,
+        even one that comes to it later. Operations no worker had begun go over gRPC."""
         memory = self.memory
-        if memory.state is LaneState.FAILED and memory.failed_operation() == (key.index, key.step):
-            self._raise_if_failed(key)
+        if memory.state is LaneState.FAILED:
+            covered = memory.failed_operation()
+            if covered is not None and covered >= self._operations + 1:
+                self._raise_if_failed(key)
 
     def _raise_if_failed(self, key: TensorKey) -> None:
         memory = self.memory
@@ -201,7 +205,10 @@ class LaneClient:
 class _Operation:
     """One collective's geometry on this worker: what each round posts and reads."""
 
-    def __init__(self, lane: LaneClient, key: TensorKey, data: np.ndarray, result: np.ndarray | None) -> None:
+    def __init__(
+        self, lane: LaneClient, key: TensorKey, data: np.ndarray, result: np.ndarray | None, index: int
+    ) -> None:
+        self.index = index
         self.lane = lane
         self.key = key
         self.data = data
@@ -243,6 +250,7 @@ class _Operation:
             self.key.op,
             self._flags,
             tuple(self.key.split_bytes) if kind is CollectiveKind.ALL_TO_ALL else (),
+            self.index,
         )
 
     def read(self, part: int, g: int) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from gradserver.common.errors import Status
-from gradserver.common.lane import Descriptor, own_rounds, posted_length, round_span, splits_offsets
-from gradserver.common.messages import CollectiveKind, ReduceOp, TensorKey
+from .errors import Status
+from .lane import Descriptor, own_rounds, posted_length, round_span, splits_offsets
+from .messages import CollectiveKind, ReduceOp, TensorKey
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,10 @@ def plan_round(descriptors: Sequence[Descriptor], slot_bytes: int) -> RoundPlan 
     for w, d in enumerate(descriptors[1:], start=1):
         if (d.sequence, d.group, d.kind) != (first.sequence, first.group, first.kind):
             return _disagree(w, f"worker {w} issued {key_of(d)} where worker 0 issued {key}")
+        if d.index != first.index:
+            return _disagree(
+                w, f"{key}: it is worker {w}'s lane operation {d.index}, worker 0's {first.index}"
+            )
         if d.kind in (CollectiveKind.REDUCE, CollectiveKind.REDUCE_SCATTER) and (d.op, d.flags) != (
             first.op,
             first.flags,

@@ -33,9 +33,9 @@ from typing import Protocol
 
 import numpy as np
 
-from gradserver.common.chunking import payload_nbytes
-from gradserver.common.messages import DType
-from gradserver.common.wire_dtype import first_non_finite, reduce_16
+from .chunking import payload_nbytes
+from .messages import DType
+from .wire_dtype import first_non_finite, reduce_16
 
 _F32 = np.dtype("<f4")
 
