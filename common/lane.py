@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .messages import BYTE_KINDS as _BYTE_KINDS
 from .messages import CollectiveKind, ReduceOp
 
 MAGIC = 0x4E4C5347  # "GSLN"
@@ -138,6 +139,19 @@ def futex_wake(address: int) -> None:
 
 
 _SPIN_LOOKS = 200  # about 20-40 µs of looking before a futex sleep
+
+
+# An operation of a reducing kind up to this many bytes (each worker's input) is reduced by
+# every worker itself from the others' input slots, as the byte kinds always are: a trip through
+# the coordinator's thread costs more than reducing a few thousand elements N times over.
+PEER_REDUCE_MAX_BYTES = 64 * 1024
+
+
+def peer_operation(kind: CollectiveKind, total: int) -> bool:
+    """Whether every worker reads (and, for REDUCE and REDUCE_SCATTER, reduces) an operation's
+    rounds itself from the others' input slots, so the coordinator only checks and counts them:
+    the kinds that move bytes, and small reductions."""
+    return kind in _BYTE_KINDS or total <= PEER_REDUCE_MAX_BYTES
 
 
 def spin_for(world: int) -> int:

@@ -1,9 +1,13 @@
-"""What the coordinator makes of one round of the collective lane: pure, no shared memory.
+"""What a round of the collective lane is: checked, planned and reduced alike on both sides.
 
-`plan_round` takes every worker's descriptor of a round (docs/PROTOCOL.md, "The collective
-lane") and answers either a `RoundPlan` (what to reduce, if anything, and the bytes each worker
-moves) or a `RoundProblem` (who disagreed or sent something impossible, as the gRPC path's table
-would word it). The lane thread (`server/lane.py`) carries the plan out.
+`plan_round` (pure) takes every worker's descriptor of a round (docs/PROTOCOL.md, "The collective
+lane") and answers either a `RoundPlan` (whose round it is to reduce, if anything, and the bytes
+each worker moves) or a `RoundProblem` (who disagreed or sent something impossible, as the gRPC
+path's table would word it). `RoundPlanner` reads the descriptors from the arena and remembers
+plans by shape; `reduce_round` reduces a round's input slots with the `Averager`. The
+coordinator's lane thread (`server/lane.py`) uses all three for its rounds, and every worker
+(`worker/transports/lane.py`) for the peer rounds it reduces itself: the same checks, wording and
+bytes on both sides.
 """
 
 from __future__ import annotations
@@ -11,8 +15,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
+from .averaging import Averager, NonFiniteContribution, SumOverflow
 from .errors import Status
-from .lane import Descriptor, own_rounds, posted_length, round_span, splits_offsets
+from .lane import (
+    Descriptor,
+    LaneMemory,
+    own_rounds,
+    peer_operation,
+    posted_length,
+    round_span,
+    splits_offsets,
+)
 from .messages import CollectiveKind, ReduceOp, TensorKey
 
 
@@ -27,6 +42,9 @@ class RoundPlan:
     finite_only: bool
     received: tuple[int, ...]
     sent: tuple[int, ...]
+    # A peer round: every worker reads (and reduces) it from the others' input slots itself; the
+    # coordinator only checks and counts it (`peer_operation`).
+    peer: bool = True
     # A REDUCE_SCATTER round's pieces: bytes per worker in the slot, and where each piece starts
     # in its part (to name an element of the whole operation in an error).
     piece_bytes: int = 0
@@ -98,6 +116,7 @@ def plan_round(descriptors: Sequence[Descriptor], slot_bytes: int) -> RoundPlan 
         return problem
     kind = first.kind
     received = tuple(d.length for d in descriptors)
+    peer = peer_operation(kind, first.total)
     if kind is CollectiveKind.REDUCE:
         return RoundPlan(
             first.length,
@@ -105,6 +124,7 @@ def plan_round(descriptors: Sequence[Descriptor], slot_bytes: int) -> RoundPlan 
             not first.propagate_non_finite,
             received,
             (first.length,) * world,
+            peer,
             offset=first.offset,
         )
     if kind is CollectiveKind.REDUCE_SCATTER:
@@ -115,6 +135,7 @@ def plan_round(descriptors: Sequence[Descriptor], slot_bytes: int) -> RoundPlan 
             not first.propagate_non_finite,
             received,
             (piece,) * world,
+            peer,
             piece_bytes=piece,
             part_bytes=first.total // world,
             offset=first.offset,
@@ -176,3 +197,74 @@ def _all_to_all_sent(descriptors: Sequence[Descriptor], slot_bytes: int) -> tupl
             piece_end = piece_start + d.splits[receiver]
             sent[receiver] += max(0, min(end, piece_end) - max(start, piece_start))
     return tuple(sent)
+
+
+_PLANS_KEPT = 4096  # round shapes whose plans are remembered (a job has a few dozen)
+
+
+class RoundPlanner:
+    """Plans the rounds of one lane arena, remembering plans by shape: a training loop issues
+    the same few collectives over and over, and reading and checking every descriptor afresh
+    would cost more than a small round itself."""
+
+    def __init__(self, memory: LaneMemory) -> None:
+        self._memory = memory
+        self._plans: dict[tuple[bytes, ...], RoundPlan] = {}
+
+    def plan(self, g: int) -> RoundPlan | RoundProblem:
+        """Round `g`'s plan (every worker has posted it)."""
+        memory, world = self._memory, self._memory.layout.world
+        identity = memory.identity(0, g)
+        shape = tuple(memory.raw_descriptor(w, g) for w in range(world))
+        same_operation = all(memory.identity(w, g) == identity for w in range(1, world))
+        cached = self._plans.get(shape) if same_operation else None
+        if cached is not None:
+            return cached
+        try:
+            descriptors = [memory.read_descriptor(w, g) for w in range(world)]
+        except ValueError as exc:
+            return RoundProblem(
+                f"collective lane round {g}: {exc}", None, culprit_status=Status.INVALID_ARGUMENT
+            )
+        plan = plan_round(descriptors, memory.layout.slot_bytes)
+        # ALL_TO_ALL plans depend on the split sizes, which the shape leaves out.
+        if isinstance(plan, RoundPlan) and descriptors[0].kind is not CollectiveKind.ALL_TO_ALL:
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            self._plans[shape] = plan
+        return plan
+
+
+def reduce_round(
+    averager: Averager, memory: LaneMemory, g: int, plan: RoundPlan, out: np.ndarray
+) -> RoundProblem | None:
+    """Reduces the `plan.reduce_bytes` of every worker's input slot of round `g` into `out`
+    (uint8, as long), in worker order, as the gRPC path's table does; a non-finite value or an
+    overflowing sum the operation does not let through is the problem returned, named alike by
+    every side that reduces it."""
+    world, nbytes = memory.layout.world, plan.reduce_bytes
+    inputs = [memory.input_slot(w, g, nbytes) for w in range(world)]
+    try:
+        if world == 1:
+            out[:] = inputs[0]
+        else:
+            averager.average(
+                [i.data for i in inputs], divide=plan.divide, out=out.data, finite_only=plan.finite_only
+            )
+    except NonFiniteContribution as exc:
+        key = key_of(memory.read_descriptor(0, g))
+        return RoundProblem(
+            f"worker {exc.position} sent a non-finite value (NaN or Inf) in {key} at element "
+            f"{plan.element(exc.element)}; the step is halted",
+            exc.position,
+        )
+    except SumOverflow as exc:
+        key = key_of(memory.read_descriptor(0, g))
+        what = "average" if plan.divide else "sum"
+        return RoundProblem(
+            f"the {what} of {key} overflows float32 at element {plan.element(exc.element)}; "
+            "the step is halted",
+            None,
+            culprit_status=Status.ABORTED,
+        )
+    return None

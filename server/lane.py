@@ -32,11 +32,11 @@ from collections.abc import Callable
 
 from gradserver.common import lane as shared
 from gradserver.common import shm
-from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
+from gradserver.common.averaging import Averager
 from gradserver.common.errors import Status
 from gradserver.common.lane import LaneLayout, LaneMemory, LaneState
-from gradserver.common.lane_rounds import RoundPlan, RoundProblem, key_of, plan_round
-from gradserver.common.messages import CollectiveKind, TensorKey
+from gradserver.common.lane_rounds import RoundPlan, RoundPlanner, RoundProblem, key_of, reduce_round
+from gradserver.common.messages import TensorKey
 
 from .metrics import CoordinatorMetrics
 
@@ -45,7 +45,6 @@ log = logging.getLogger("gradserver.server.lane")
 _IDLE_SLICE_S = 0.5  # how often an idle lane thread looks at its stop flag (a stop also wakes it)
 _BUSY_SLICE_S = 0.05  # while a round is under way: how often the step timeout is checked
 _JOIN_S = 5.0
-_PLANS_KEPT = 4096  # round shapes whose plans are remembered (a job has a few dozen)
 
 
 class _Stopped(Exception):
@@ -77,7 +76,7 @@ class Lane:
         self._registrations = 0
         self._generation = 1
         self._round = 1
-        self._plans: dict[tuple[bytes, ...], RoundPlan] = {}
+        self._planner = RoundPlanner(self.memory)
         self._spin = shared.spin_for(world)
         self._stop = threading.Event()
         self.memory.reset(self._generation)
@@ -226,11 +225,12 @@ class Lane:
         memory, world = self.memory, self.layout.world
         generation = memory.generation
         self._wait_posted(g, generation)
-        plan = self._plan(g)
+        plan = self._planner.plan(g)
         if isinstance(plan, RoundProblem):
             self._fail(plan.status, plan.culprit, plan.culprit_status, plan.message, self._in_flight(g))
             return
-        if plan.reduce_bytes and not self._reduce(g, plan):
+        # A peer round is the workers' to read and reduce: checked and counted here, no more.
+        if not plan.peer and plan.reduce_bytes and not self._reduce(g, plan):
             return
         with self._lock:
             if memory.state is not LaneState.OPEN or memory.generation != generation:
@@ -243,33 +243,9 @@ class Lane:
             metrics.received_bytes.inc(sum(plan.received))
             metrics.sent_bytes.inc(sum(plan.sent))
             metrics.lane_rounds.inc()
+            # A peer round's readers do not wait for this, but its slots are reused only after it.
             memory.set_done(g)
             self._round = shared.next_round(g)
-
-    def _plan(self, g: int) -> RoundPlan | RoundProblem:
-        """Round `g`'s plan: from the cache when every worker posted the same operation number
-        and a round of this shape was planned before (the common case: a training loop issues
-        the same few collectives over and over), else from the descriptors."""
-        memory, world = self.memory, self.layout.world
-        identity = memory.identity(0, g)
-        shape = tuple(memory.raw_descriptor(w, g) for w in range(world))
-        same_operation = all(memory.identity(w, g) == identity for w in range(1, world))
-        cached = self._plans.get(shape) if same_operation else None
-        if cached is not None:
-            return cached
-        try:
-            descriptors = [memory.read_descriptor(w, g) for w in range(world)]
-        except ValueError as exc:
-            return RoundProblem(
-                f"collective lane round {g}: {exc}", None, culprit_status=Status.INVALID_ARGUMENT
-            )
-        plan = plan_round(descriptors, self.layout.slot_bytes)
-        # ALL_TO_ALL plans depend on the split sizes, which the shape leaves out.
-        if isinstance(plan, RoundPlan) and descriptors[0].kind is not CollectiveKind.ALL_TO_ALL:
-            if len(self._plans) >= _PLANS_KEPT:
-                self._plans.clear()
-            self._plans[shape] = plan
-        return plan
 
     def _wait_posted(self, g: int, generation: int) -> None:
         """Returns once every worker posted round `g`; fails the lane past the step timeout (from
@@ -327,40 +303,12 @@ class Lane:
     def _reduce(self, g: int, plan: RoundPlan) -> bool:
         """Averages round `g`'s input slots into its output slot; False (the lane failed) on a
         non-finite value or an overflowing sum that the operation does not let through."""
-        memory, world, nbytes = self.memory, self.layout.world, plan.reduce_bytes
-        inputs = [memory.input_slot(w, g, nbytes) for w in range(world)]
-        out = memory.output_slot(g, nbytes)
-        try:
-            if world == 1:
-                out[:] = inputs[0]
-            else:
-                self._averager.average(
-                    [i.data for i in inputs],
-                    divide=plan.divide,
-                    out=out.data,
-                    finite_only=plan.finite_only,
-                )
-        except NonFiniteContribution as exc:
-            key = self._in_flight(g)
+        problem = reduce_round(
+            self._averager, self.memory, g, plan, self.memory.output_slot(g, plan.reduce_bytes)
+        )
+        if problem is not None:
             self._fail(
-                Status.ABORTED,
-                exc.position,
-                Status.INVALID_ARGUMENT,
-                f"worker {exc.position} sent a non-finite value (NaN or Inf) in {key} at element "
-                f"{plan.element(exc.element)}; the step is halted",
-                key,
-            )
-            return False
-        except SumOverflow as exc:
-            key = self._in_flight(g)
-            what = "average" if plan.divide else "sum"
-            self._fail(
-                Status.ABORTED,
-                None,
-                Status.ABORTED,
-                f"the {what} of {key} overflows float32 at element {plan.element(exc.element)}; "
-                "the step is halted",
-                key,
+                problem.status, problem.culprit, problem.culprit_status, problem.message, self._in_flight(g)
             )
             return False
         return True

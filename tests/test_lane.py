@@ -312,6 +312,16 @@ def _until_posted(server: ServerThread, worker: int) -> None:
         time.sleep(0.002)
 
 
+def _until_state(server: ServerThread, state: LaneState) -> None:
+    """Waits (bounded) until the coordinator's lane is in `state`."""
+    lane = server.call(lambda s: s.shm.lane if s.shm else None)
+    assert lane is not None
+    end = time.monotonic() + 10
+    while lane.state is not state:
+        assert time.monotonic() < end, f"the lane never became {state.name}"
+        time.sleep(0.002)
+
+
 def _reduce(client: CollectiveClient, sequence: int, data: np.ndarray, **kwargs: Any) -> np.ndarray:
     return client.run_collective(sequence, 0, data, ReduceOp.SUM, **{"timeout": 30, **kwargs})
 
@@ -336,7 +346,7 @@ def _then_grpc_still_works(clients: Sequence[CollectiveClient], sequence: int) -
 def test_a_worker_that_stops_waiting_fails_the_operation_for_everyone_naming_itself(
     lane_coordinator: Callable[..., ServerThread],
 ) -> None:
-    _, clients = _clients(lane_coordinator)
+    server, clients = _clients(lane_coordinator)
     try:
         started = time.monotonic()
         with pytest.raises(
@@ -344,6 +354,8 @@ def test_a_worker_that_stops_waiting_fails_the_operation_for_everyone_naming_its
         ):
             _reduce(clients[0], 0, np.ones(3, np.float32), timeout=0.5)
         assert time.monotonic() - started < 5
+        # Once the coordinator has failed the lane, a worker that comes to that operation hears why.
+        _until_state(server, LaneState.FAILED)
         with pytest.raises(
             AbortedError, match=r"operation 0 collective SUM of group 0 aborted: worker 0 gave up"
         ) as info:

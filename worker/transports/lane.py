@@ -26,8 +26,16 @@ from collections.abc import Callable
 import numpy as np
 
 from gradserver.common import lane as shared
-from gradserver.common.errors import DeadlineExceededError, UnavailableError, error_from_status
+from gradserver.common.averaging import Averager
+from gradserver.common.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    GradServerError,
+    UnavailableError,
+    error_from_status,
+)
 from gradserver.common.lane import Descriptor, LaneMemory, LaneState
+from gradserver.common.lane_rounds import RoundPlanner, RoundProblem, reduce_round
 from gradserver.common.messages import CollectiveKind, TensorKey
 
 
@@ -44,6 +52,8 @@ class LaneClient:
         self._usable = True
         self._spin = shared.spin_for(memory.layout.world)
         self._lock = threading.Lock()
+        self._planner = RoundPlanner(memory)
+        self._averager = Averager(1)
 
     def run(
         self,
@@ -68,10 +78,12 @@ class LaneClient:
         deadline: float,
         check: Callable[[], None],
     ) -> np.ndarray | None:
-        if not self._open(deadline, check):
-            self.raise_if_failed_at(key)
-            return None
+        open_ = self._open(deadline, check)
+        # Every worker counts every operation it begins (the lane's failure covers them by count).
         self._operations += 1
+        if not open_:
+            self._raise_if_covered(key)
+            return None
         operation = _Operation(self, key, data, result, self._operations)
         sized_later = key.collective_kind is CollectiveKind.ALL_TO_ALL
         pending: collections.deque[tuple[int, int]] = collections.deque()
@@ -101,19 +113,16 @@ class LaneClient:
         memory, w = self.memory, self.worker_id
         g = self._next
         if self._posted >= 2:
-            # Round g reuses round g-2's slots: every worker must have read that round.
+            # Round g reuses round g-2's slots: every worker must have read that round, and the
+            # coordinator checked it (it reads the descriptors of a peer round while its workers
+            # go on, so it may fall behind by a round, never more).
             reuse = (g - 2) & 0xFFFFFFFF or 0xFFFFFFFF
             for r in range(memory.layout.world):
                 if not shared.reached(memory.taken(r), reuse):
-                    self._wait(
-                        functools.partial(memory.taken, r),
-                        memory.taken_address(r),
-                        reuse,
-                        deadline,
-                        check,
-                        op,
-                        g,
-                    )
+                    taken = functools.partial(memory.taken, r)
+                    self._wait(taken, memory.taken_address(r), reuse, deadline, check, op, g)
+            if not shared.reached(memory.done, reuse):
+                self._wait(lambda: memory.done, memory.done_address(), reuse, deadline, check, op, g)
         descriptor = op.fill(part, memory.input_slot(w, g, memory.layout.slot_bytes))
         memory.write_descriptor(w, g, descriptor)
         memory.set_posted(w, g)
@@ -123,9 +132,64 @@ class LaneClient:
 
     def _finish(self, op: _Operation, part: int, g: int, deadline: float, check: Callable[[], None]) -> None:
         memory = self.memory
-        self._wait(lambda: memory.done, memory.done_address(), g, deadline, check, op, g)
-        op.read(part, g)
+        if op.peer:
+            # Read from the others' input slots once they are all there, checked (and reduced)
+            # here as the coordinator would.
+            for r in range(memory.layout.world):
+                if not shared.reached(memory.posted(r), g):
+                    posted = functools.partial(memory.posted, r)
+                    self._wait(posted, memory.posted_address(r), g, deadline, check, op, g)
+            # Checked first: a worker that found the round wrong (or non-finite) gave up because
+            # of it, and everyone finds the same. Then whether anyone gave up for another reason:
+            # its data is there, but the operation fails for everyone as the coordinator fails it.
+            self._read_peer(op, part, g)
+            self._raise_if_given_up(op.key)
+        else:
+            self._wait(lambda: memory.done, memory.done_address(), g, deadline, check, op, g)
+            op.read(part, g)
         memory.set_taken(self.worker_id, g)
+
+    def _read_peer(self, op: _Operation, part: int, g: int) -> None:
+        plan = self._planner.plan(g)
+        if isinstance(plan, RoundProblem):
+            raise self._error(plan, op.key)
+        if not plan.reduce_bytes:
+            op.read(part, g)
+            return
+        world, me = self.memory.layout.world, self.worker_id
+        offset, length = shared.round_span(op.kind, op.total, world, op.slot, part)
+        assert op.result is not None
+        if op.kind is CollectiveKind.REDUCE:
+            out = op.result[offset : offset + length]
+        else:  # REDUCE_SCATTER: the whole slot, so a NaN anywhere fails it on every worker alike
+            out = np.empty(plan.reduce_bytes, np.uint8)
+        problem = reduce_round(self._averager, self.memory, g, plan, out)
+        if problem is not None:
+            raise self._error(problem, op.key)
+        if op.kind is CollectiveKind.REDUCE_SCATTER:
+            op.result[offset : offset + length] = out[me * length : (me + 1) * length]
+
+    def _raise_if_given_up(self, key: TensorKey) -> None:
+        """A worker that gave up may have posted the round before it did: its data is then there,
+        but it will read no more; the operation fails here as the coordinator fails it."""
+        self._raise_if_failed(key)
+        memory = self.memory
+        for r in range(memory.layout.world):
+            if memory.abandoned(r):
+                raise AbortedError(
+                    f"{key} aborted: worker {r} gave up on it (its own deadline or error)",
+                    step=key.step,
+                    key=str(key),
+                    worker_id=r,
+                )
+
+    def _error(self, problem: RoundProblem, key: TensorKey) -> GradServerError:
+        """The error this worker raises for a round it found wrong itself (each worker finds the
+        same, as the coordinator does): the culprit hears its own status."""
+        code = problem.culprit_status if problem.culprit == self.worker_id else problem.status
+        return error_from_status(
+            code, problem.message, step=key.step, key=str(key), worker_id=problem.culprit
+        )
 
     def _wait(
         self,
@@ -181,14 +245,14 @@ class LaneClient:
             raise UnavailableError("the coordinator started a fresh job: this worker is no longer a member")
         return memory.state is LaneState.OPEN
 
-    def raise_if_failed_at(self, key: TensorKey) -> None:
+    def _raise_if_covered(self, key: TensorKey) -> None:
         """Raises the lane's failure when another worker had begun this operation (this worker's
-        next lane operation) in the lane when it failed: every worker that tries it hears why,
-        even one that comes to it later. Operations no worker had begun go over gRPC."""
+        latest) in the lane when it failed: every worker that tries it hears why, even one that
+        comes to it later. Operations no worker had begun go over gRPC."""
         memory = self.memory
         if memory.state is LaneState.FAILED:
             covered = memory.failed_operation()
-            if covered is not None and covered >= self._operations + 1:
+            if covered is not None and covered >= self._operations:
                 self._raise_if_failed(key)
 
     def _raise_if_failed(self, key: TensorKey) -> None:
@@ -219,6 +283,7 @@ class _Operation:
         self.slot = memory.layout.slot_bytes
         self.total = int(data.size)
         self.rounds = shared.own_rounds(self.kind, self.total, self.world, self.slot)
+        self.peer = shared.peer_operation(self.kind, self.total)
         self._flags = shared.FLAG_PROPAGATE_NON_FINITE if key.propagate_non_finite else 0
         self._receive_at: list[int] = []  # ALL_TO_ALL: where each sender's piece starts in the result
         # A broadcast root whose result is its own input holds the bytes already.
