@@ -258,9 +258,10 @@ class Bench:
                 port_file = Path(tmp) / f"port{index}"
                 argv = [sys.executable, "-m", "gradserver.cli", "coordinator", "--bind", addresses[index]]
                 argv += ["--world-size", str(len(self.workers)), "--insecure", "--log-level", "WARNING"]
+                argv += ["--port-file", str(port_file)]
                 chunk = self.args.chunk_mib
-                argv += ["--port-file", str(port_file), "--chunk-mib", f"{chunk:g}"]
-                argv += ["--max-message-mib", f"{chunk + 1:g}"]
+                if chunk:  # else each coordinator chooses (0.5 MiB: its workers are on other hosts)
+                    argv += ["--chunk-mib", f"{chunk:g}", "--max-message-mib", f"{max(16.0, chunk + 1):g}"]
                 if len(hosts) > 1:
                     argv += ["--partition-index", str(index), "--partition-map", ",".join(addresses)]
                 servers.append(self.cluster.spawn(host, argv, stdout=subprocess.DEVNULL, cwd=_REPO))
@@ -359,7 +360,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link-mbit", type=float, default=200.0, help="rate of every host's link, each way")
     p.add_argument("--mib", type=float, default=32.0, help="gradient MiB per worker (float32)")
     p.add_argument("--blocks", type=int, default=8, help="keys the gradient set is split into")
-    p.add_argument("--chunk-mib", type=float, default=4.0, help="gradserver chunk size")
+    p.add_argument(
+        "--chunk-mib", type=float, default=0.0, help="gradserver chunk size (0: the coordinators choose)"
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--wire-dtypes", default="float32,bfloat16", help="gradserver wire dtypes to measure")

@@ -4,17 +4,23 @@
     python -m bench.exchange --full          # all 24 blocks + LM head
     python -m bench.exchange --workers 2 --steps 5
     python -m bench.exchange --transport grpc,shm   # gloo, gradserver over gRPC and over shared memory
+    python -m bench.exchange --api tuned --zero-copy --transport shm   # the tuned API
 
 For each N, the same worker processes' buffers are averaged by (a) a gradserver coordinator
 process and N WorkerClient processes, sending every block in reverse order and then the LM head,
-pipelined, each average written back into the buffer it was sent from (`into=`, in place as
-gloo does), and (b) N processes calling torch.distributed.all_reduce (gloo) on the same buffers
-and dividing by N. Each step starts after a barrier; a step's time is the slowest worker's. The
-table shows median step time, algorithmic bandwidth (gradient bytes per worker / step time), the
-ratio gradserver/gloo, and the coordinator's peak RSS (VmHWM). With `--transport shm` the workers
-use the same-host shared-memory path (with `--zero-copy` their buffers are `gradient_buffer`s, so
-nothing is copied on the way in); the coordinator's private (RssAnon) and shared (RssShmem) memory
-at the end are shown separately.
+pipelined, and (b) N processes calling torch.distributed.all_reduce (gloo) on the same buffers
+and dividing by N. The coordinator runs with its defaults (its chunk size chosen by itself)
+unless `--chunk-mib` is given. `--api plain` (the default) uses WorkerClient as a user who tunes
+nothing would: the gradients are ordinary numpy arrays (the same ones every step, as a
+framework's gradient buffers), sent without `into=`, and the averages are the arrays the
+receives return, held until the step ends and then dropped. `--api tuned` writes each average
+back into the buffer it was sent from (`into=`, in place as gloo does), and with `--zero-copy`
+those buffers are `gradient_buffer`s in the shared-memory arena, so nothing is copied on the
+way in. Each step starts after a barrier; a step's time is the slowest worker's. The table shows
+median step time, algorithmic bandwidth (gradient bytes per worker / step time), the ratio
+gradserver/gloo, and the coordinator's peak RSS (VmHWM). With `--transport shm` the workers use
+the same-host shared-memory path; the coordinator's private (RssAnon) and shared (RssShmem)
+memory at the end are shown separately.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+DEFAULT_ARENA_MIB = 256.0  # the worker's and the coordinator's default
 SLICE = {"num_blocks": 4, "hidden": 1024, "kv_hidden": 256, "intermediate": 4096, "vocab": 32768}
 
 
@@ -59,6 +66,8 @@ def _gradserver_worker(args: argparse.Namespace) -> dict[str, Any]:
     if client.transport != args.transport:
         raise RuntimeError(f"asked for transport {args.transport}, got {client.transport}")
     blocks, sizes, lm_head = _buffers(client.worker_id, shape)
+    if args.api == "plain":
+        return {"rank": client.worker_id, "times": _plain_steps(client, args, blocks, sizes, lm_head)}
     if args.zero_copy:
         placed = []
         for array in [*blocks, lm_head]:
@@ -81,6 +90,32 @@ def _gradserver_worker(args: argparse.Namespace) -> dict[str, Any]:
             if step >= args.warmup:
                 times.append(time.perf_counter() - started)
     return {"rank": client.worker_id, "times": times}
+
+
+def _plain_steps(
+    client: Any,
+    args: argparse.Namespace,
+    blocks: list[np.ndarray],
+    sizes: tuple[int, ...],
+    lm_head: np.ndarray,
+) -> list[float]:
+    """The untuned API: plain arrays, no `into=`; the averages are what the receives return."""
+    times = []
+    with client:
+        for step in range(args.warmup + args.steps):
+            client.barrier(step)
+            started = time.perf_counter()
+            for b in reversed(range(len(blocks))):
+                client.send_block_gradient(step, b, len(blocks), blocks[b], sizes)
+            client.send_non_block_gradient(step, "lm_head", lm_head)
+            averages = [client.receive_averaged_block().gradients for _ in blocks]
+            averages.append(client.receive_averaged_non_block().gradients)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - started)
+            # Applied (an optimizer step would read them here), then dropped, as a training loop
+            # drops last step's gradients.
+            del averages
+    return times
 
 
 def _gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -236,7 +271,8 @@ def run_gradserver(
     timeout: float,
     transport: str = "grpc",
     zero_copy: bool = False,
-    shm_arena_mib: float = 256.0,
+    shm_arena_mib: float | None = None,
+    api: str = "plain",
 ) -> tuple[list[float], float, tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
@@ -254,14 +290,7 @@ def run_gradserver(
                 str(port_file),
                 "--log-level",
                 "WARNING",
-                "--chunk-mib",
-                str(chunk_mib),
-                "--max-message-mib",
-                str(chunk_mib + 1),
-                "--max-inflight-mib",
-                str(max(64.0, 4 * chunk_mib)),
-                "--shm-arena-mib",
-                str(shm_arena_mib),
+                *_tuning(chunk_mib, shm_arena_mib),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -275,10 +304,11 @@ def run_gradserver(
                 time.sleep(0.02)
             address = f"127.0.0.1:{port_file.read_text().strip()}"
             common = ["--shape", json.dumps(shape), "--steps", str(steps), "--warmup", str(warmup)]
-            common += ["--transport", transport, "--shm-arena-mib", str(shm_arena_mib)]
+            arena = DEFAULT_ARENA_MIB if shm_arena_mib is None else shm_arena_mib
+            common += ["--transport", transport, "--api", api, "--shm-arena-mib", str(arena)]
             if zero_copy:
                 set_mib = 4 * _elements(shape) / 2**20
-                common += ["--zero-copy", "--shm-arena-mib", str(set_mib + shm_arena_mib)]
+                common += ["--zero-copy", "--shm-arena-mib", str(set_mib + arena)]
             procs = [
                 subprocess.Popen(
                     _me("--role", "gradserver-worker", "--address", address, *common),
@@ -295,6 +325,17 @@ def run_gradserver(
             coord.terminate()
             coord.wait(30)
     return step_times(results), rss, memory
+
+
+def _tuning(chunk_mib: float, shm_arena_mib: float | None) -> list[str]:
+    """The coordinator's flags: none but those asked for (0: its own chunk size)."""
+    flags = []
+    if chunk_mib:
+        flags += ["--chunk-mib", str(chunk_mib), "--max-message-mib", str(max(16.0, chunk_mib + 1))]
+        flags += ["--max-inflight-mib", str(max(64.0, 4 * chunk_mib))]
+    if shm_arena_mib is not None:
+        flags += ["--shm-arena-mib", str(shm_arena_mib)]
+    return flags
 
 
 def _elements(shape: dict[str, int]) -> int:
@@ -340,7 +381,15 @@ def main() -> int:
     parser.add_argument("--workers", default="2,4", help="comma-separated world sizes")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--chunk-mib", type=float, default=4.0, help="coordinator chunk size")
+    parser.add_argument(
+        "--chunk-mib", type=float, default=0.0, help="coordinator chunk size (0: the coordinator chooses)"
+    )
+    parser.add_argument(
+        "--api",
+        choices=["plain", "tuned"],
+        default="plain",
+        help="plain: numpy arrays, results from the receives; tuned: into= (and --zero-copy)",
+    )
     parser.add_argument("--floor", action="store_true", help="also time a bare gRPC echo of the same bytes")
     parser.add_argument("--no-gloo", action="store_true", help="skip gloo (e.g. for an RSS-only run)")
     parser.add_argument("--timeout", type=float, default=900.0)
@@ -350,8 +399,12 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--store", default="")
     parser.add_argument("--transport", default="grpc", help="comma-separated: grpc, shm")
-    parser.add_argument("--zero-copy", action="store_true", help="shm: send from gradient_buffer()s")
-    parser.add_argument("--shm-arena-mib", type=float, default=256.0, help="per-worker and output arena")
+    parser.add_argument(
+        "--zero-copy", action="store_true", help="shm, --api tuned: send from gradient_buffer()s"
+    )
+    parser.add_argument(
+        "--shm-arena-mib", type=float, default=None, help="per-worker and output arena (default: 256)"
+    )
     args = parser.parse_args()
     if args.role == "gradserver-worker":
         print(json.dumps(_gradserver_worker(args)))
@@ -365,14 +418,17 @@ def main() -> int:
     if args.role == "echo-worker":
         print(json.dumps(_echo_worker(args)))
         return 0
+    if args.zero_copy and args.api != "tuned":
+        parser.error("--zero-copy is a tuning: it needs --api tuned")
     shape = dict(SLICE, num_blocks=24) if args.full else json.loads(args.shape)
     elements = _elements(shape)
     gbytes = 4 * elements / 1e9
     transports = args.transport.split(",")
     print(
         f"gradient set: {shape['num_blocks']} blocks + LM head = {4 * elements / 2**20:.0f} MiB per worker; "
-        f"chunk {args.chunk_mib:g} MiB; median of {args.steps} steps after {args.warmup} warm-up; "
-        f"nproc={os.cpu_count()}; arenas {args.shm_arena_mib:g} MiB"
+        f"chunk {f'{args.chunk_mib:g} MiB' if args.chunk_mib else 'chosen by the coordinator'}; "
+        f"API {args.api}; median of {args.steps} steps after {args.warmup} warm-up; "
+        f"nproc={os.cpu_count()}; arenas {args.shm_arena_mib or DEFAULT_ARENA_MIB:g} MiB"
         + (" + the set (zero copy)" if args.zero_copy else "")
     )
     print(
@@ -384,7 +440,7 @@ def main() -> int:
         gloo = [] if args.no_gloo else run_gloo(world, shape, args.steps, args.warmup, args.timeout)
         b = statistics.median(gloo) if gloo else float("nan")
         echo = (
-            run_echo(world, shape, args.steps, args.warmup, args.chunk_mib, args.timeout)
+            run_echo(world, shape, args.steps, args.warmup, args.chunk_mib or 8.0, args.timeout)
             if args.floor
             else []
         )
@@ -400,6 +456,7 @@ def main() -> int:
                 transport,
                 args.zero_copy and transport == "shm",
                 args.shm_arena_mib,
+                args.api,
             )
             a = statistics.median(ours)
             print(

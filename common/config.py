@@ -121,14 +121,18 @@ def parse_address(value: str, *, what: str = "address") -> tuple[str, int]:
 def describe_config(
     config: Any, namespace: argparse.Namespace | None, environ: Mapping[str, str] | None = None
 ) -> str:
-    """The effective configuration, one `name = value  (source)` line per field."""
+    """The effective configuration, one `name = value  (source)` line per field, followed by what
+    the value means where the config class says (`setting_notes()`: e.g. a value chosen later)."""
     env = os.environ if environ is None else environ
+    notes_of = getattr(config, "setting_notes", None)
+    notes: dict[str, str] = notes_of() if callable(notes_of) else {}
     lines = []
     for field in dataclasses.fields(config):
         _, source = _given(field, namespace, env)
         value = getattr(config, field.name)
         shown = "'***'" if field.metadata.get("secret") and value else repr(value)
-        lines.append(f"{field.name} = {shown}  ({source})")
+        note = notes.get(field.name)
+        lines.append(f"{field.name} = {shown}  ({source})" + (f"  {note}" if note else ""))
     return "\n".join(lines)
 
 

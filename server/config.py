@@ -23,6 +23,12 @@ from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.partition_map import PartitionMap
 from gradserver.common.security import is_loopback
 
+# The automatic chunk sizes (--chunk-mib 0), docs/PERFORMANCE.md: each chunk costs a control
+# message each way and a reduction call (~0.7 ms on the shared-memory path), so same-host jobs
+# want large chunks; over real links smaller ones keep both directions of every link busy.
+LOCAL_CHUNK_MIB = 8.0
+REMOTE_CHUNK_MIB = 0.5
+
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorConfig:
@@ -45,7 +51,14 @@ class CoordinatorConfig:
     max_message_mib: float = dataclasses.field(
         default=16.0, metadata={"help": "largest gRPC message accepted, MiB"}
     )
-    chunk_mib: float = dataclasses.field(default=4.0, metadata={"help": "payload bytes per chunk, MiB"})
+    chunk_mib: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            "help": "payload bytes per chunk, MiB (0: chosen when the world is complete: "
+            f"{LOCAL_CHUNK_MIB:g} when every worker reached this coordinator over loopback, "
+            f"{REMOTE_CHUNK_MIB:g} when any is remote and with --partition-map)"
+        },
+    )
     max_inflight_mib: float = dataclasses.field(
         default=64.0,
         metadata={"help": "per-worker MiB of unreduced contributions buffered before back-pressure"},
@@ -184,30 +197,39 @@ class CoordinatorConfig:
         for name in ("join_timeout", "step_timeout", "heartbeat_timeout", "drain_timeout", "rejoin_timeout"):
             value = getattr(self, name)
             require_setting(math.isfinite(value) and value > 0, name, value, "a positive number of seconds")
-        require_setting(self.chunk_mib > 0 and self.chunk_bytes >= 4, "chunk_mib", self.chunk_mib, "positive")
+        require_setting(
+            self.chunk_mib == 0
+            or (math.isfinite(self.chunk_mib) and self.chunk_mib > 0 and self.chunk_bytes >= 4),
+            "chunk_mib",
+            self.chunk_mib,
+            "positive (or 0: chosen automatically)",
+        )
+        self._check_partitions()
+        # Against the largest chunk this coordinator's jobs can have (with the automatic choice
+        # too, so that a job never learns at run time that its chunks do not fit).
+        chunk_mib = self.chunk_bytes / MIB
         require_setting(
             self.max_message_bytes >= self.chunk_bytes + 64 * 1024,
             "max_message_mib",
             self.max_message_mib,
-            f"at least chunk_mib + 0.0625 ({self.chunk_mib + 0.0625:g})",
+            self._at_least_chunk(0.0625),
         )
         require_setting(
-            self.max_inflight_mib >= self.chunk_mib,
+            self.max_inflight_mib >= chunk_mib,
             "max_inflight_mib",
             self.max_inflight_mib,
-            f"at least chunk_mib ({self.chunk_mib:g})",
+            self._at_least_chunk(0.0),
         )
         require_setting(
             self.max_tensor_elements >= 1, "max_tensor_elements", self.max_tensor_elements, ">= 1"
         )
         require_setting(self.max_steps >= 0, "max_steps", self.max_steps, ">= 0")
-        self._check_partitions()
         require_setting(self.reduce_threads >= 0, "reduce_threads", self.reduce_threads, ">= 0 (0: auto)")
         require_setting(
-            self.shm_arena_mib >= self.chunk_mib,
+            self.shm_arena_mib >= chunk_mib,
             "shm_arena_mib",
             self.shm_arena_mib,
-            f"at least chunk_mib ({self.chunk_mib:g})",
+            self._at_least_chunk(0.0),
         )
         require_setting(
             -1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "-1 (off) or a port 0..65535"
@@ -245,8 +267,52 @@ class CoordinatorConfig:
         return PartitionMap.parse(self.partition_map) if self.partition_map.strip() else None
 
     @property
+    def chunk_auto(self) -> bool:
+        """Whether the chunk size is chosen per job (--chunk-mib 0, the default)."""
+        return self.chunk_mib == 0
+
+    @property
+    def fixed_chunk_bytes(self) -> int | None:
+        """The chunk size known before any worker joins: --chunk-mib when given, else the
+        automatic choice for partitioned coordinators (every partition must cut keys alike, and
+        none knows the others' members); None when each job's is chosen as its world completes
+        (`server/chunk_size.py`)."""
+        if not self.chunk_auto:
+            return int(self.chunk_mib * MIB) // 4 * 4
+        if self.partitions is not None:
+            return int(REMOTE_CHUNK_MIB * MIB)
+        return None
+
+    @property
     def chunk_bytes(self) -> int:
-        return int(self.chunk_mib * MIB) // 4 * 4
+        """The largest chunk this coordinator's jobs can have: --chunk-mib when given, else the
+        largest automatic choice. What the limits are checked against and what buffers sized by
+        a chunk (the output arena's slots, the collective lane's) hold; a job's own chunk size
+        is the coordinator's `GradientServer.chunk_bytes`."""
+        fixed = self.fixed_chunk_bytes
+        return fixed if fixed is not None else int(LOCAL_CHUNK_MIB * MIB)
+
+    def setting_notes(self) -> dict[str, str]:
+        """What --print-config adds to a value: where the chunk size comes from."""
+        if not self.chunk_auto:
+            return {}
+        if self.fixed_chunk_bytes is not None:
+            return {"chunk_mib": f"-> automatic: {REMOTE_CHUNK_MIB:g} MiB (partitioned coordinators)"}
+        return {
+            "chunk_mib": f"-> automatic, per job: {LOCAL_CHUNK_MIB:g} MiB when every worker joins over "
+            f"loopback (this host), {REMOTE_CHUNK_MIB:g} MiB when any joins from another host"
+        }
+
+    def _at_least_chunk(self, extra_mib: float) -> str:
+        """'at least ...' the largest chunk plus `extra_mib`, saying where that chunk comes from."""
+        chunk_mib = self.chunk_bytes / MIB
+        plus = f" + {extra_mib:g}" if extra_mib else ""
+        if not self.chunk_auto:
+            return f"at least chunk_mib{plus} ({chunk_mib + extra_mib:g})"
+        return (
+            f"at least {chunk_mib + extra_mib:g} (the largest automatic chunk size, {chunk_mib:g} "
+            f"MiB{plus}; a smaller --chunk-mib lowers it)"
+        )
 
     @property
     def max_message_bytes(self) -> int:

@@ -45,6 +45,7 @@ from gradserver.common.rpc import SERVICE_NAME, to_grpc
 from . import join
 from .auth import client_identity, peer_host, stream_member
 from .binding import bind_port, grpc_server, publish_endpoints
+from .chunk_size import ChunkChoice, choose_chunk
 from .config import CoordinatorConfig
 from .events import EventLog
 from .job import (
@@ -87,11 +88,12 @@ def _new_table(
     metrics: CoordinatorMetrics,
     partition: PartitionRole | None,
     averager: Averager,
+    chunk_bytes: int,
 ) -> ReductionTable:
     """A fresh job's reduction table (this partition's chunks only, with --partition-map)."""
     return ReductionTable(
         config.world_size,
-        config.chunk_bytes // 4,
+        chunk_bytes // 4,
         config.step_timeout,
         on_key_reduced=metrics.reduce_latency.observe,
         on_barrier_released=metrics.barrier_wait.observe,
@@ -144,8 +146,11 @@ class GradientServer:
         )
         self.shm: ShmHub | None = None  # the same-host fast path, when offered
         self._averager = Averager(config.reduce_threads or _auto_reduce_threads())
+        # The job's chunk size: fixed by the configuration, or chosen as its world completes
+        # (`_choose_chunk`); until then buffers and the table are sized for the largest it can be.
+        self._chunk: ChunkChoice | None = None
         self._new_table = functools.partial(_new_table, config, self.metrics, self._partition, self._averager)
-        self._table = self._new_table()
+        self._table = self._new_table(self.chunk_bytes)
         self._cores = usable_cores()
         self._reducer = Reducer(self._averager, self._reduced, self._average_on_loop)
         self._job = _new_job(config)
@@ -180,6 +185,12 @@ class GradientServer:
     @property
     def address(self) -> str:
         return f"{parse_address(self.config.bind)[0]}:{self.port}"
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The current job's chunk size (JoinAccepted.chunk_bytes); before its world is complete,
+        the largest it can be."""
+        return self._chunk.chunk_bytes if self._chunk is not None else self.config.chunk_bytes
 
     @property
     def exit_code(self) -> int:
@@ -280,7 +291,8 @@ class GradientServer:
             elif isinstance(effect, CancelTimer):
                 self._rejoin_timer.cancel()
             elif isinstance(effect, ResetJob):
-                self._table = self._new_table()
+                self._chunk = None  # the next job's world chooses again
+                self._table = self._new_table(self.chunk_bytes)
                 self.metrics.new_table()
                 self._outboxes.reset()
                 log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
@@ -334,9 +346,27 @@ class GradientServer:
             member = await self._refusing(context, self._admit(raw, context))
         finally:
             self.metrics.workers_joined.set(self._membership.joined)
+        if self._chunk is None:
+            self._choose_chunk()
         self._table.worker_joined(member.worker_id)
         self._apply(self._job.world_complete())
-        return join.accepted(member, self._membership, self.config, self.session_id, self._outboxes.offer())
+        return join.accepted(
+            member, self._membership, self.config, self.session_id, self.chunk_bytes, self._outboxes.offer()
+        )
+
+    def _choose_chunk(self) -> None:
+        """The job's chunk size, chosen once its world is complete (the first Join to return
+        comes here before any returns) from where its members joined from, and everything sized
+        by it: the reduction table (still untouched: no stream opens before the world is
+        complete), the streams' chunk checks and the output arena's slots."""
+        choice = choose_chunk(self.config, [m.host for m in self._membership.members()])
+        self._chunk = choice
+        if self._table.chunk_elements != choice.chunk_bytes // 4:
+            self._table = self._new_table(choice.chunk_bytes)
+        self._streams.chunk_elements = choice.chunk_bytes // 4
+        if self.shm is not None:
+            self.shm.reslot(choice.chunk_bytes)
+        log.info("chunk size %g MiB: %s", choice.chunk_bytes / 2**20, choice.why)
 
     async def _admit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
         request = codec.decode_join_request(raw)

@@ -40,9 +40,11 @@ def accepted(
     membership: Membership,
     config: CoordinatorConfig,
     session_id: int,
+    chunk_bytes: int,
     offers: dict[str, Any],
 ) -> bytes:
-    """The encoded JoinAccepted for `member`; `offers` are the transports' fields."""
+    """The encoded JoinAccepted for `member`: `chunk_bytes` is the job's chunk size (chosen as
+    its world completed, or --chunk-mib), `offers` are the transports' fields."""
     return codec.encode_join_accepted(
         JoinAccepted(
             worker_id=member.worker_id,
@@ -50,7 +52,7 @@ def accepted(
             session_id=session_id,
             member_token=member.token,
             protocol_version=codec.PROTOCOL_VERSION,
-            chunk_bytes=config.chunk_bytes,
+            chunk_bytes=chunk_bytes,
             max_message_bytes=config.max_message_bytes,
             max_tensor_elements=config.max_tensor_elements,
             heartbeat_interval_s=config.heartbeat_interval,

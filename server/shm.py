@@ -116,8 +116,11 @@ class ShmHub:
     ) -> None:
         self._parent = directory or None
         self._metrics = metrics
+        # Sized for the largest chunk this coordinator's jobs can have, before any worker joins;
+        # `reslot` cuts them to the job's own chunk size once its world is complete.
         self._slots = shm.SlotArena(arena_bytes, slot_bytes)
         self._arena_bytes = self._slots.count * slot_bytes
+        self._wanted_slot_bytes = slot_bytes
         self._timeout = handshake_timeout
         self._authenticate = authenticate
         self.nonce = secrets.token_bytes(shm.NONCE_BYTES)
@@ -178,6 +181,27 @@ class ShmHub:
     def registered(self, worker_id: int) -> bool:
         return worker_id in self._peers
 
+    @property
+    def slot_bytes(self) -> int:
+        return self._slots.slot_bytes
+
+    def reslot(self, slot_bytes: int) -> None:
+        """Cuts the output arena into slots of `slot_bytes` (the job's chunk size: smaller chunks
+        get more slots of the same arena). Done at once when no slot is in use, which is the case
+        when a job's world completes (no worker of it has registered yet); else as soon as every
+        slot is free again. Until then the slots keep their size: an average larger than a slot
+        goes inline, a smaller one fits."""
+        self._wanted_slot_bytes = min(slot_bytes, self._arena_bytes)
+        self._reslot_when_idle()
+
+    def _reslot_when_idle(self) -> None:
+        wanted = self._wanted_slot_bytes
+        slots = self._slots
+        if wanted == slots.slot_bytes or slots.free_slots != slots.count or self._holders or self._reserved:
+            return
+        self._slots = shm.SlotArena(self._arena_bytes, wanted)
+        log.debug("output arena: %d slots of %d bytes", self._slots.count, wanted)
+
     # --- data path ------------------------------------------------------------------------------
 
     def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn:
@@ -209,7 +233,10 @@ class ShmHub:
         """A writable view of a free output slot for the averager to write an average into, so
         that `publish` names it without copying; None when no worker uses shared memory, the
         average is larger than a slot or no slot is free (the averager allocates then)."""
-        if not self._peers or self._out is None or nbytes > self._slots.slot_bytes:
+        if not self._peers or self._out is None:
+            return None
+        self._reslot_when_idle()
+        if nbytes > self._slots.slot_bytes:
             return None
         offset = self._slots.take()
         if offset is None:
@@ -246,6 +273,7 @@ class ShmHub:
             offset = reserved[1]
             self._metrics.shm_averaged_in_place_bytes.inc(len(data))
         else:
+            self._reslot_when_idle()
             free = self._slots.take() if len(data) <= self._slots.slot_bytes else None
             if free is None:
                 self._metrics.shm_inline_fallbacks.inc()

@@ -13,6 +13,7 @@ not by the model.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -104,6 +105,8 @@ class Streams:
     ) -> None:
         self._config = config
         self._metrics = metrics
+        # Until the job's chunk size is chosen (`chunk_elements`), the largest it can be; no stream
+        # is read before then.
         self._limits = codec.WireLimits(
             chunk_elements=config.chunk_bytes // 4, max_tensor_elements=config.max_tensor_elements
         )
@@ -114,6 +117,15 @@ class Streams:
         self._ended = ended
         self.by_worker: dict[int, WorkerStream] = {}
         self.progress = asyncio.Event()  # set whenever a stream closes (and by the coordinator)
+
+    @property
+    def chunk_elements(self) -> int:
+        """The job's chunk size, elements: where every chunk read must be cut."""
+        return self._limits.chunk_elements
+
+    @chunk_elements.setter
+    def chunk_elements(self, value: int) -> None:
+        self._limits = dataclasses.replace(self._limits, chunk_elements=value)
 
     def __iter__(self) -> Iterator[WorkerStream]:
         return iter(list(self.by_worker.values()))

@@ -122,9 +122,10 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("GRADSERVER_")}
 
 
-def test_local_coordinators_use_larger_chunks_unless_told_otherwise(monkeypatch, tmp_path) -> None:
+def test_local_coordinators_choose_their_chunk_size_unless_told_otherwise(monkeypatch, tmp_path) -> None:
     """launch, run and the torch backend start their coordinator through coordinator_command:
-    8 MiB chunks by default (all its workers are local), never over the user's own choice."""
+    no --chunk-mib of its own (the coordinator picks 8 MiB for workers that join over loopback),
+    never over the user's own choice."""
     from gradserver.worker.local_coordinator import coordinator_command
 
     monkeypatch.delenv("GRADSERVER_CHUNK_MIB", raising=False)
@@ -136,8 +137,6 @@ def test_local_coordinators_use_larger_chunks_unless_told_otherwise(monkeypatch,
             a for a in argv if a.startswith("--chunk-mib=")
         ]
 
-    assert chunk_flags() == ["8"]
+    assert chunk_flags() == []
     assert chunk_flags("--chunk-mib", "0.5") == ["0.5"]
     assert chunk_flags("--chunk-mib=2") == ["--chunk-mib=2"]
-    monkeypatch.setenv("GRADSERVER_CHUNK_MIB", "1")
-    assert chunk_flags() == []

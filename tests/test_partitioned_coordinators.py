@@ -311,6 +311,29 @@ def test_partitions_started_with_different_chunk_sizes_are_refused_naming_the_pa
     assert "--chunk-mib" in info.value.message
 
 
+def test_partitions_without_chunk_mib_all_use_half_mib_chunks_with_the_same_averages(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
+) -> None:
+    """--chunk-mib 0 (the default) on partitioned coordinators: 0.5 MiB on every partition before
+    anyone joins (none sees the others' members, and chunk ownership depends on the size), even
+    for workers on one host; the averages are the bytes one coordinator with any chunk size gives."""
+    partitions = partitioned(2, world_size=2, chunk_mib=0.0)
+    made = _connect(partitions.address, 2, clients)
+    assert [c.chunk_bytes for c in made] == [1 << 19] * 2
+    assert {s.call(lambda g: g.chunk_bytes) for s in partitions.servers} == {1 << 19}
+    size = 3 * (1 << 17) + 1001  # 4 chunks, spread over both partitions
+
+    def work(c: WorkerClient) -> bytes:
+        c.send_non_block_gradient(0, "LM_HEAD", _gradients(c.worker_id, 0, size, 40))
+        return c.receive_averaged_non_block().gradients.tobytes()
+
+    got = run_each(made, work)
+    want = ((_gradients(0, 0, size, 40).astype(np.float64) + _gradients(1, 0, size, 40)) / 2).astype(
+        np.float32
+    )
+    assert got == [want.tobytes()] * 2
+
+
 def test_a_join_refused_by_another_partition_names_that_partition(
     partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:

@@ -17,8 +17,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import socket
+import sys
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -74,7 +77,17 @@ __all__ = ["TRANSPORTS", "WorkerClient"]
 
 class WorkerClient:
     """A joined worker with an open link to its coordinator(s). Create it with
-    `WorkerClient.connect`."""
+    `WorkerClient.connect`.
+
+    Results: a key sent with `into=` is averaged into that buffer. Without it, the result is a
+    numpy array the client owns, and to spare a fresh allocation (and its page faults) per key
+    and step, the client reuses the array it returned for the same key slot (kind and index: a
+    block, a non-block component, the whole model, a collective's group) at an earlier step,
+    when it has the same size and nothing but the client holds it: no reference to the array
+    itself, to a view of it (a slice, `reshape`, a component of `AveragedBlock.components()`),
+    a memoryview, a `torch.from_numpy` tensor or a weak reference. A result you keep is
+    therefore never overwritten; one you dropped may be (only a raw pointer taken from it, such
+    as `array.ctypes.data`, is not seen). At most one array per key slot is kept."""
 
     def __init__(self, link: Link, encoder: WireEncoder, timeouts: Timeouts, address: str) -> None:
         self._link = link
@@ -85,6 +98,10 @@ class WorkerClient:
         self._sent: dict[KeyKind, collections.deque[TensorKey]] = {
             kind: collections.deque() for kind in KeyKind
         }
+        # The result arrays of keys sent without `into`: at most one per key slot (kind, index),
+        # handed out again for the same slot's next key when nobody else holds it (`_result_for`).
+        self._pool: dict[tuple[KeyKind, int], np.ndarray] = {}
+        self._pool_lock = threading.Lock()
         self._closed = False
 
     @classmethod
@@ -291,7 +308,9 @@ class WorkerClient:
         self._send_tensor(key, flat, sizes, stats, into=into)
 
     def receive(self, kind: KeyKind, timeout: float | None = None) -> AveragedTensor:
-        """The result of the oldest key of `kind` this worker sent and has not received yet."""
+        """The result of the oldest key of `kind` this worker sent and has not received yet: the
+        `into` buffer it was sent with, else an array of the client's that it reuses for the same
+        key slot only after every reference to it is gone (see the class docstring)."""
         key, result = self._receive(kind, timeout)
         return AveragedTensor(
             key=key,
@@ -341,7 +360,10 @@ class WorkerClient:
         may be `gradients` itself, for an in-place allreduce as gloo does) the average is written
         there chunk by chunk as it arrives, and the receive returns that array: no result array
         is allocated. Leave it alone until the receive returns; after a failed step its contents
-        are unspecified. The other `send_*` methods take `into` too."""
+        are unspecified. The other `send_*` methods take `into` too. Without `into`, the receive
+        returns an array of the client's, reused for this block at a later step only once
+        nothing holds it any more (see the class docstring): keep it, or a view of it, and it
+        stays as it is."""
         self._check_step(step)
         if not 0 <= block_idx < num_blocks:
             raise InvalidArgumentError(
@@ -449,6 +471,8 @@ class WorkerClient:
             return
         self._closed = True
         self._link.close()
+        with self._pool_lock:
+            self._pool.clear()
 
     def __enter__(self) -> WorkerClient:
         return self
@@ -476,7 +500,10 @@ class WorkerClient:
         self._check_size(key, int(array.size), "elements")
         total = self._result_length(key, int(array.size))
         assert total is not None  # only ALL_TO_ALL has no length before its result, and it moves bytes
-        result = None if into is None else as_result_buffer(into, total, what=str(key))
+        if into is None:
+            result = self._result_for(key, total, np.float32)
+        else:
+            result = as_result_buffer(into, total, what=str(key))
         self._link.raise_if_broken()
         payload = self._encoder.encode(key, array)
         header = ChunkHeader(self._encoder.dtype, int(array.size), sizes)
@@ -490,13 +517,32 @@ class WorkerClient:
         nbytes = int(data.size)
         self._check_size(key, nbytes, "bytes")
         total = self._result_length(key, nbytes)
-        result = None if into is None else as_byte_buffer(into, total, what=str(key))
+        if into is not None:
+            result: np.ndarray | None = as_byte_buffer(into, total, what=str(key))
+        else:
+            # An ALL_TO_ALL's length comes with its result: the link allocates it then.
+            result = None if total is None else self._result_for(key, total, np.uint8)
         self._link.raise_if_broken()
         header = ChunkHeader(DType.BYTES, nbytes, ())
         self._link.expect(key, (), total, DType.BYTES, array=result)
         if key.collective_kind is CollectiveKind.BROADCAST and key.root != self.worker_id:
             data = data[:0]
         self._send_chunks(key, header, data, None)
+
+    def _result_for(self, key: TensorKey, length: int, dtype: type[np.generic]) -> np.ndarray:
+        """The array `key`'s result is assembled in when the caller gave no `into`: the one its
+        key slot's earlier result was returned in, when it has this size and dtype and the pool
+        holds the only reference to it (see the class docstring), else a new one that takes its
+        place in the pool."""
+        slot = key.slot
+        with self._pool_lock:
+            if _held_by_pool_only(self._pool, slot):
+                array = self._pool[slot]
+                if array.size == length and array.dtype == dtype:
+                    return array
+            array = np.empty(length, dtype=dtype)
+            self._pool[slot] = array
+            return array
 
     def _run_in_lane(
         self, lane: LaneClient, key: TensorKey, array: Any, into: Any, timeout: float | None
@@ -626,6 +672,29 @@ class WorkerClient:
         for stale in [k for k in sent if k.step == key.step]:
             sent.remove(stale)
             self._link.forget(stale)
+
+
+def _references(pool: dict[tuple[KeyKind, int], np.ndarray], slot: tuple[KeyKind, int]) -> int:
+    """How many references the array pooled for `slot` has, counting this function's own two
+    (its local name and the argument of getrefcount)."""
+    array = pool.get(slot)
+    return sys.getrefcount(array)
+
+
+# What `_references` counts for an array that only the pool holds, measured the same way, so the
+# check follows the interpreter's own counting.
+_POOL_ONLY = _references({(KeyKind.BLOCK, 0): np.empty(1, np.float32)}, (KeyKind.BLOCK, 0))
+
+
+def _held_by_pool_only(pool: dict[tuple[KeyKind, int], np.ndarray], slot: tuple[KeyKind, int]) -> bool:
+    """Whether the array pooled for `slot` is referenced by nothing but the pool: no caller, no
+    view (a view holds its base), no buffer export (memoryview, torch.from_numpy), no weak
+    reference (it could be turned back into a reference), no link still filling it."""
+    array = pool.get(slot)
+    if array is None or weakref.getweakrefcount(array):
+        return False
+    del array
+    return _references(pool, slot) == _POOL_ONLY
 
 
 def _bytes_view(array: np.ndarray) -> np.ndarray:

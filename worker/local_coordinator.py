@@ -33,19 +33,14 @@ _POLL_S = 0.05
 # How long a failed child's verdict waits for the coordinator's (a survivor can exit a moment
 # before the coordinator's line is read).
 _VERDICT_WAIT_S = 1.0
-# Every worker of a coordinator started here is on this machine (it binds 127.0.0.1), where larger
-# chunks halve the per-message cost of the shared-memory path: a 360 MiB exchange at N=2 took
-# 0.16-0.17 s with 4 MiB chunks and 0.14 s with 8 (docs/PERFORMANCE.md); gRPC is unchanged.
-LOCAL_CHUNK_MIB = "8"
 
 
 def coordinator_command(world_size: int, port_file: Path, *options: str, port: int = 0) -> list[str]:
     """The argv of a coordinator for `world_size` workers on 127.0.0.1:`port` that reports its
-    port in `port_file`; `options` are further `gradserver coordinator` flags. The chunk size is
-    LOCAL_CHUNK_MIB unless `options` or GRADSERVER_CHUNK_MIB set it."""
-    chosen = environment_value("chunk_mib") != "" or any(
-        o == "--chunk-mib" or o.startswith("--chunk-mib=") for o in options
-    )
+    port in `port_file`; `options` are further `gradserver coordinator` flags. It chooses its
+    chunk size itself (8 MiB when every worker joins over loopback, as they do here; 0.5 MiB
+    when one joins from another host, as a torch backend group's ranks on several machines do)
+    unless `options` or GRADSERVER_CHUNK_MIB set it."""
     return [
         sys.executable,
         "-m",
@@ -57,7 +52,6 @@ def coordinator_command(world_size: int, port_file: Path, *options: str, port: i
         str(world_size),
         "--port-file",
         str(port_file),
-        *(() if chosen else ("--chunk-mib", LOCAL_CHUNK_MIB)),
         *options,
     ]
 
