@@ -50,6 +50,7 @@ class NonFiniteContribution(Exception):
 
 
 _BLOCK = 65536
+_SMALL = 4096  # elements: below this, one pass without the block loop (`_sum_small`)
 
 
 class OutputBuffers(Protocol):
@@ -138,6 +139,11 @@ class Averager:
             return contributions[0]
         size = arrays[0].size
         result = np.empty(size, dtype=_F32) if out is None else np.frombuffer(out, dtype=_F32)
+        if size <= _SMALL:
+            finite = _sum_small(arrays, result, divide)
+            if not finite and finite_only:
+                raise _locate_non_finite(arrays, overflow_possible=not divide)
+            return result.data if out is None else out
         parts = min(self._threads, size // (2 * _BLOCK))
         if parts > 1:
             bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
@@ -246,6 +252,26 @@ class Averager:
                 raise NonFiniteContribution(*bad)
             raise SumOverflow(int(np.flatnonzero(~finite)[0]), dtype=dtype)
         return out.data
+
+
+def _sum_small(arrays: list[np.ndarray], out: np.ndarray, divide: bool) -> bool:
+    """`Averager._sum_range` for a chunk of at most one block (a small collective), without its
+    per-block bookkeeping: the same operations in the same order, so the same bytes (checked by
+    tests/test_averaging.py against the float64 path); False if the result is not finite."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        if len(arrays) == 2:
+            np.add(arrays[0], arrays[1], out=out)
+            if divide:
+                np.multiply(out, np.float32(0.5), out=out)
+            if np.isfinite(out).all():
+                return True
+        acc = arrays[0].astype(np.float64)
+        for array in arrays[1:]:
+            np.add(acc, array.astype(np.float64), out=acc)
+        if divide:
+            np.divide(acc, len(arrays), out=acc)
+        np.copyto(out, acc, casting="same_kind")
+        return bool(np.isfinite(out).all())
 
 
 class SumOverflow(Exception):

@@ -95,3 +95,23 @@ def test_two_contributions_give_the_float64_paths_bytes(divide: bool) -> None:
     for threads in (1, 3):
         got = np.frombuffer(Averager(threads).average([a.tobytes(), b.tobytes()], divide=divide), "<f4")
         assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5])
+@pytest.mark.parametrize("divide", [True, False])
+def test_a_small_chunk_gives_the_bytes_of_the_same_elements_in_a_large_one(workers: int, divide: bool) -> None:
+    """Chunks of up to 4096 elements (small collectives) take a one-pass path; its bytes must be
+    those the block path gives the same elements, overflowing sums and subnormals included."""
+    rng = np.random.default_rng(11 + workers)
+    size = 2 * 65536 + 17
+    inputs = [_finite_float32_bits(rng, size) for _ in range(workers)]
+    averager = Averager()
+    with np.errstate(over="ignore", invalid="ignore"):
+        large = np.frombuffer(
+            averager.average([x.tobytes() for x in inputs], divide=divide, finite_only=False), "<f4"
+        )
+        for start, length in ((0, 1), (5, 4096), (70000, 333)):
+            small = averager.average(
+                [x[start : start + length].tobytes() for x in inputs], divide=divide, finite_only=False
+            )
+            assert bytes(small) == large[start : start + length].tobytes()
