@@ -58,7 +58,13 @@ _W_FAILED_KNOWN = 12  # 1 when the failure names the newest lane operation (a u6
 _FAILED_OPERATION_OFFSET = 56
 # A worker's control block: `posted` in one cache line, `taken` and `abandoned` in the next
 # (written by the same worker, read by everyone), then its two descriptors.
-_POSTED, _TAKEN, _ABANDONED = 0, 16, 17
+# A worker's words: posted, taken, abandoned; its bell (the last coordinator round it rang for,
+# the coordinator's futex word) and the coordinator rounds it rang for by parity (two may await
+# the coordinator at once: a worker posts round g + 2 only after round g is done).
+_POSTED, _TAKEN, _ABANDONED, _BELL, _RUNG = 0, 16, 17, 18, 19
+# Cumulative u64 counters a worker keeps of its peer rounds (the coordinator does not see them):
+# rounds, bytes posted, bytes read.
+_PEER_COUNTERS = 96  # bytes; after the words above (the last, _RUNG + 1, ends at byte 84)
 _DESCRIPTORS = 128
 
 # See Descriptor: lane operation, its number (the key's step), total, offset, length, part, group,
@@ -311,8 +317,12 @@ class LaneMemory:
         self._posted = [c + _POSTED for c in controls]
         self._taken = [c + _TAKEN for c in controls]
         self._abandoned = [c + _ABANDONED for c in controls]
+        self._bell = [c + _BELL for c in controls]
+        self._rung = [c + _RUNG for c in controls]
         self._posted_at = [self._address(i) for i in self._posted]
         self._taken_at = [self._address(i) for i in self._taken]
+        self._bell_at = [self._address(i) for i in self._bell]
+        self._counters = [layout.control(w) + _PEER_COUNTERS for w in range(layout.world)]
         self._done_at = self._address(_W_DONE)
         self._descriptors = [(layout.descriptor(w, 0), layout.descriptor(w, 1)) for w in range(layout.world)]
         self._inputs = [(layout.input_slot(w, 0), layout.input_slot(w, 1)) for w in range(layout.world)]
@@ -381,6 +391,36 @@ class LaneMemory:
     def abandoned(self, worker: int) -> int:
         return int(self.words[self._abandoned[worker]])
 
+    def bell(self, worker: int) -> int:
+        """The last coordinator round `worker` rang for (the word the coordinator sleeps on)."""
+        return int(self.words[self._bell[worker]])
+
+    def rung(self, worker: int, parity: int) -> int:
+        """The coordinator round of that parity `worker` last rang for (0: none)."""
+        return int(self.words[self._rung[worker] + parity])
+
+    def bell_address(self, worker: int) -> int:
+        return self._bell_at[worker]
+
+    def ring(self, worker: int, round_: int) -> None:
+        """Tells the coordinator that `worker` posted coordinator round `round_` (its lane thread
+        sleeps on the bells; peer rounds never wake it)."""
+        self.words[self._rung[worker] + (round_ & 1)] = round_
+        self.words[self._bell[worker]] = round_
+        futex_wake(self._bell_at[worker])
+
+    def peer_counters(self, worker: int) -> tuple[int, int, int]:
+        """(rounds, bytes posted, bytes read) of `worker`'s peer rounds so far."""
+        rounds, posted, read = struct.unpack_from("<3Q", self.buffer, self._counters[worker])
+        return int(rounds), int(posted), int(read)
+
+    def count_peer_round(self, worker: int, posted: int, read: int) -> None:
+        """Adds one peer round of `worker` to its counters (written by that worker only)."""
+        rounds, total_posted, total_read = self.peer_counters(worker)
+        struct.pack_into(
+            "<3Q", self.buffer, self._counters[worker], rounds + 1, total_posted + posted, total_read + read
+        )
+
     def state_address(self) -> int:
         return self._address(_W_STATE)
 
@@ -406,7 +446,7 @@ class LaneMemory:
         coordinator fails it for everyone, naming this worker. (It may be asleep on any worker's
         `posted` word: all are woken.)"""
         self.words[self._abandoned[worker]] = round_
-        for address in self._posted_at:
+        for address in (*self._posted_at, *self._bell_at):
             futex_wake(address)
 
     # --- the coordinator's words ---
@@ -428,8 +468,16 @@ class LaneMemory:
         self.words[_W_MESSAGE_LEN] = 0
         self.words[_W_FAILED_KNOWN] = 0
         for worker in range(self.layout.world):
-            for index in (self._posted[worker], self._taken[worker], self._abandoned[worker]):
+            for index in (
+                self._posted[worker],
+                self._taken[worker],
+                self._abandoned[worker],
+                self._bell[worker],
+                self._rung[worker],
+                self._rung[worker] + 1,
+            ):
                 self.words[index] = 0
+            struct.pack_into("<3Q", self.buffer, self._counters[worker], 0, 0, 0)
         self.words[_W_GENERATION] = generation
         self.set_state(LaneState.FORMING)
 
@@ -493,6 +541,7 @@ class LaneMemory:
         for worker in range(self.layout.world):
             futex_wake(self.posted_address(worker))
             futex_wake(self.taken_address(worker))
+            futex_wake(self.bell_address(worker))
 
     # --- descriptors and slots ---
 

@@ -236,7 +236,9 @@ class GradientServer:
 
     def traffic(self, worker_id: int) -> Traffic:
         """Payload bytes read from and written to `worker_id` so far (inline and shared memory
-        together, headers not counted)."""
+        together, the collective lane's included; headers not counted)."""
+        if self.shm is not None and self.shm.lane is not None:
+            self.shm.lane.sync_counters()  # what the workers counted of their peer rounds
         return self.metrics.traffic(worker_id)
 
     def pending_steps(self) -> set[int]:

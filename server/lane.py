@@ -75,7 +75,9 @@ class Lane:
         self._registration: dict[int, int] = {}  # worker -> its registration's number
         self._registrations = 0
         self._generation = 1
-        self._round = 1
+        self._served = 0  # the last coordinator round served
+        self._counted: dict[int, tuple[int, int, int]] = {}  # peer counters already reported
+        self._waiting_since: tuple[int, float] | None = None
         self._planner = RoundPlanner(self.memory)
         self._spin = shared.spin_for(world)
         self._stop = threading.Event()
@@ -175,7 +177,9 @@ class Lane:
         with self._lock:
             self._registered.clear()
             self._generation += 1
-            self._round = 1
+            self._served = 0
+            self._counted.clear()
+            self._waiting_since = None
             self.memory.reset(self._generation)
 
     def stopping(self, reason: str) -> None:
@@ -207,9 +211,14 @@ class Lane:
         while not self._stop.is_set():
             if self.memory.state is not LaneState.OPEN:
                 shared.futex_wait(self.memory.state_address(), int(self.memory.state), _IDLE_SLICE_S)
+                self.sync_counters()
                 continue
             try:
-                self._serve_round(self._round)
+                g = self._next_bell()
+                if g is None:
+                    self.sync_counters()
+                    continue
+                self._serve_round(g)
             except _Stopped:
                 continue
             except Exception as exc:
@@ -221,16 +230,32 @@ class Lane:
                     f"the coordinator's collective lane failed: {exc!r}",
                 )
 
+    def _next_bell(self) -> int | None:
+        """The next coordinator round a worker rang for, or None after an idle slice (in which a
+        worker that gave up, or a peer round past the step timeout, fails the lane)."""
+        memory, world = self.memory, self.layout.world
+        bell = memory.bell(0)  # read first: a ring after it wakes the wait below at once
+        after = shared.next_round(self._served)
+        rung = [memory.rung(w, parity) for w in range(world) for parity in (0, 1)]
+        pending = [r for r in rung if r and shared.reached(r, after)]
+        if pending:
+            return min(pending, key=lambda r: (r - after) & 0xFFFFFFFF)  # rounds are served in order
+        self._fail_if_given_up()
+        self._check_peer_timeout()
+        shared.futex_wait(memory.bell_address(0), bell, _IDLE_SLICE_S)
+        return None
+
     def _serve_round(self, g: int) -> None:
+        """One coordinator round: every worker's descriptor checked, the round reduced into its
+        output slot, counted, `done`."""
         memory, world = self.memory, self.layout.world
         generation = memory.generation
-        self._wait_posted(g, generation)
+        self._wait_bells(g, generation)
         plan = self._planner.plan(g)
         if isinstance(plan, RoundProblem):
-            self._fail(plan.status, plan.culprit, plan.culprit_status, plan.message, self._in_flight(g))
+            self._fail(plan.status, plan.culprit, plan.culprit_status, plan.message, self._in_flight())
             return
-        # A peer round is the workers' to read and reduce: checked and counted here, no more.
-        if not plan.peer and plan.reduce_bytes and not self._reduce(g, plan):
+        if plan.reduce_bytes and not self._reduce(g, plan):
             return
         with self._lock:
             if memory.state is not LaneState.OPEN or memory.generation != generation:
@@ -243,58 +268,92 @@ class Lane:
             metrics.received_bytes.inc(sum(plan.received))
             metrics.sent_bytes.inc(sum(plan.sent))
             metrics.lane_rounds.inc()
-            # A peer round's readers do not wait for this, but its slots are reused only after it.
             memory.set_done(g)
-            self._round = shared.next_round(g)
+            self._served = g
 
-    def _wait_posted(self, g: int, generation: int) -> None:
-        """Returns once every worker posted round `g`; fails the lane past the step timeout (from
-        the first post) or when a worker gave up; `_Stopped` when stopping or no longer OPEN."""
+    def _wait_bells(self, g: int, generation: int) -> None:
+        """Returns once every worker rang for coordinator round `g`; fails the lane past the step
+        timeout (from the first ring) or when a worker gave up; `_Stopped` when stopping or no
+        longer OPEN."""
         memory, world = self.memory, self.layout.world
-        first_post: float | None = None
+        first_ring = self._clock()
         for w in range(world):
-            while not shared.reached(memory.posted(w), g):
+            while True:
+                bell = memory.bell(w)  # read first: a ring after it wakes the wait below at once
+                if memory.rung(w, g & 1) == g:
+                    break
                 if (
                     self._stop.is_set()
                     or memory.state is not LaneState.OPEN
                     or memory.generation != generation
                 ):
                     raise _Stopped
-                self._fail_if_given_up(g)
-                now = self._clock()
-                if first_post is None and any(shared.reached(memory.posted(v), g) for v in range(world)):
-                    first_post = now
-                if first_post is not None and now - first_post > self._step_timeout:
-                    missing = ", ".join(
-                        str(v) for v in range(world) if not shared.reached(memory.posted(v), g)
-                    )
-                    key = self._in_flight(g)
-                    what = str(key) if key is not None else f"collective lane round {g}"
-                    message = (
-                        f"{what} timed out after {self._step_timeout:g} s waiting for worker(s) {missing}"
-                    )
-                    self._fail(Status.ABORTED, None, Status.ABORTED, message, key)
+                self._fail_if_given_up()
+                if self._clock() - first_ring > self._step_timeout:
+                    missing = [v for v in range(world) if memory.rung(v, g & 1) != g]
+                    self._fail_timed_out(missing)
                     raise _Stopped
-                if first_post is not None and self._spin and self._spun(w, g):
+                if self._spin and self._spun(w, g):
                     continue
-                slice_s = _BUSY_SLICE_S if first_post is not None else _IDLE_SLICE_S
-                shared.futex_wait(memory.posted_address(w), memory.posted(w), slice_s)
-        # A worker that gave up after posting would never read this round nor post the next.
-        self._fail_if_given_up(g)
+                shared.futex_wait(memory.bell_address(w), bell, _BUSY_SLICE_S)
+        # A worker that gave up after ringing would never read this round nor post the next.
+        self._fail_if_given_up()
+
+    def _check_peer_timeout(self) -> None:
+        """Fails the lane when a round some worker posted has waited for the others' posts longer
+        than the step timeout (peer rounds never wake this thread: looked at on idle slices)."""
+        memory, world = self.memory, self.layout.world
+        posted = [memory.posted(w) for w in range(world)]
+        newest = max(posted, key=lambda p: (p - self._served) & 0xFFFFFFFF)
+        if all(p == newest for p in posted):
+            self._waiting_since = None
+            return
+        now = self._clock()
+        if self._waiting_since is None or self._waiting_since[0] != newest:
+            self._waiting_since = (newest, now)
+        elif now - self._waiting_since[1] > self._step_timeout:
+            self._fail_timed_out([w for w in range(world) if posted[w] != newest])
+            raise _Stopped
+
+    def _fail_timed_out(self, missing: list[int]) -> None:
+        key = self._in_flight()
+        what = str(key) if key is not None else "a collective"
+        names = ", ".join(map(str, missing))
+        message = f"{what} timed out after {self._step_timeout:g} s waiting for worker(s) {names}"
+        self._fail(Status.ABORTED, None, Status.ABORTED, message, key)
+
+    def sync_counters(self) -> None:
+        """Adds what the workers counted of their peer rounds since the last call to the
+        coordinator's counters (the lane thread does every half second; `traffic` first)."""
+        memory, metrics = self.memory, self._metrics
+        with self._lock:
+            for w in range(self.layout.world):
+                counted = memory.peer_counters(w)
+                seen = self._counted.get(w, (0, 0, 0))
+                rounds, posted, read = (max(0, c - s) for c, s in zip(counted, seen, strict=True))
+                self._counted[w] = counted
+                if posted:
+                    metrics.payload_received(w, posted)
+                    metrics.received_bytes.inc(posted)
+                if read:
+                    metrics.payload_sent((w,), read)
+                    metrics.sent_bytes.inc(read)
+                if w == 0 and rounds:
+                    metrics.lane_rounds.inc(rounds)
 
     def _spun(self, w: int, g: int) -> bool:
-        """Whether worker `w` posted round `g` within a few quick looks (cores to spare only)."""
-        posted = self.memory.posted
-        return any(shared.reached(posted(w), g) for _ in range(self._spin))
+        """Whether worker `w` rang for round `g` within a few quick looks (cores to spare only)."""
+        rung = self.memory.rung
+        return any(rung(w, g & 1) == g for _ in range(self._spin))
 
-    def _fail_if_given_up(self, g: int) -> None:
+    def _fail_if_given_up(self) -> None:
         """Fails the lane (and raises `_Stopped`) when a worker marked itself as having given up
         on the operation in flight (its own deadline, or an error on its side)."""
         memory = self.memory
         quitter = next((v for v in range(self.layout.world) if memory.abandoned(v)), None)
         if quitter is None:
             return
-        key = self._in_flight(g)
+        key = self._in_flight()
         what = str(key) if key is not None else "a collective"
         message = f"{what} aborted: worker {quitter} gave up on it (its own deadline or error)"
         self._fail(Status.ABORTED, quitter, Status.DEADLINE_EXCEEDED, message, key)
@@ -308,7 +367,7 @@ class Lane:
         )
         if problem is not None:
             self._fail(
-                problem.status, problem.culprit, problem.culprit_status, problem.message, self._in_flight(g)
+                problem.status, problem.culprit, problem.culprit_status, problem.message, self._in_flight()
             )
             return False
         return True
@@ -349,13 +408,14 @@ class Lane:
         self._metrics.errors.labels(status.name).inc()
         log.warning("collective lane failed: %s", message)
 
-    def _in_flight(self, g: int | None = None) -> TensorKey | None:
-        """The operation of the round being served (or of round `g`), from a worker's descriptor;
-        None when no worker has posted it."""
-        memory = self.memory
-        g = self._round if g is None else g
+    def _in_flight(self) -> TensorKey | None:
+        """The newest operation any worker has posted a round of (what a failure interrupts), from
+        its descriptor; None when no worker has posted anything."""
+        memory, newest, key = self.memory, None, None
         for w in range(self.layout.world):
-            if shared.reached(memory.posted(w), g):
+            posted = memory.posted(w)
+            if posted and (newest is None or (posted - newest) & 0xFFFFFFFF < 0x80000000):
                 with contextlib.suppress(ValueError):
-                    return key_of(memory.read_descriptor(w, g))
-        return None
+                    key = key_of(memory.read_descriptor(w, posted))
+                    newest = posted
+        return key

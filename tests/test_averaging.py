@@ -99,7 +99,9 @@ def test_two_contributions_give_the_float64_paths_bytes(divide: bool) -> None:
 
 @pytest.mark.parametrize("workers", [2, 3, 5])
 @pytest.mark.parametrize("divide", [True, False])
-def test_a_small_chunk_gives_the_bytes_of_the_same_elements_in_a_large_one(workers: int, divide: bool) -> None:
+def test_a_small_chunk_gives_the_bytes_of_the_same_elements_in_a_large_one(
+    workers: int, divide: bool
+) -> None:
     """Chunks of up to 4096 elements (small collectives) take a one-pass path; its bytes must be
     those the block path gives the same elements, overflowing sums and subnormals included."""
     rng = np.random.default_rng(11 + workers)

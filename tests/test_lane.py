@@ -5,6 +5,7 @@ operation can fail in it, each failure named as the gRPC path names it and never
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -229,6 +230,7 @@ def test_every_kind_gives_the_grpc_paths_bytes_at_every_size(
         clients = _join(server.address, ["shm"] * 3)
         try:
             results[no_lane] = _each(clients, _workload(kind, SIZES))
+            server.call(lambda s: s.traffic(0))  # takes in what workers counted of peer rounds
             rounds = server.call(lambda s: metric(s, "gradserver_lane_rounds_total"))
             assert (rounds > 0) is (not no_lane)
         finally:
@@ -480,3 +482,33 @@ def test_an_all_to_all_result_buffer_of_the_wrong_size_fails_naming_the_sizes(
     finally:
         for c in clients:
             c.close()
+
+
+def test_every_word_and_counter_of_a_control_block_is_its_own() -> None:
+    """Each value a worker publishes lives apart from the others (a counter once overlapped a
+    bell, and the coordinator served a round nobody had rung for)."""
+    from gradserver.common import shm
+
+    layout = shared.LaneLayout(3, SLOT)
+    fd, mapping = shm.create_arena(layout.size, "lane-test")
+    try:
+        memory = shared.LaneMemory.create(mapping, layout)
+        for w in range(3):
+            memory.set_posted(w, 11 + w)
+            memory.set_taken(w, 21 + w)
+            memory.ring(w, 42 + 2 * w)  # an even round
+            memory.ring(w, 43 + 2 * w)  # an odd one
+            memory.count_peer_round(w, 1000 + w, 2000 + w)
+            memory.set_abandoned(w, 51 + w)
+            memory.write_descriptor(w, 1, _descriptor(total=64, index=7, sequence=9))
+        for w in range(3):
+            assert memory.posted(w) == 11 + w and memory.taken(w) == 21 + w
+            assert memory.rung(w, 0) == 42 + 2 * w and memory.rung(w, 1) == 43 + 2 * w
+            assert memory.bell(w) == 43 + 2 * w
+            assert memory.peer_counters(w) == (1, 1000 + w, 2000 + w)
+            assert memory.abandoned(w) == 51 + w
+            assert memory.read_descriptor(w, 1).index == 7 and memory.read_descriptor(w, 1).sequence == 9
+        memory.close()
+    finally:
+        os.close(fd)
+        mapping.close()

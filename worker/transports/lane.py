@@ -113,19 +113,18 @@ class LaneClient:
         memory, w = self.memory, self.worker_id
         g = self._next
         if self._posted >= 2:
-            # Round g reuses round g-2's slots: every worker must have read that round, and the
-            # coordinator checked it (it reads the descriptors of a peer round while its workers
-            # go on, so it may fall behind by a round, never more).
+            # Round g reuses round g-2's slots: every worker must have read that round (of a
+            # coordinator round, only once the coordinator was done with it).
             reuse = (g - 2) & 0xFFFFFFFF or 0xFFFFFFFF
             for r in range(memory.layout.world):
                 if not shared.reached(memory.taken(r), reuse):
                     taken = functools.partial(memory.taken, r)
                     self._wait(taken, memory.taken_address(r), reuse, deadline, check, op, g)
-            if not shared.reached(memory.done, reuse):
-                self._wait(lambda: memory.done, memory.done_address(), reuse, deadline, check, op, g)
         descriptor = op.fill(part, memory.input_slot(w, g, memory.layout.slot_bytes))
         memory.write_descriptor(w, g, descriptor)
         memory.set_posted(w, g)
+        if not op.peer:
+            memory.ring(w, g)
         self._next = shared.next_round(g)
         self._posted += 1
         return g
@@ -153,10 +152,13 @@ class LaneClient:
         plan = self._planner.plan(g)
         if isinstance(plan, RoundProblem):
             raise self._error(plan, op.key)
+        me = self.worker_id
+        # The coordinator does not see peer rounds: it reports what workers count of them.
+        self.memory.count_peer_round(me, plan.received[me], plan.sent[me])
         if not plan.reduce_bytes:
             op.read(part, g)
             return
-        world, me = self.memory.layout.world, self.worker_id
+        world = self.memory.layout.world
         offset, length = shared.round_span(op.kind, op.total, world, op.slot, part)
         assert op.result is not None
         if op.kind is CollectiveKind.REDUCE:
