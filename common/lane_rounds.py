@@ -116,7 +116,7 @@ def plan_round(descriptors: Sequence[Descriptor], slot_bytes: int) -> RoundPlan 
         return problem
     kind = first.kind
     received = tuple(d.length for d in descriptors)
-    peer = peer_operation(kind, first.total)
+    peer = peer_operation(kind, first.total, world)
     if kind is CollectiveKind.REDUCE:
         return RoundPlan(
             first.length,

@@ -79,7 +79,7 @@ class Lane:
         self._counted: dict[int, tuple[int, int, int]] = {}  # peer counters already reported
         self._waiting_since: tuple[int, float] | None = None
         self._planner = RoundPlanner(self.memory)
-        self._spin = shared.spin_for(world)
+        self._spin = shared.spin_for(world + 1)
         self._stop = threading.Event()
         self.memory.reset(self._generation)
         self._thread = threading.Thread(target=self._serve, name="gradserver-lane", daemon=True)

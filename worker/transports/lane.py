@@ -50,7 +50,9 @@ class LaneClient:
         self._posted = 0
         self._operations = 0  # lane operations begun, the same count on every worker
         self._usable = True
-        self._spin = shared.spin_for(memory.layout.world)
+        # Peer rounds need only the workers running; the coordinator's rounds need it too.
+        self._spin_peer = shared.spin_for(memory.layout.world)
+        self._spin_coordinator = shared.spin_for(memory.layout.world + 1)
         self._lock = threading.Lock()
         self._planner = RoundPlanner(memory)
         self._averager = Averager(1)
@@ -142,7 +144,7 @@ class LaneClient:
             # of it, and everyone finds the same. Then whether anyone gave up for another reason:
             # its data is there, but the operation fails for everyone as the coordinator fails it.
             self._read_peer(op, part, g)
-            self._raise_if_given_up(op.key)
+            self._raise_if_given_up(op)
         else:
             self._wait(lambda: memory.done, memory.done_address(), g, deadline, check, op, g)
             op.read(part, g)
@@ -171,13 +173,15 @@ class LaneClient:
         if op.kind is CollectiveKind.REDUCE_SCATTER:
             op.result[offset : offset + length] = out[me * length : (me + 1) * length]
 
-    def _raise_if_given_up(self, key: TensorKey) -> None:
-        """A worker that gave up may have posted the round before it did: its data is then there,
-        but it will read no more; the operation fails here as the coordinator fails it."""
-        self._raise_if_failed(key)
-        memory = self.memory
+    def _raise_if_given_up(self, op: _Operation) -> None:
+        """A worker that gave up on this operation may have posted the round before it did: its
+        data is then there, but it reads no more, and the operation fails here as the coordinator
+        fails it. (Anything else that failed the lane meanwhile does not undo a round whose data
+        is all there: a worker that left after it had it, say.)"""
+        memory, key = self.memory, op.key
         for r in range(memory.layout.world):
-            if memory.abandoned(r):
+            quit_at = memory.abandoned(r)
+            if quit_at and shared.reached(op.index & 0xFFFFFFFF or 1, quit_at):
                 raise AbortedError(
                     f"{key} aborted: worker {r} gave up on it (its own deadline or error)",
                     step=key.step,
@@ -207,7 +211,8 @@ class LaneClient:
             self._raise_if_failed(op.key)
             check()
 
-        if shared.wait_word(read, address, target, deadline, raise_failure, spin=self._spin):
+        spin = self._spin_coordinator if address == self.memory.done_address() else self._spin_peer
+        if shared.wait_word(read, address, target, deadline, raise_failure, spin=spin):
             return
         missing = [r for r in range(self.memory.layout.world) if not shared.reached(self.memory.posted(r), g)]
         waiting = (
@@ -226,7 +231,7 @@ class LaneClient:
         Either way this worker sends its later collectives over gRPC."""
         self._usable = False
         if self.memory.state is LaneState.OPEN and self.memory.generation == self._generation:
-            self.memory.set_abandoned(self.worker_id, self._next)
+            self.memory.set_abandoned(self.worker_id, self._operations)
 
     def _open(self, deadline: float, check: Callable[[], None]) -> bool:
         """Whether the lane is open for this job (waiting, bounded, while it forms)."""
@@ -285,7 +290,7 @@ class _Operation:
         self.slot = memory.layout.slot_bytes
         self.total = int(data.size)
         self.rounds = shared.own_rounds(self.kind, self.total, self.world, self.slot)
-        self.peer = shared.peer_operation(self.kind, self.total)
+        self.peer = shared.peer_operation(self.kind, self.total, self.world)
         self._flags = shared.FLAG_PROPAGATE_NON_FINITE if key.propagate_non_finite else 0
         self._receive_at: list[int] = []  # ALL_TO_ALL: where each sender's piece starts in the result
         # A broadcast root whose result is its own input holds the bytes already.
