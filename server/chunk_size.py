@@ -51,5 +51,5 @@ def choose_chunk(config: CoordinatorConfig, hosts: Sequence[str]) -> ChunkChoice
     remote = sorted({h for h in hosts if not is_local_peer(h)})
     if remote:
         shown = ", ".join(remote[:3]) + (f" and {len(remote) - 3} more" if len(remote) > 3 else "")
-        return ChunkChoice(int(REMOTE_CHUNK_MIB * MIB), f"workers joined from other hosts ({shown})")
-    return ChunkChoice(int(LOCAL_CHUNK_MIB * MIB), "every worker joined over loopback (this host)")
+        return ChunkChoice(int(REMOTE_CHUNK_MIB * MIB), f"workers on other hosts ({shown})")
+    return ChunkChoice(int(LOCAL_CHUNK_MIB * MIB), "every worker reached it over loopback (this host)")

@@ -326,6 +326,8 @@ class GradientServer:
             self.metrics.workers_lost.inc()
         # Before the others are told (below), so a supervisor finds it when they exit.
         step = min(self._table.pending_steps(), default=None)
+        if step is None and self.shm is not None and self.shm.lane is not None:
+            step = self.shm.lane.operation_in_flight()
         self._apply(self._job.worker_left(worker_id, reason, lost=lost, node=member.node_id, step=step))
         self._outboxes.worker_gone(worker_id, reason, lost=lost, table=self._table)
         self._deliver(self._table.worker_lost(worker_id, reason))

@@ -5,16 +5,20 @@
 shared memory (`ShmHub`'s handshake). Its state word opens once every worker of the job has
 registered, and closes for the job as soon as one joins without it (its Exchange stream opens
 unregistered): a job's collectives then all go over gRPC, so no worker waits in the lane for one
-that never comes. While open, one thread serves the rounds in order: it sleeps on the next
-worker's `posted` word, plans the round (`lane_rounds.plan_round`: every worker issued the same
-operation, sizes as this version posts them), averages REDUCE and REDUCE_SCATTER rounds with the
-coordinator's `Averager` (the same bytes as the gRPC path) and publishes `done`.
+that never comes. While open, one thread serves the *coordinator rounds* (large reductions) in
+order: it sleeps on the workers' bells, checks the round (`lane_rounds.RoundPlanner`: every
+worker issued the same operation, sizes as this version posts them), averages it with the
+coordinator's `Averager` (the same bytes as the gRPC path) into an output slot and publishes
+`done`. *Peer rounds* (the kinds that move bytes, small reductions) never wake it: the workers
+check, read and reduce them themselves, count them in their control blocks, and this thread
+reports those counts (`sync_counters`) and, on its idle looks, fails a peer round that has
+waited past `--step-timeout`.
 
 Everything that ends a round other than success fails the lane for the job, with the status and
 message the gRPC path would give (a lost or departed worker, a disagreement, a non-finite value,
-`--step-timeout` with the workers that did not post, a worker that gave up waiting, the
-coordinator stopping); workers raise it and send later collectives over gRPC. A fresh job
-(every worker left) resets the lane.
+`--step-timeout` with the workers that did not post, a worker that gave up, the coordinator
+stopping); workers raise it and send later collectives over gRPC. A fresh job (every worker left)
+resets the lane.
 
 The event loop calls `registered`, `streaming`, `worker_gone`, `reset` and `close`; the lane
 thread touches only the arena, the averager and the counters, and takes the lock for every
@@ -408,14 +412,24 @@ class Lane:
         self._metrics.errors.labels(status.name).inc()
         log.warning("collective lane failed: %s", message)
 
+    def operation_in_flight(self) -> int | None:
+        """The number (the key's step) of the collective under way in the lane, if any: what a
+        supervisor names when it hears of a lost worker."""
+        key = self._in_flight()
+        return None if key is None else key.step
+
     def _in_flight(self) -> TensorKey | None:
-        """The newest operation any worker has posted a round of (what a failure interrupts), from
-        its descriptor; None when no worker has posted anything."""
-        memory, newest, key = self.memory, None, None
-        for w in range(self.layout.world):
+        """The newest operation any worker has posted a round of while some worker has not read
+        that round yet (what a failure interrupts), from its descriptor; None when nothing is
+        under way."""
+        memory, world = self.memory, self.layout.world
+        newest, key = None, None
+        for w in range(world):
             posted = memory.posted(w)
             if posted and (newest is None or (posted - newest) & 0xFFFFFFFF < 0x80000000):
                 with contextlib.suppress(ValueError):
                     key = key_of(memory.read_descriptor(w, posted))
                     newest = posted
+        if newest is None or all(shared.reached(memory.taken(w), newest) for w in range(world)):
+            return None
         return key

@@ -655,7 +655,8 @@ class WorkerClient:
             result = self._link.wait_result(key, timeout)
         except BaseException:
             # A local timeout (or a broken stream) leaves the key first in line: a later receive
-            # keeps waiting for it. An error about the key settles it.
+            # keeps waiting for it. An error about the key settles it, and its pooled result
+            # array (whose contents the failure left unspecified) is let go.
             if not self._link.awaiting(key):
                 self._settle(sent, key)
             raise
@@ -666,6 +667,9 @@ class WorkerClient:
         """Takes `key` out of line after its receive raised. When its whole step failed, this
         kind's other keys of that step go too: the caller has been told the step is void, and
         they must not stand before the next step's keys (each kind reports a failed step once)."""
+        with self._pool_lock:
+            for stale in [k for k in sent if k == key or k.step == key.step]:
+                self._pool.pop(stale.slot, None)
         if not self._link.step_failed(key.step):
             sent.remove(key)
             return
