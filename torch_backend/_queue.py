@@ -78,6 +78,14 @@ class OperationQueue(Generic[T]):
                 self._cond.notify_all()
         return queued
 
+    def expedite(self, queued: Queued[T]) -> None:
+        """Nobody will wait for `queued` on its own thread (it is waited for through a future):
+        the background thread takes it as soon as it reaches the head, without the delay."""
+        with self._cond:
+            if not queued.started and not queued.eager:
+                queued.eager = True
+                self._cond.notify_all()
+
     def run_if_first(self, queued: Queued[T], deadline: float) -> bool:
         """Runs the operations ahead of `queued` and then `queued` itself on this thread, while
         nothing else runs, until it has started (True when it ran here, False when another

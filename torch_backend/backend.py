@@ -525,6 +525,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             self._pending[sequence] = work
             queued = self._queue.submit(operation, eager=_host_nbytes(tensors) > _EAGER_BYTES)
         work.run_here = functools.partial(self._run_here, queued)
+        work.expedite = functools.partial(self._queue.expedite, queued)
         return work
 
     def _run_here(self, queued: Queued[_Operation], deadline: float) -> None:
@@ -636,6 +637,9 @@ class _CollectiveWork(dist.Work):
         self._future_lock = threading.Lock()
         # Set by the group: runs the operation on the waiting thread when it comes first.
         self.run_here: Callable[[float], None] | None = None
+        # Set by the group: the operation will be waited for through its future (DDP's reducer,
+        # comm hooks), never through wait(): the group's thread takes it at once.
+        self.expedite: Callable[[], None] | None = None
 
     def complete(self, tensors: list[torch.Tensor]) -> None:
         # Before the future: its callbacks run inside set_result and may ask is_completed().
@@ -677,6 +681,8 @@ class _CollectiveWork(dist.Work):
         with self._future_lock:
             if self._future is None:
                 self._future = self._result.then(self._value_or_raise)
+                if self.expedite is not None:
+                    self.expedite()
             return self._future
 
 
