@@ -120,12 +120,8 @@ class Lane:
                 self.memory.set_state(LaneState.CLOSED)
                 log.info("collective lane closed: worker %d does not use shared memory", worker_id)
             elif self.memory.state is LaneState.OPEN:
-                self._fail_locked(
-                    Status.ABORTED,
-                    worker_id,
-                    Status.FAILED_PRECONDITION,
-                    f"worker {worker_id} does not use shared memory; the collective lane is closed",
-                )
+                message = f"worker {worker_id} does not use shared memory; the collective lane is closed"
+                self._fail_locked(RoundProblem(message, worker_id, culprit_status=Status.FAILED_PRECONDITION))
 
     def socket_closed(self, worker_id: int) -> int | None:
         """`worker_id` closed its shared-memory socket. While the lane forms, it no longer counts
@@ -149,12 +145,8 @@ class Lane:
                 return
             self._registered.discard(worker_id)
             if self.memory.state is LaneState.OPEN:
-                self._fail_locked(
-                    Status.ABORTED,
-                    worker_id,
-                    Status.FAILED_PRECONDITION,
-                    f"worker {worker_id} stopped using shared memory; the collective lane is closed",
-                )
+                message = f"worker {worker_id} stopped using shared memory; the collective lane is closed"
+                self._fail_locked(RoundProblem(message, worker_id, culprit_status=Status.FAILED_PRECONDITION))
 
     def worker_gone(self, worker_id: int, reason: str, *, lost: bool) -> None:
         """A worker left: an open lane fails (whoever waits for it would wait in vain)."""
@@ -174,7 +166,8 @@ class Lane:
             else:
                 message = f"worker {worker_id} {reason}; the collective lane is closed"
             # Nothing in flight: the end of a job, or a loss the job reports itself.
-            self._fail_locked(Status.ABORTED, worker_id, Status.ABORTED, message, key, quiet=key is None)
+            problem = RoundProblem(message, worker_id, culprit_status=Status.ABORTED)
+            self._fail_locked(problem, quiet=key is None)
 
     def reset(self) -> None:
         """A fresh job: the lane forms again, with rounds from 1."""
@@ -193,9 +186,8 @@ class Lane:
             if self.memory.state in (LaneState.OPEN, LaneState.FORMING):
                 key = self._in_flight() if self.memory.state is LaneState.OPEN else None
                 message = f"{f'{key} failed: ' if key else ''}the coordinator is stopping: {reason}"
-                self._fail_locked(
-                    Status.UNAVAILABLE, None, Status.UNAVAILABLE, message, key, quiet=key is None
-                )
+                problem = RoundProblem(message, None, Status.UNAVAILABLE, Status.UNAVAILABLE)
+                self._fail_locked(problem, quiet=key is None)
 
     def close(self, reason: str = "coordinator stopped") -> None:
         """Fails whatever waits (UNAVAILABLE), ends the thread and unmaps the arena."""
@@ -227,12 +219,8 @@ class Lane:
                 continue
             except Exception as exc:
                 log.exception("collective lane thread failed")
-                self._fail(
-                    Status.INTERNAL,
-                    None,
-                    Status.INTERNAL,
-                    f"the coordinator's collective lane failed: {exc!r}",
-                )
+                message = f"the coordinator's collective lane failed: {exc!r}"
+                self._fail(RoundProblem(message, None, Status.INTERNAL, Status.INTERNAL))
 
     def _next_bell(self) -> int | None:
         """The next coordinator round a worker rang for, or None after an idle slice (in which a
@@ -257,7 +245,7 @@ class Lane:
         self._wait_bells(g, generation)
         plan = self._planner.plan(g)
         if isinstance(plan, RoundProblem):
-            self._fail(plan.status, plan.culprit, plan.culprit_status, plan.message, self._in_flight())
+            self._fail(plan)
             return
         if plan.reduce_bytes and not self._reduce(g, plan):
             return
@@ -324,7 +312,7 @@ class Lane:
         what = str(key) if key is not None else "a collective"
         names = ", ".join(map(str, missing))
         message = f"{what} timed out after {self._step_timeout:g} s waiting for worker(s) {names}"
-        self._fail(Status.ABORTED, None, Status.ABORTED, message, key)
+        self._fail(RoundProblem(message, None, culprit_status=Status.ABORTED))
 
     def sync_counters(self) -> None:
         """Adds what the workers counted of their peer rounds since the last call to the
@@ -360,7 +348,7 @@ class Lane:
         key = self._in_flight()
         what = str(key) if key is not None else "a collective"
         message = f"{what} aborted: worker {quitter} gave up on it (its own deadline or error)"
-        self._fail(Status.ABORTED, quitter, Status.DEADLINE_EXCEEDED, message, key)
+        self._fail(RoundProblem(message, quitter, culprit_status=Status.DEADLINE_EXCEEDED))
         raise _Stopped
 
     def _reduce(self, g: int, plan: RoundPlan) -> bool:
@@ -370,41 +358,28 @@ class Lane:
             self._averager, self.memory, g, plan, self.memory.output_slot(g, plan.reduce_bytes)
         )
         if problem is not None:
-            self._fail(
-                problem.status, problem.culprit, problem.culprit_status, problem.message, self._in_flight()
-            )
+            self._fail(problem)
             return False
         return True
 
     # --- failing ------------------------------------------------------------------------------
 
-    def _fail(
-        self,
-        status: Status,
-        culprit: int | None,
-        culprit_status: Status,
-        message: str,
-        key: TensorKey | None = None,
-    ) -> None:
+    def _fail(self, problem: RoundProblem) -> None:
         with self._lock:
             if self.memory.state is LaneState.OPEN:
-                self._fail_locked(status, culprit, culprit_status, message, key)
+                self._fail_locked(problem)
 
-    def _fail_locked(
-        self,
-        status: Status,
-        culprit: int | None,
-        culprit_status: Status,
-        message: str,
-        key: TensorKey | None = None,
-        *,
-        quiet: bool = False,
-    ) -> None:
-        """Fails the lane. Every worker that tries an operation some worker had begun in it hears
-        this failure, then or later; later operations go over gRPC. (`key`, the operation the
-        message names, is the caller's.)"""
-        del key
+    def _fail_locked(self, problem: RoundProblem, *, quiet: bool = False) -> None:
+        """Fails the lane: `problem.culprit` hears `culprit_status`, the others `status`. Every
+        worker that tries an operation some worker had begun in it hears this failure, then or
+        later; later operations go over gRPC."""
         operation = self.memory.newest_operation()
+        status, culprit, culprit_status, message = (
+            problem.status,
+            problem.culprit,
+            problem.culprit_status,
+            problem.message,
+        )
         self.memory.record_failure(int(status), culprit, int(culprit_status), message, operation)
         if quiet:
             log.info("collective lane closed: %s", message)

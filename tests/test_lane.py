@@ -27,7 +27,7 @@ from gradserver.common.lane_rounds import RoundPlan, RoundProblem, plan_round
 from gradserver.common.messages import CollectiveKind, ReduceOp, TensorKey
 from gradserver.torch._collective import CollectiveClient
 
-from .helpers.server import TEST_TIMEOUTS, ServerThread, metric
+from .helpers.server import ServerThread, connect_ranks, metric
 
 pytestmark = [
     pytest.mark.skipif(not shared.supported(), reason="the lane needs x86-64 Linux"),
@@ -152,22 +152,6 @@ def lane_coordinator(coordinator: Callable[..., ServerThread], tmp_path: Any) ->
     return make
 
 
-def _join(address: str, transports: Sequence[str]) -> list[CollectiveClient]:
-    with concurrent.futures.ThreadPoolExecutor(len(transports)) as pool:
-        futures = [
-            pool.submit(
-                CollectiveClient.connect,
-                address,
-                node_id=f"lane-test-{rank}",
-                timeout=TEST_TIMEOUTS,
-                rank=rank,
-                transport=transport,
-            )
-            for rank, transport in enumerate(transports)
-        ]
-        return [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in futures]
-
-
 def _each(clients: Sequence[CollectiveClient], fn: Callable[[CollectiveClient], Any]) -> list[Any]:
     """fn(client) on every client at once; each one's result or exception, in rank order."""
     with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
@@ -227,7 +211,7 @@ def test_every_kind_gives_the_grpc_paths_bytes_at_every_size(
     results = {}
     for no_lane in (False, True):
         server = lane_coordinator(world_size=3, no_lane=no_lane)
-        clients = _join(server.address, ["shm"] * 3)
+        clients = connect_ranks(server.address, ["shm"] * 3)
         try:
             results[no_lane] = _each(clients, _workload(kind, SIZES))
             server.call(lambda s: s.traffic(0))  # takes in what workers counted of peer rounds
@@ -245,7 +229,7 @@ def test_averages_are_the_float64_rank_order_mean_and_in_place_results_land_in_t
     lane_coordinator: Callable[..., ServerThread],
 ) -> None:
     server = lane_coordinator(world_size=3)
-    clients = _join(server.address, ["shm"] * 3)
+    clients = connect_ranks(server.address, ["shm"] * 3)
     size = 3 * SLOT // 4 + 5
     try:
 
@@ -268,7 +252,7 @@ def test_a_worker_on_grpc_closes_the_lane_and_every_collective_goes_over_grpc(
     lane_coordinator: Callable[..., ServerThread],
 ) -> None:
     server = lane_coordinator(world_size=2)
-    clients = _join(server.address, ["shm", "grpc"])
+    clients = connect_ranks(server.address, ["shm", "grpc"])
     try:
         results = _each(clients, _workload(CollectiveKind.ALL_GATHER, [10, SLOT * 2]))
         assert results[0] == results[1]
@@ -281,7 +265,7 @@ def test_a_worker_on_grpc_closes_the_lane_and_every_collective_goes_over_grpc(
 
 def test_lane_bytes_count_in_the_coordinators_traffic(lane_coordinator: Callable[..., ServerThread]) -> None:
     server = lane_coordinator(world_size=2)
-    clients = _join(server.address, ["shm"] * 2)
+    clients = connect_ranks(server.address, ["shm"] * 2)
     size = 3 * SLOT + 8
     try:
         _each(clients, _workload(CollectiveKind.ALL_GATHER, [size]))
@@ -300,7 +284,7 @@ def _clients(
     lane_coordinator: Callable[..., ServerThread], **config: Any
 ) -> tuple[ServerThread, list[CollectiveClient]]:
     server = lane_coordinator(world_size=2, **config)
-    return server, _join(server.address, ["shm"] * 2)
+    return server, connect_ranks(server.address, ["shm"] * 2)
 
 
 def _until_posted(server: ServerThread, worker: int) -> None:
@@ -312,6 +296,18 @@ def _until_posted(server: ServerThread, worker: int) -> None:
     while lane.memory.posted(worker) == 0:
         assert time.monotonic() < end, f"worker {worker} never posted a round"
         time.sleep(0.002)
+
+
+def _worker_0_waits_while(
+    server: ServerThread, clients: Sequence[CollectiveClient], action: Callable[[], object]
+) -> np.ndarray:
+    """Worker 0 begins a collective alone; once it waits in the lane, `action` runs; returns its
+    result or raises its error."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_reduce, clients[0], 0, np.ones(3, np.float32))
+        _until_posted(server, 0)
+        action()
+        return waiting.result(timeout=30)
 
 
 def _until_state(server: ServerThread, state: LaneState) -> None:
@@ -415,14 +411,10 @@ def test_a_worker_that_leaves_mid_operation_fails_it_for_the_others_naming_it(
 ) -> None:
     server, clients = _clients(lane_coordinator)
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(_reduce, clients[0], 0, np.ones(3, np.float32))
-            _until_posted(server, 0)
-            clients[1].close()
-            with pytest.raises(
-                AbortedError, match=r"operation 0 collective SUM of group 0 aborted: worker 1 left"
-            ):
-                waiting.result(timeout=30)
+        with pytest.raises(
+            AbortedError, match=r"operation 0 collective SUM of group 0 aborted: worker 1 left"
+        ):
+            _worker_0_waits_while(server, clients, clients[1].close)
     finally:
         for c in clients:
             c.close()
@@ -450,12 +442,8 @@ def test_a_stopping_coordinator_fails_a_waiting_operation_as_unavailable(
 ) -> None:
     server, clients = _clients(lane_coordinator)
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(_reduce, clients[0], 0, np.ones(3, np.float32))
-            _until_posted(server, 0)
-            server.stop()
-            with pytest.raises((UnavailableError, FailedPreconditionError), match="coordinator"):
-                waiting.result(timeout=30)
+        with pytest.raises((UnavailableError, FailedPreconditionError), match="coordinator"):
+            _worker_0_waits_while(server, clients, server.stop)
     finally:
         for c in clients:
             c.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import gc
 import logging
 import mmap
@@ -23,30 +22,13 @@ from gradserver.common.messages import ReduceOp
 from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
 
-from .helpers.server import TEST_TIMEOUTS, ServerThread, metric, run_each
+from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_ranks, metric, run_each
 from .helpers.shm import dev_shm, memfd_mappings
 
 pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
 
 CHUNK_MIB = 1 / 64  # 4096 elements: every tensor below spans several chunks
 SIZES = compute_block_sizes(32, 16, 64)
-
-
-def _connect(address: str, transports: Sequence[str], **kwargs: Any) -> list[CollectiveClient]:
-    with concurrent.futures.ThreadPoolExecutor(len(transports)) as pool:
-        futures = [
-            pool.submit(
-                CollectiveClient.connect,
-                address,
-                node_id=f"shm-test-{rank}",
-                timeout=TEST_TIMEOUTS,
-                rank=rank,
-                transport=transport,
-                **kwargs,
-            )
-            for rank, transport in enumerate(transports)
-        ]
-        return [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in futures]
 
 
 def _poll(ready: Callable[[], bool], what: str) -> None:
@@ -134,7 +116,7 @@ def shm_coordinator(coordinator: Callable[..., ServerThread], tmp_path) -> Any:
 def _run(
     server: ServerThread, transports: Sequence[str], fn: Callable[[CollectiveClient], Any], **kw: Any
 ) -> list[Any]:
-    clients = _connect(server.address, transports, **kw)
+    clients = connect_ranks(server.address, transports, **kw)
     try:
         assert [c.transport for c in clients] == list(transports)
         return run_each(clients, fn)
@@ -175,7 +157,7 @@ def test_an_in_place_allreduce_writes_the_same_bytes_into_the_senders_buffer(
 
 def test_into_that_cannot_take_the_average_is_refused_by_name(shm_coordinator) -> None:
     server = shm_coordinator(world_size=1)
-    (c,) = _connect(server.address, ["grpc"])
+    (c,) = connect_ranks(server.address, ["grpc"])
     try:
         grads = np.ones(100, np.float32)
         bad = {
@@ -219,7 +201,7 @@ def test_averages_are_written_into_the_output_arena_and_a_failed_one_gives_its_s
             return out, str(exc)
         return out, "no error"
 
-    clients = _connect(server.address, ["shm", "shm"])
+    clients = connect_ranks(server.address, ["shm", "shm"])
     try:
         results = run_each(clients, work)
         for out, error in results:
@@ -239,7 +221,7 @@ def test_small_arenas_reuse_slots_and_fall_back_inline_with_the_same_bytes(shm_c
     """Arenas of 2 chunks on both sides: slots are reused many times, and chunks or averages that
     find no free slot go inline; the results do not change."""
     server = shm_coordinator(world_size=2, shm_arena_mib=2 * CHUNK_MIB)
-    clients = _connect(server.address, ["shm", "shm"], shm_arena_mib=2 * CHUNK_MIB)
+    clients = connect_ranks(server.address, ["shm", "shm"], shm_arena_mib=2 * CHUNK_MIB)
     try:
         results = run_each(clients, _workload)
         assert server.call(lambda s: metric(s, "gradserver_shm_inline_fallbacks_total")) > 0
@@ -269,7 +251,7 @@ def test_a_gradient_buffer_is_sent_without_a_copy(shm_coordinator) -> None:
 
 def test_gradient_buffer_under_grpc_is_a_plain_array(shm_coordinator) -> None:
     server = shm_coordinator(world_size=1)
-    (client,) = _connect(server.address, ["grpc"])
+    (client,) = connect_ranks(server.address, ["grpc"])
     try:
         buf = client.gradient_buffer(5)
         assert buf.dtype == np.float32 and buf.shape == (5,) and not buf.any()
@@ -282,7 +264,7 @@ def test_gradient_buffer_under_grpc_is_a_plain_array(shm_coordinator) -> None:
 def test_auto_falls_back_to_grpc_with_one_info_line_and_shm_refuses(shm_coordinator, caplog) -> None:
     server = shm_coordinator(world_size=1, no_shm=True)
     with caplog.at_level(logging.INFO, logger="gradserver.worker"):
-        (client,) = _connect(server.address, ["auto"])
+        (client,) = connect_ranks(server.address, ["auto"])
     try:
         assert client.transport == "grpc"
         lines = [r.getMessage() for r in caplog.records if "gradients go over gRPC" in r.getMessage()]
@@ -299,7 +281,7 @@ def test_auto_falls_back_when_the_socket_cannot_be_reached(shm_coordinator, capl
     path = server.call(lambda s: s.shm.path if s.shm else "")
     os.unlink(path)
     with caplog.at_level(logging.INFO, logger="gradserver.worker"):
-        (client,) = _connect(server.address, ["auto"])
+        (client,) = connect_ranks(server.address, ["auto"])
     try:
         assert client.transport == "grpc"
         assert any(
@@ -320,7 +302,7 @@ def test_unknown_transport_is_refused_by_name(shm_coordinator, monkeypatch) -> N
 
 def test_a_registration_with_a_wrong_token_is_refused(shm_coordinator) -> None:
     server = shm_coordinator(world_size=1)
-    (client,) = _connect(server.address, ["grpc"])
+    (client,) = connect_ranks(server.address, ["grpc"])
     path, nonce = server.call(lambda s: (s.shm.path, s.shm.nonce) if s.shm else ("", b""))
     fd, arena = shm_support.create_arena(4096, "gradserver-test")
     try:
@@ -343,7 +325,7 @@ def test_a_registration_with_a_wrong_token_is_refused(shm_coordinator) -> None:
 
 def test_no_side_can_write_into_another_sides_memory(shm_coordinator) -> None:
     server = shm_coordinator(world_size=1)
-    (client,) = _connect(server.address, ["shm"])
+    (client,) = connect_ranks(server.address, ["shm"])
     try:
         # The coordinator maps the worker's input arena read-only.
         assert server.call(lambda s: s.shm._peers[0].view.readonly if s.shm else False)
@@ -380,7 +362,7 @@ def test_a_lost_workers_later_writes_cannot_change_an_average(shm_coordinator) -
     """--on-worker-loss continue keeps a lost worker's complete contribution. It is copied when the
     worker is declared lost, so what the still-running process writes afterwards is not averaged."""
     server = shm_coordinator(world_size=3, on_worker_loss="continue")
-    clients = _connect(server.address, ["shm", "shm", "shm"])
+    clients = connect_ranks(server.address, ["shm", "shm", "shm"])
     zombie = clients[2]
     try:
         buf = zombie.gradient_buffer(10000)
@@ -415,7 +397,7 @@ def test_nothing_stays_mapped_after_the_job(shm_coordinator) -> None:
 
 def test_a_chunk_naming_shared_memory_without_an_arena_is_refused(shm_coordinator) -> None:
     server = shm_coordinator(world_size=1)
-    (client,) = _connect(server.address, ["grpc"])
+    (client,) = connect_ranks(server.address, ["grpc"])
     try:
         from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ShmRef, TensorKey
 
@@ -493,7 +475,7 @@ def test_connect_returns_once_the_coordinator_holds_the_stream(shm_coordinator) 
     """A worker may send and leave right after connect: every peer's stream must already be
     registered then, or it is refused as opened before the world was complete."""
     server = shm_coordinator(world_size=3)
-    clients = _connect(server.address, ["shm", "shm", "grpc"])
+    clients = connect_ranks(server.address, ["shm", "shm", "grpc"])
     try:
         assert server.call(lambda s: sorted(s._streams.by_worker)) == [0, 1, 2]
     finally:

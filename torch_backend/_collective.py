@@ -69,19 +69,8 @@ class CollectiveClient(WorkerClient):
         may be `array` for a REDUCE) the result is written there (see `send_block_gradient`).
         With `propagate_non_finite` a NaN or Inf (or a float32 overflow) is a result, not an
         error."""
-        key = TensorKey.collective(
-            sequence,
-            group,
-            op,
-            propagate_non_finite=propagate_non_finite,
-            kind=kind,
-            root=root,
-            split_bytes=split_bytes,
-        )
-        if kind in BYTE_KINDS:
-            self.send(key, np.ascontiguousarray(array).reshape(-1).view(np.uint8), into=into)
-        else:
-            self.send(key, np.ascontiguousarray(array, dtype="<f4").reshape(-1), into=into)
+        key = _key(sequence, group, op, kind, root, split_bytes, propagate_non_finite)
+        self.send(key, _payload(array, kind), into=into)
 
     def run_collective(
         self,
@@ -99,30 +88,42 @@ class CollectiveClient(WorkerClient):
     ) -> np.ndarray:
         """`send_collective` and its receive in one call (`WorkerClient.collective`): through the
         coordinator's collective lane when every rank is on its host, else over gRPC."""
-        key = TensorKey.collective(
-            sequence,
-            group,
-            op,
-            propagate_non_finite=propagate_non_finite,
-            kind=kind,
-            root=root,
-            split_bytes=split_bytes,
-        )
-        if kind in BYTE_KINDS:
-            data = (
-                array
-                if array.dtype == np.uint8 and array.ndim == 1
-                else np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-            )
-        else:
-            data = (
-                array
-                if array.dtype == _F32 and array.ndim == 1
-                else np.ascontiguousarray(array, dtype=_F32).reshape(-1)
-            )
-        return self.collective(key, data, into=into, timeout=timeout)
+        key = _key(sequence, group, op, kind, root, split_bytes, propagate_non_finite)
+        return self.collective(key, _payload(array, kind), into=into, timeout=timeout)
 
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:
         """The result of the oldest collective this rank sent and has not received yet: float32
         for REDUCE and REDUCE_SCATTER (this rank's part), uint8 for the byte-moving kinds."""
         return self.receive(KeyKind.COLLECTIVE, timeout).gradients
+
+
+def _key(
+    sequence: int,
+    group: int,
+    op: ReduceOp,
+    kind: CollectiveKind,
+    root: int,
+    split_bytes: tuple[int, ...],
+    propagate_non_finite: bool,
+) -> TensorKey:
+    return TensorKey.collective(
+        sequence,
+        group,
+        op,
+        propagate_non_finite=propagate_non_finite,
+        kind=kind,
+        root=root,
+        split_bytes=split_bytes,
+    )
+
+
+def _payload(array: np.ndarray, kind: CollectiveKind) -> np.ndarray:
+    """A contribution as the client takes it: 1-D float32 for the reducing kinds, raw bytes for
+    the others (a view when `array` already is that)."""
+    if kind in BYTE_KINDS:
+        if array.dtype == np.uint8 and array.ndim == 1:
+            return array
+        return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    if array.dtype == _F32 and array.ndim == 1:
+        return array
+    return np.ascontiguousarray(array, dtype=_F32).reshape(-1)

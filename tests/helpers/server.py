@@ -11,11 +11,14 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gradserver.server import GradientServer
 from gradserver.server.config import CoordinatorConfig
 from gradserver.worker import Timeouts, WorkerClient
+
+if TYPE_CHECKING:
+    from gradserver.torch._collective import CollectiveClient
 
 T = TypeVar("T")
 
@@ -105,6 +108,27 @@ def connect_all(
         ]
         clients = [f.result(timeout=timeouts.join + 5) for f in futures]
     return sorted(clients, key=lambda c: c.worker_id)
+
+
+def connect_ranks(address: str, transports: Sequence[str], **options: Any) -> list[CollectiveClient]:
+    """One CollectiveClient per entry of `transports`, joined concurrently as ranks 0, 1, ...
+    with that transport; `options` go to every connect."""
+    from gradserver.torch._collective import CollectiveClient  # imports torch: only when used
+
+    with concurrent.futures.ThreadPoolExecutor(len(transports)) as pool:
+        futures = [
+            pool.submit(
+                CollectiveClient.connect,
+                address,
+                node_id=f"rank-{rank}",
+                timeout=TEST_TIMEOUTS,
+                rank=rank,
+                transport=transport,
+                **options,
+            )
+            for rank, transport in enumerate(transports)
+        ]
+        return [f.result(timeout=TEST_TIMEOUTS.join + 5) for f in futures]
 
 
 def run_each(

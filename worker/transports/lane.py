@@ -70,44 +70,34 @@ class LaneClient:
         is known only from the others' descriptors). Returns the result, or None when the lane is
         not open (send it over gRPC). Raises the operation's failure."""
         with self._lock:  # one operation at a time, whatever threads call
-            return self._run(key, data, result, deadline, check)
-
-    def _run(
-        self,
-        key: TensorKey,
-        data: np.ndarray,
-        result: np.ndarray | None,
-        deadline: float,
-        check: Callable[[], None],
-    ) -> np.ndarray | None:
-        open_ = self._open(deadline, check)
-        # Every worker counts every operation it begins (the lane's failure covers them by count).
-        self._operations += 1
-        if not open_:
-            self._raise_if_covered(key)
-            return None
-        operation = _Operation(self, key, data, result, self._operations)
-        sized_later = key.collective_kind is CollectiveKind.ALL_TO_ALL
-        pending: collections.deque[tuple[int, int]] = collections.deque()
-        part = 0
-        try:
-            while part < operation.rounds or pending:
-                # An ALL_TO_ALL learns how many rounds it has from round 0's descriptors.
-                if (
-                    part < operation.rounds
-                    and len(pending) < 2
-                    and not (sized_later and part == 1 and pending)
-                ):
-                    pending.append((part, self._post(operation, part, deadline, check)))
-                    part += 1
-                    continue
-                done_part, g = pending.popleft()
-                self._finish(operation, done_part, g, deadline, check)
-        except BaseException:
-            self._give_up()
-            raise
-        assert operation.result is not None
-        return operation.result
+            open_ = self._open(deadline, check)
+            # Every worker counts every operation it begins (the lane's failure covers them by count).
+            self._operations += 1
+            if not open_:
+                self._raise_if_covered(key)
+                return None
+            operation = _Operation(self, key, data, result, self._operations)
+            sized_later = key.collective_kind is CollectiveKind.ALL_TO_ALL
+            pending: collections.deque[tuple[int, int]] = collections.deque()
+            part = 0
+            try:
+                while part < operation.rounds or pending:
+                    # An ALL_TO_ALL learns how many rounds it has from round 0's descriptors.
+                    if (
+                        part < operation.rounds
+                        and len(pending) < 2
+                        and not (sized_later and part == 1 and pending)
+                    ):
+                        pending.append((part, self._post(operation, part, deadline, check)))
+                        part += 1
+                        continue
+                    done_part, g = pending.popleft()
+                    self._finish(operation, done_part, g, deadline, check)
+            except BaseException:
+                self._give_up()
+                raise
+            assert operation.result is not None
+            return operation.result
 
     # --- rounds -------------------------------------------------------------------------------
 
