@@ -227,10 +227,16 @@ class LaneLayout:
         return self.data_start + (2 * self.world + 2) * self.slot_bytes
 
 
+_SLOTS_MAX_BYTES = 512 * 1024 * 1024  # every slot of a lane together (pages are used as touched)
+
+
 def slot_bytes_for(chunk_bytes: int, world: int) -> int:
-    """The lane's slot size: the coordinator's chunk size, a multiple of 4 bytes per worker (a
-    REDUCE_SCATTER round carries one piece per worker) and of the page."""
-    return max(_up(chunk_bytes, _PAGE), _up(4 * world, _PAGE))
+    """The lane's slot size: the coordinator's (largest) chunk size, but no more than keeps all
+    2N + 2 slots within 512 MiB (a large job's arena stays bounded; larger operations just take
+    more rounds); a multiple of the page, and of 4 bytes per worker (a REDUCE_SCATTER round
+    carries one piece per worker)."""
+    bounded = min(chunk_bytes, _SLOTS_MAX_BYTES // (2 * world + 2))
+    return max(bounded // _PAGE * _PAGE, _up(4 * world, _PAGE))
 
 
 # --- descriptors --------------------------------------------------------------------------------
