@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradserver.common import lane as shared
 from gradserver.common.errors import (
@@ -500,3 +502,80 @@ def test_every_word_and_counter_of_a_control_block_is_its_own() -> None:
     finally:
         os.close(fd)
         mapping.close()
+
+
+# --- the planner under random input -------------------------------------------------------------
+
+_KINDS = st.sampled_from(list(CollectiveKind))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=_KINDS,
+    world=st.integers(1, 5),
+    elements=st.integers(0, 3 * SLOT // 4),
+    root=st.integers(0, 4),
+    part_seed=st.integers(0, 1 << 16),
+    splits_seed=st.integers(0, 1 << 16),
+)
+def test_descriptors_of_one_consistent_round_always_plan(
+    kind: CollectiveKind, world: int, elements: int, root: int, part_seed: int, splits_seed: int
+) -> None:
+    """Every worker describing the same round of a well-formed operation gives a plan that moves
+    exactly the bytes the round's geometry says; never a problem."""
+    root = root % world if kind is CollectiveKind.BROADCAST else 0
+    total = elements * 4 // (4 * world) * 4 * world if kind is CollectiveKind.REDUCE_SCATTER else elements * 4
+    rng = np.random.default_rng(splits_seed)
+    totals = [total] * world
+    splits: list[tuple[int, ...]] = [()] * world
+    if kind is CollectiveKind.ALL_TO_ALL:
+        splits = [tuple(int(x) for x in rng.integers(0, SLOT, world)) for _ in range(world)]
+        totals = [sum(s) for s in splits]
+    rounds = max(shared.own_rounds(kind, t, world, SLOT) for t in totals)
+    part = part_seed % rounds
+    descriptors = []
+    for w in range(world):
+        offset, length = shared.round_span(kind, totals[w], world, SLOT, part)
+        posted = shared.posted_length(kind, length, world, root=w == root)
+        descriptors.append(
+            Descriptor(5, totals[w], offset, posted, part, 0, root, kind, ReduceOp.SUM, 0, splits[w], 9)
+        )
+    plan = plan_round(descriptors, SLOT)
+    assert isinstance(plan, RoundPlan), plan
+    assert plan.received == tuple(d.length for d in descriptors)
+    assert all(n >= 0 for n in plan.sent)
+    if kind is CollectiveKind.ALL_GATHER:
+        assert plan.sent == (sum(plan.received),) * world
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    fields=st.lists(
+        st.tuples(
+            st.integers(0, 3),  # sequence
+            st.integers(0, 1 << 20),  # total
+            st.integers(0, 1 << 20),  # offset
+            st.integers(0, 1 << 20),  # length
+            st.integers(0, 3),  # part
+            st.integers(0, 2),  # root
+            _KINDS,
+            st.sampled_from(list(ReduceOp)),
+            st.lists(st.integers(0, 1 << 16), max_size=4),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_descriptors_plan_or_name_a_problem_never_crash(fields: list[tuple]) -> None:
+    """Whatever workers wrote (a buggy or hostile one), the planner answers a plan or a problem,
+    and a plan never asks to reduce more than a slot."""
+    descriptors = [
+        Descriptor(seq, total, offset, length, part, 0, root, kind, op, 0, tuple(splits), 1)
+        for seq, total, offset, length, part, root, kind, op, splits in fields
+    ]
+    plan = plan_round(descriptors, SLOT)
+    assert isinstance(plan, RoundPlan | RoundProblem)
+    if isinstance(plan, RoundPlan):
+        assert 0 <= plan.reduce_bytes <= SLOT and all(d.length <= SLOT for d in descriptors)
+    else:
+        assert plan.message and (plan.culprit is None or 0 <= plan.culprit < len(descriptors))
