@@ -2,11 +2,14 @@
 gradserver coordinator.
 
 Every collective is one collective key of the coordinator (see docs/PROTOCOL.md, "Native
-collectives"): the group's operations are numbered in issue order and run one after another on
-one background thread per group; each call returns a `Work` at once, completed from other threads
-(so a future's callback may issue and wait for the next collective, as DDP comm hooks do). A
-failed collective fails the Work's future as C++ sees it (DDP raises a RuntimeError with the
-message, never a crash), and `wait()` raises the library's own error.
+collectives"; on one host it runs through the collective lane, "The collective lane"): the
+group's operations are numbered in issue order and run one after another (`_queue`); each call
+returns a `Work` at once. A synchronous call's `wait()` runs its operation on the caller's thread
+and completes it there; an operation nobody waits for that way (async, or waited for through its
+future, as DDP's reducer does) runs on the group's thread and is completed from other threads (so
+a future's callback may issue and wait for the next collective, as DDP comm hooks do). A failed
+collective fails the Work's future as C++ sees it (DDP raises a RuntimeError with the message,
+never a crash), and `wait()` raises the library's own error.
 
 What each call is on the coordinator:
 - allreduce: a REDUCE where the coordinator can reduce (float64 sums in rank order rounded once
