@@ -35,13 +35,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._netns import Cluster, Host, Interrupted, available, install_signal_handlers
+from ._netns import Cluster, Host, Interrupted, LinkBytes, available, install_signal_handlers
 from .exchange import step_times
 
 COORDINATOR_PORT = 50051
@@ -221,10 +222,15 @@ class Bench:
     def measure(self, config: Config) -> Row:
         row = Row(config, len(self.workers))
         before = self.cluster.link_bytes()
+        sampler = _Timeline(self.cluster) if self.args.timeline else None
         try:
             times = self._gloo(config.wire_dtype) if config.name == "gloo" else self._gradserver(config)
         finally:
+            if sampler is not None:
+                sampler.stop()
             self.cluster.stop_processes()
+        if sampler is not None:
+            sampler.report(f"{config.name} {config.placement} {config.wire_dtype}", self.args.link_mbit)
         moved = self.cluster.link_bytes() - before
         row.step_s_median = statistics.median(times)
         row.busiest_bytes_per_step = moved.busiest() / (self.args.warmup + self.args.steps)
@@ -274,6 +280,53 @@ class Bench:
                 env = dict(os.environ, OMP_NUM_THREADS="1")
                 procs.append(self.cluster.spawn(host, argv, env=env, cwd=_REPO))
             return step_times(_collect(procs, self.args.timeout, f"gradserver {config.placement}"))
+
+
+class _Timeline:
+    """Samples every link's counters while one configuration runs (--timeline), to show when each
+    direction of each link idles: what the single utilization figure sums up."""
+
+    PERIOD_S = 0.05
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._samples: list[tuple[float, LinkBytes]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.PERIOD_S):
+            self._samples.append((time.monotonic(), self._cluster.link_bytes()))
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5.0)
+
+    def report(self, what: str, link_mbit: float) -> None:
+        """One line per link direction: each character one period, by its share of capacity
+        (' ' idle, '.' <25%, '-' <50%, '=' <75%, '#' above), over the busy span of the run."""
+        capacity = link_mbit * 1e6 / 8
+        rates: list[tuple[list[float], list[float]]] = []
+        for (t0, a), (t1, b) in zip(self._samples, self._samples[1:], strict=False):
+            d, full = b - a, capacity * (t1 - t0)
+            rates.append(([x / full for x in d.to_host], [x / full for x in d.from_host]))
+        busy = [i for i, (to, fr) in enumerate(rates) if max(*to, *fr) > 0.05]
+        if not busy:
+            return
+        span = rates[busy[0] : busy[-1] + 1]
+        width = min(len(span), 120)
+        marks = " .-=#"
+        print(f"# timeline {what}: {len(span) * self.PERIOD_S:.1f} s in {width} columns", file=sys.stderr)
+        for h in range(len(span[0][0])):
+            for direction, name in ((1, "out"), (0, "in ")):
+                values = [r[direction][h] for r in span]
+                columns = [
+                    statistics.fmean(values[c * len(values) // width : (c + 1) * len(values) // width])
+                    for c in range(width)
+                ]
+                line = "".join(marks[0 if v < 0.02 else min(4, 1 + int(v * 4))] for v in columns)
+                print(f"#  host{h} {name} {statistics.fmean(values):4.2f} |{line}|", file=sys.stderr)
 
 
 def configurations(args: argparse.Namespace) -> list[Config]:
@@ -370,6 +423,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-partitions", action="store_true", help="only gloo and the single coordinator")
     p.add_argument("--no-shards", action="store_true", help="deprecated: --no-partitions")
     p.add_argument("--json", action="store_true", help="one JSON line per row after the table")
+    p.add_argument("--timeline", action="store_true", help="print when each link direction was busy (stderr)")
     p.add_argument("--prefix", default=None, help="name prefix of namespaces and links (default gc<pid>)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
     p.add_argument("--step-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
