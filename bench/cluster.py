@@ -266,7 +266,7 @@ class Bench:
                 argv += ["--world-size", str(len(self.workers)), "--insecure", "--log-level", "WARNING"]
                 argv += ["--port-file", str(port_file)]
                 chunk = self.args.chunk_mib
-                if chunk:  # else each coordinator chooses (0.5 MiB: its workers are on other hosts)
+                if chunk:  # else each coordinator chooses (0.25 MiB: its workers are on other hosts)
                     argv += ["--chunk-mib", f"{chunk:g}", "--max-message-mib", f"{max(16.0, chunk + 1):g}"]
                 if len(hosts) > 1:
                     argv += ["--partition-index", str(index), "--partition-map", ",".join(addresses)]

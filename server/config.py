@@ -27,7 +27,7 @@ from gradserver.common.security import is_loopback
 # message each way and a reduction call (~0.7 ms on the shared-memory path), so same-host jobs
 # want large chunks; over real links smaller ones keep both directions of every link busy.
 LOCAL_CHUNK_MIB = 8.0
-REMOTE_CHUNK_MIB = 0.5
+REMOTE_CHUNK_MIB = 0.25
 
 
 @dataclasses.dataclass(frozen=True)

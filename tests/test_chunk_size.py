@@ -1,5 +1,5 @@
 """The chunk size chosen per job (`--chunk-mib 0`, the default): 8 MiB when every worker joined
-over loopback, 0.5 MiB when one joined from another host (a network namespace here) and for
+over loopback, 0.25 MiB when one joined from another host (a network namespace here) and for
 partitioned coordinators (tests/test_partitioned_coordinators.py), --chunk-mib when given; every
 buffer sized by it follows (the table, the streams' checks, the output arena's slots), and the
 averages are the same bytes whatever the size."""
@@ -24,7 +24,7 @@ from gradserver.worker import WorkerClient
 from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each
 
 LOCAL = 8 * MIB
-REMOTE = MIB // 2
+REMOTE = MIB // 4
 # 2.5 local chunks, 40 remote ones.
 ELEMENTS = 5 * MIB + 12345
 
@@ -87,7 +87,7 @@ def test_limits_are_checked_against_the_largest_automatic_chunk() -> None:
     with pytest.raises(ValueError, match="--shm-arena-mib"):
         CoordinatorConfig(shm_arena_mib=4.0)
     assert CoordinatorConfig(max_message_mib=4.0, chunk_mib=2.0).chunk_bytes == 2 * MIB
-    # Partitioned: 0.5 MiB whatever joins, so smaller limits do.
+    # Partitioned: 0.25 MiB whatever joins, so smaller limits do.
     assert (
         CoordinatorConfig(partition_map="127.0.0.1:1,127.0.0.1:2", max_message_mib=1.0).chunk_bytes == REMOTE
     )
@@ -164,8 +164,8 @@ def _remote_worker(processes, peer_host, port: int, steps: int = 1):
 def test_a_worker_on_another_host_makes_the_job_use_half_mib_chunks(
     processes, coordinator, peer_host
 ) -> None:
-    """One worker here (shared memory, 0.5 MiB output slots after all) and one in another network
-    namespace (gRPC): the job's chunks are 0.5 MiB and the averages the same bytes as ever."""
+    """One worker here (shared memory, 0.25 MiB output slots after all) and one in another network
+    namespace (gRPC): the job's chunks are 0.25 MiB and the averages the same bytes as ever."""
     server = coordinator(world_size=2, bind="0.0.0.0:0", insecure=True, heartbeat_timeout=30.0)
     port = int(server.address.rsplit(":", 1)[1])
     remote = _remote_worker(processes, peer_host, port, steps=2)
@@ -190,7 +190,7 @@ def test_a_worker_on_another_host_makes_the_job_use_half_mib_chunks(
 @pytest.mark.processes
 def test_a_fresh_job_chooses_again(processes, coordinator, peer_host) -> None:
     """A job whose workers all left gives way to a fresh one, which chooses its own size: local
-    first (8 MiB), then remote (0.5 MiB), then local again (8 MiB, the arena's slots too)."""
+    first (8 MiB), then remote (0.25 MiB), then local again (8 MiB, the arena's slots too)."""
     server = coordinator(world_size=1, bind="0.0.0.0:0", insecure=True)
     port = int(server.address.rsplit(":", 1)[1])
 

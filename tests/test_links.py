@@ -340,3 +340,83 @@ def test_connect_with_the_old_backend_keyword_warns_and_sends_it_as_the_device_t
         server.stop()
     joined = [r.getMessage() for r in caplog.records if "joined" in r.getMessage()]
     assert len(joined) == 1 and "node 'old-caller'" in joined[0] and "device type 'cuda'" in joined[0], joined
+
+
+# --- pacing (the network links keep a window of unanswered chunks) ---------------------------
+
+NETWORK_LINKS = ("grpc", "partitioned")
+
+
+def _grpc_links(link: Link) -> list[Any]:
+    """The gRPC streams under a network link: itself, or one per partition."""
+    return list(getattr(link, "_links", [link]))
+
+
+def _unanswered(link: Link) -> int:
+    return sum(stream._unanswered_total for stream in _grpc_links(link))
+
+
+@pytest.mark.parametrize("name", NETWORK_LINKS)
+def test_workers_sending_the_same_keys_in_opposite_orders_both_finish(
+    setups: Callable[[str], Setup], name: str
+) -> None:
+    """Pacing makes a sender wait for averages, and an average needs every worker's copy: worker 0
+    sends key A then B, worker 1 B then A, each key many windows long. Neither may wait on the
+    other for good; both get both averages, the same bytes as ever."""
+    steps_keys = [
+        TensorKey.non_block(0, NonBlockComponent.EMBEDDING),
+        TensorKey.non_block(0, NonBlockComponent.LM_HEAD),
+    ]
+    size = 40 * CHUNK_ELEMENTS
+
+    def data(worker: int, which: int) -> np.ndarray:
+        return np.random.default_rng([worker, which, 7]).standard_normal(size, dtype=np.float32)
+
+    def work(link: Link) -> list[bytes]:
+        order = [0, 1] if link.accepted.worker_id == 0 else [1, 0]
+        header = ChunkHeader(DType.FLOAT32, size, ())
+        for which in order:
+            key = steps_keys[which]
+            link.expect(key, (), size, DType.FLOAT32)
+            payload = data(link.accepted.worker_id, which)
+            for offset, length in chunk_spans(size, link.accepted.chunk_bytes // 4):
+                link.send_chunk(key, header, offset, payload[offset : offset + length], None)
+        results = [link.wait_result(key).array.tobytes() for key in steps_keys]
+        assert _unanswered(link) == 0
+        return results
+
+    want = [
+        (sum((data(w, which).astype(np.float64) for w in range(WORLD)), np.zeros(size)) / WORLD)
+        .astype(np.float32)
+        .tobytes()
+        for which in range(2)
+    ]
+    assert _run(setups(name), work) == [want] * WORLD
+
+
+@pytest.mark.parametrize("name", NETWORK_LINKS)
+def test_no_chunk_stays_counted_as_unanswered_after_averages_refusals_and_failed_steps(
+    setups: Callable[[str], Setup], name: str
+) -> None:
+    """What the window counts is given back whichever way a key ends: its average, its refusal
+    (a NaN), its step's failure (the other worker's NaN) or the sender giving it up."""
+
+    def work(link: Link) -> list[int]:
+        me = link.accepted.worker_id
+        seen = []
+        _average(link, TensorKey.non_block(0, NonBlockComponent.EMBEDDING), _data(me, 0))
+        seen.append(_unanswered(link))
+        poisoned = _data(me, 1)
+        if me == 1:
+            poisoned[3] = np.nan
+        with pytest.raises(GradServerError):
+            _average(link, TensorKey.non_block(1, NonBlockComponent.EMBEDDING), poisoned)
+        seen.append(_unanswered(link))
+        key = TensorKey.non_block(2, NonBlockComponent.LM_HEAD)
+        link.expect(key, (), SIZE, DType.FLOAT32)
+        link.send_chunk(key, ChunkHeader(DType.FLOAT32, SIZE, ()), 0, _data(me, 2)[:CHUNK_ELEMENTS], None)
+        link.forget(key)
+        seen.append(_unanswered(link))
+        return seen
+
+    assert _run(setups(name), work) == [[0, 0, 0]] * WORLD

@@ -314,13 +314,13 @@ def test_partitions_started_with_different_chunk_sizes_are_refused_naming_the_pa
 def test_partitions_without_chunk_mib_all_use_half_mib_chunks_with_the_same_averages(
     partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    """--chunk-mib 0 (the default) on partitioned coordinators: 0.5 MiB on every partition before
+    """--chunk-mib 0 (the default) on partitioned coordinators: 0.25 MiB on every partition before
     anyone joins (none sees the others' members, and chunk ownership depends on the size), even
     for workers on one host; the averages are the bytes one coordinator with any chunk size gives."""
     partitions = partitioned(2, world_size=2, chunk_mib=0.0)
     made = _connect(partitions.address, 2, clients)
-    assert [c.chunk_bytes for c in made] == [1 << 19] * 2
-    assert {s.call(lambda g: g.chunk_bytes) for s in partitions.servers} == {1 << 19}
+    assert [c.chunk_bytes for c in made] == [1 << 18] * 2
+    assert {s.call(lambda g: g.chunk_bytes) for s in partitions.servers} == {1 << 18}
     size = 3 * (1 << 17) + 1001  # 4 chunks, spread over both partitions
 
     def work(c: WorkerClient) -> bytes:

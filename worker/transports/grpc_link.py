@@ -14,6 +14,13 @@ arrays of the failed calls alive. Each call that reports a stored error raises a
 Closing or breaking the stream always ends the request iterator, so gRPC's sending thread and the
 stream's arrays do not outlive it.
 
+Gradient chunks are paced: a worker keeps at most a window of chunks on the stream whose averages
+have not come back (`_pace`). A coordinator averages a chunk only once every worker's copy is in,
+so without it a worker whose TCP flow runs ahead on a shared link fills the queues with chunks
+that cannot be averaged yet while the averages' direction idles; with it every worker's flow
+moves at the pace of the averages, and the links' queues stay short, so a step ends soon after
+its last chunk is sent (docs/PERFORMANCE.md, "Across machines: pacing").
+
 Other transports that keep gRPC for control (`ShmLink`) subclass it and override the few hooks
 that say how a chunk travels and what a result, an error or a lost connection frees.
 """
@@ -75,6 +82,13 @@ log = logging.getLogger("gradserver.worker")
 
 _FAILED_STEPS_KEPT = 64
 _OUTBOUND_MESSAGES = 8
+# Pacing (see `GrpcLink._pace`): chunks of gradients a worker may have on one stream without
+# their averages. Four keep a remote link busy across the pipeline (bench.cluster: 2 left the
+# partitions on their own hosts short of data, 8 let the links' queues and the skew between
+# workers grow); how long a sender waits with no answer at all before it sends anyway.
+_PACING_WINDOW_CHUNKS = 4
+_PACING_PATIENCE_S = 0.25
+_PACED_KINDS = frozenset({KeyKind.BLOCK, KeyKind.NON_BLOCK, KeyKind.WHOLE_MODEL})
 
 
 class _Outbound:
@@ -160,6 +174,13 @@ class GrpcLink:
         self._on_break = on_break
         self._outbound = _Outbound(_OUTBOUND_MESSAGES)
         self._results: dict[TensorKey, PendingResult] = {}
+        # Pacing: elements of gradient chunks sent on this stream whose averages have not come
+        # back, per key, and their sum (see `_pace`).
+        self._window = self._pacing_window()
+        self._unanswered: dict[TensorKey, int] = {}
+        self._unanswered_total = 0
+        self._answers = 0
+        self._unpaced_at = -1
         self._barriers: dict[tuple[int, str], _PendingBarrier] = {}
         # Answers to sample-range requests (SampleRangeAssignment messages), in the order asked.
         self._samples: collections.deque[SampleRangeAssignmentOut | ErrorRecord] = collections.deque()
@@ -204,7 +225,47 @@ class GrpcLink:
         piece: np.ndarray,
         stats: SampleStats | None,
     ) -> None:
+        if self._window and key.kind in _PACED_KINDS:
+            self._pace(key, piece.size)
         self.send(ChunkIn(self.accepted.worker_id, key, header, offset, piece.data, stats))
+
+    def _pacing_window(self) -> int:
+        """Elements of gradient chunks this worker may have on the way without their averages
+        (0: unpaced)."""
+        return _PACING_WINDOW_CHUNKS * (self.accepted.chunk_bytes // 4)
+
+    def _pace(self, key: TensorKey, elements: int) -> None:
+        """Waits while a window of chunks is unanswered, so every worker's share of a shared
+        link stays even and the links' queues stay short; gives up waiting (until the next
+        answer) when no answer came for a while, so workers sending keys in different orders
+        never wait on each other."""
+        with self._cond:
+            seen = self._answers
+            if self._unpaced_at != seen:
+                patience_ends = time.monotonic() + _PACING_PATIENCE_S
+                while self._unanswered_total >= self._window and self._broken is None:
+                    now = time.monotonic()
+                    if self._answers != seen:
+                        seen, patience_ends = self._answers, now + _PACING_PATIENCE_S
+                    if now >= patience_ends:
+                        self._unpaced_at = seen
+                        break
+                    self._cond.wait(patience_ends - now)
+            self._unanswered[key] = self._unanswered.get(key, 0) + elements
+            self._unanswered_total += elements
+
+    def _answered(self, key: TensorKey, elements: int | None) -> None:
+        """`elements` of `key`'s chunks were answered (None: all of them). Lock held."""
+        held = self._unanswered.get(key)
+        if held is None:
+            return
+        done = held if elements is None else min(held, elements)
+        if done == held:
+            del self._unanswered[key]
+        else:
+            self._unanswered[key] = held - done
+        self._unanswered_total -= done
+        self._answers += 1
 
     def send(self, event: WorkerEvent) -> None:
         """Queues one message; waits (bounded by timeouts.send) while the transport is full."""
@@ -280,6 +341,8 @@ class GrpcLink:
         """Stops waiting for `key` (inline chunks hold nothing once sent)."""
         with self._cond:
             self._results.pop(key, None)
+            self._answered(key, None)
+            self._cond.notify_all()
 
     def awaiting(self, key: TensorKey) -> bool:
         """Whether `key` is still registered (a receive for it timed out locally and may retry)."""
@@ -356,6 +419,7 @@ class GrpcLink:
                 key.step,
             )
             del self._results[key]
+            self._answered(key, None)
             # An average that arrived before its step failed is void too: every worker drops the
             # whole step, so none applies part of it. The step's failure names the original
             # culprit, where a later refusal of this key would not.
@@ -504,7 +568,10 @@ class GrpcLink:
                 pending.num_contributors = event.num_contributors
                 pending.stats = event.stats
             complete = pending.done
-            if complete or pending.error is not None:
+            paced = event.key in self._unanswered
+            if paced:
+                self._answered(event.key, length)
+            if complete or pending.error is not None or paced:
                 self._cond.notify_all()
         if complete and pending.by_elements:
             self._inputs_free(event.key)
@@ -538,6 +605,8 @@ class GrpcLink:
             for pending in self._results.values():
                 if pending.key.step == event.step and not pending.done:
                     pending.error = error
+            for key in [k for k in self._unanswered if k.step == event.step]:
+                self._answered(key, None)
             for (step, _name), bar in self._barriers.items():
                 if step == event.step:
                     bar.error = error
@@ -545,6 +614,7 @@ class GrpcLink:
             target = self._results.get(event.key)
             if target is not None and not target.done and target.error is None:
                 target.error = error
+            self._answered(event.key, None)
         elif event.barrier_name is not None:
             refused = self._barriers.get((event.step, event.barrier_name))
             if refused is not None:

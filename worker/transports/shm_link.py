@@ -57,6 +57,10 @@ class ShmLink(GrpcLink):
         self.arenas = arenas
         super().__init__(channel, accepted, timeouts, extra_metadata, cond=cond, on_break=on_break)
 
+    def _pacing_window(self) -> int:
+        """Unpaced: a same-host worker shares no link, and its arena's slots bound what it stages."""
+        return 0
+
     def lane(self) -> LaneClient | None:
         return self.arenas.lane
 
