@@ -82,13 +82,13 @@ log = logging.getLogger("gradserver.worker")
 
 _FAILED_STEPS_KEPT = 64
 _OUTBOUND_MESSAGES = 8
-# Pacing (see `GrpcLink._pace`): chunks of gradients a worker may have on one stream without
-# their averages. Four keep a remote link busy across the pipeline (bench.cluster: 2 left the
-# partitions on their own hosts short of data, 8 let the links' queues and the skew between
-# workers grow); how long a sender waits with no answer at all before it sends anyway.
+# Pacing (see `GrpcLink._pace`): chunks to be reduced (gradients, allreduces) a worker may
+# have on one stream without their answers. Four keep a remote link busy across the pipeline
+# (bench.cluster: 2 left the partitions on their own hosts short of data, 8 let the links' queues
+# and the skew between workers grow); how long a sender waits with no answer at all before it
+# sends anyway.
 _PACING_WINDOW_CHUNKS = 4
 _PACING_PATIENCE_S = 0.25
-_PACED_KINDS = frozenset({KeyKind.BLOCK, KeyKind.NON_BLOCK, KeyKind.WHOLE_MODEL})
 
 
 class _Outbound:
@@ -225,7 +225,9 @@ class GrpcLink:
         piece: np.ndarray,
         stats: SampleStats | None,
     ) -> None:
-        if self._window and key.kind in _PACED_KINDS:
+        # Paced: keys answered chunk for chunk (gradients, REDUCE collectives), which is what
+        # the window counts; the other collective kinds are answered in pieces of their own.
+        if self._window and not result_in_pieces(key):
             self._pace(key, piece.size)
         self.send(ChunkIn(self.accepted.worker_id, key, header, offset, piece.data, stats))
 
