@@ -420,3 +420,52 @@ def test_no_chunk_stays_counted_as_unanswered_after_averages_refusals_and_failed
         return seen
 
     assert _run(setups(name), work) == [[0, 0, 0]] * WORLD
+
+
+@pytest.mark.parametrize("name", NETWORK_LINKS)
+def test_a_worker_keeps_at_most_four_chunks_per_stream_unanswered_until_the_others_send_theirs(
+    setups: Callable[[str], Setup], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker 0 sends twelve chunks of a key worker 1 has not sent yet: four per stream go (one
+    stream, or one per partition: the chunks alternate between the two), then it waits (its
+    patience is made long here, so the wait is the window's, not the patience's end); once worker
+    1 sends, averages come back and the rest follow, the same bytes as ever."""
+    from gradserver.worker.transports import grpc_link
+
+    monkeypatch.setattr(grpc_link, "_PACING_PATIENCE_S", 60.0)
+    chunks = 12
+    size = chunks * CHUNK_ELEMENTS
+    key = TensorKey.non_block(0, NonBlockComponent.EMBEDDING)
+    header = ChunkHeader(DType.FLOAT32, size, ())
+    data = [np.random.default_rng([w, 11]).standard_normal(size, dtype=np.float32) for w in range(WORLD)]
+    links = _open_all(setups(name))
+    window = grpc_link._PACING_WINDOW_CHUNKS * len(_grpc_links(links[0]))
+    sent = [0] * WORLD
+    progressed = threading.Condition()
+
+    def send_all(link: Link) -> bytes:
+        me = link.accepted.worker_id
+        link.expect(key, (), size, DType.FLOAT32)
+        for offset, length in chunk_spans(size, CHUNK_ELEMENTS):
+            link.send_chunk(key, header, offset, data[me][offset : offset + length], None)
+            with progressed:
+                sent[me] += 1
+                progressed.notify_all()
+        return link.wait_result(key).array.tobytes()
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(WORLD) as pool:
+            first = pool.submit(send_all, links[0])
+            with progressed:
+                assert progressed.wait_for(lambda: sent[0] >= window, timeout=30)
+                # The fifth send waits for an answer that needs worker 1's chunk 0, which has
+                # not been sent: however long we look, worker 0 stays at the window.
+                assert not progressed.wait_for(lambda: sent[0] > window, timeout=1.0), sent
+            second = pool.submit(send_all, links[1])
+            results = [first.result(timeout=60), second.result(timeout=60)]
+    finally:
+        for link in links:
+            link.close()
+    want = ((data[0].astype(np.float64) + data[1].astype(np.float64)) / WORLD).astype(np.float32).tobytes()
+    assert results == [want, want]
+    assert sent == [chunks, chunks]
