@@ -14,12 +14,12 @@ arrays of the failed calls alive. Each call that reports a stored error raises a
 Closing or breaking the stream always ends the request iterator, so gRPC's sending thread and the
 stream's arrays do not outlive it.
 
-Gradient chunks are paced: a worker keeps at most a window of chunks on the stream whose averages
-have not come back (`_pace`). A coordinator averages a chunk only once every worker's copy is in,
-so without it a worker whose TCP flow runs ahead on a shared link fills the queues with chunks
-that cannot be averaged yet while the averages' direction idles; with it every worker's flow
-moves at the pace of the averages, and the links' queues stay short, so a step ends soon after
-its last chunk is sent (docs/PERFORMANCE.md, "Across machines: pacing").
+Chunks to be reduced (gradients, REDUCE collectives) are paced: a worker keeps at most a window
+of them on the stream whose averages have not come back (`_pace`). A coordinator averages a chunk
+only once every worker's copy is in, so without it a worker whose TCP flow runs ahead on a shared
+link fills the queues with chunks that cannot be averaged yet while the averages' direction
+idles; with it every worker's flow moves at the pace of the averages, and the links' queues stay
+short, so a step ends soon after its last chunk is sent (docs/PERFORMANCE.md, "Across machines: pacing").
 
 Other transports that keep gRPC for control (`ShmLink`) subclass it and override the few hooks
 that say how a chunk travels and what a result, an error or a lost connection frees.
@@ -174,8 +174,8 @@ class GrpcLink:
         self._on_break = on_break
         self._outbound = _Outbound(_OUTBOUND_MESSAGES)
         self._results: dict[TensorKey, PendingResult] = {}
-        # Pacing: elements of gradient chunks sent on this stream whose averages have not come
-        # back, per key, and their sum (see `_pace`).
+        # Pacing: elements of chunks to be reduced sent on this stream whose answers have not
+        # come back, per key, and their sum (see `_pace`).
         self._window = self._pacing_window()
         self._unanswered: dict[TensorKey, int] = {}
         self._unanswered_total = 0
@@ -232,8 +232,8 @@ class GrpcLink:
         self.send(ChunkIn(self.accepted.worker_id, key, header, offset, piece.data, stats))
 
     def _pacing_window(self) -> int:
-        """Elements of gradient chunks this worker may have on the way without their averages
-        (0: unpaced)."""
+        """Elements of chunks to be reduced this worker may have on the way without their
+        answers (0: unpaced)."""
         return _PACING_WINDOW_CHUNKS * (self.accepted.chunk_bytes // 4)
 
     def _pace(self, key: TensorKey, elements: int) -> None:
