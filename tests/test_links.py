@@ -353,7 +353,7 @@ def _grpc_links(link: Link) -> list[Any]:
 
 
 def _unanswered(link: Link) -> int:
-    return sum(stream._unanswered_total for stream in _grpc_links(link))
+    return sum(stream.unanswered_elements() for stream in _grpc_links(link))
 
 
 @pytest.mark.parametrize("name", NETWORK_LINKS)

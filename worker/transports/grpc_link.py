@@ -175,10 +175,9 @@ class GrpcLink:
         self._outbound = _Outbound(_OUTBOUND_MESSAGES)
         self._results: dict[TensorKey, PendingResult] = {}
         # Pacing: elements of chunks to be reduced sent on this stream whose answers have not
-        # come back, per key, and their sum (see `_pace`).
+        # come back, per key (see `_pace`).
         self._window = self._pacing_window()
         self._unanswered: dict[TensorKey, int] = {}
-        self._unanswered_total = 0
         self._answers = 0
         self._unpaced_at = -1
         self._barriers: dict[tuple[int, str], _PendingBarrier] = {}
@@ -245,7 +244,7 @@ class GrpcLink:
             seen = self._answers
             if self._unpaced_at != seen:
                 patience_ends = time.monotonic() + _PACING_PATIENCE_S
-                while self._unanswered_total >= self._window and self._broken is None:
+                while self.unanswered_elements() >= self._window and self._broken is None:
                     now = time.monotonic()
                     if self._answers != seen:
                         seen, patience_ends = self._answers, now + _PACING_PATIENCE_S
@@ -254,7 +253,12 @@ class GrpcLink:
                         break
                     self._cond.wait(patience_ends - now)
             self._unanswered[key] = self._unanswered.get(key, 0) + elements
-            self._unanswered_total += elements
+
+    def unanswered_elements(self) -> int:
+        """Elements of paced chunks on this stream still without their answers (a few keys in
+        flight at most)."""
+        with self._cond:  # reentrant: `_pace` asks with it held
+            return sum(self._unanswered.values())
 
     def _answered(self, key: TensorKey, elements: int | None) -> None:
         """`elements` of `key`'s chunks were answered (None: all of them). Lock held."""
@@ -266,7 +270,6 @@ class GrpcLink:
             del self._unanswered[key]
         else:
             self._unanswered[key] = held - done
-        self._unanswered_total -= done
         self._answers += 1
 
     def send(self, event: WorkerEvent) -> None:
