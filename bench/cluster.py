@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -308,7 +309,7 @@ class _Timeline:
         (' ' idle, '.' <25%, '-' <50%, '=' <75%, '#' above), over the busy span of the run."""
         capacity = link_mbit * 1e6 / 8
         rates: list[tuple[list[float], list[float]]] = []
-        for (t0, a), (t1, b) in zip(self._samples, self._samples[1:], strict=False):
+        for (t0, a), (t1, b) in itertools.pairwise(self._samples):
             d, full = b - a, capacity * (t1 - t0)
             rates.append(([x / full for x in d.to_host], [x / full for x in d.from_host]))
         busy = [i for i, (to, fr) in enumerate(rates) if max(*to, *fr) > 0.05]

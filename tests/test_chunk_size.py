@@ -25,7 +25,7 @@ from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each
 
 LOCAL = 8 * MIB
 REMOTE = MIB // 4
-# 2.5 local chunks, 40 remote ones.
+# 2.5 local chunks, 81 remote ones.
 ELEMENTS = 5 * MIB + 12345
 
 
@@ -161,7 +161,7 @@ def _remote_worker(processes, peer_host, port: int, steps: int = 1):
 
 
 @pytest.mark.processes
-def test_a_worker_on_another_host_makes_the_job_use_half_mib_chunks(
+def test_a_worker_on_another_host_makes_the_job_use_the_remote_chunk_size(
     processes, coordinator, peer_host
 ) -> None:
     """One worker here (shared memory, 0.25 MiB output slots after all) and one in another network

@@ -311,7 +311,7 @@ def test_partitions_started_with_different_chunk_sizes_are_refused_naming_the_pa
     assert "--chunk-mib" in info.value.message
 
 
-def test_partitions_without_chunk_mib_all_use_half_mib_chunks_with_the_same_averages(
+def test_partitions_without_chunk_mib_all_use_the_remote_chunk_size_with_the_same_averages(
     partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
     """--chunk-mib 0 (the default) on partitioned coordinators: 0.25 MiB on every partition before
@@ -321,7 +321,7 @@ def test_partitions_without_chunk_mib_all_use_half_mib_chunks_with_the_same_aver
     made = _connect(partitions.address, 2, clients)
     assert [c.chunk_bytes for c in made] == [1 << 18] * 2
     assert {s.call(lambda g: g.chunk_bytes) for s in partitions.servers} == {1 << 18}
-    size = 3 * (1 << 17) + 1001  # 4 chunks, spread over both partitions
+    size = 3 * (1 << 17) + 1001  # 7 chunks, spread over both partitions
 
     def work(c: WorkerClient) -> bytes:
         c.send_non_block_gradient(0, "LM_HEAD", _gradients(c.worker_id, 0, size, 40))
