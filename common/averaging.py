@@ -19,6 +19,12 @@ holds exactly, so it is rounded once either way). Only overflow differs: a finit
 exceeds float32 gives inf there, so a block whose result is not finite is redone in float64
 before anything is reported. tests/test_averaging.py checks the bytes against the float64 path.
 
+An average may also be written straight into its contributors' own buffers (`InPlace`: the
+same-host workers that sent a chunk from shared memory they want the average in): each block is
+reduced into a cache-sized float32 scratch, checked, and only then copied over every
+contribution, so a block whose average is not finite leaves every input of it untouched and the
+culprit is found as usual (the blocks before it hold their averages by then).
+
 With `threads` > 1 a large chunk is cut into that many element ranges (multiples of the block)
 summed by a thread pool at once (numpy releases the GIL); every element goes through the same
 operations in the same order, so the bytes are those of the single-threaded sum.
@@ -27,6 +33,7 @@ operations in the same order, so the bytes are those of the single-threaded sum.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Protocol
@@ -53,13 +60,30 @@ _BLOCK = 65536
 _SMALL = 4096  # elements: below this, one pass without the block loop (`_sum_small`)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class InPlace:
+    """Write the average over every one of `targets` (writable views of the contributions
+    themselves, in worker-id order) instead of into one buffer; `targets[0]` stands for the
+    result afterwards."""
+
+    targets: tuple[memoryview, ...]
+
+
 class OutputBuffers(Protocol):
     """Where averages may be written straight away (a transport's outbox offers them, e.g. the
     shared-memory output arena, so that sending an average copies nothing)."""
 
     def take(self, nbytes: int) -> memoryview | None: ...
 
+    def in_place(self, contributions: Sequence[bytes | memoryview]) -> InPlace | None:
+        """The contributions' own writable memory, when every contributor asked for its average
+        there (else None)."""
+        ...
+
     def give_back(self, view: memoryview) -> None: ...
+
+
+Output = memoryview | InPlace
 
 
 class Averager:
@@ -81,18 +105,31 @@ class Averager:
                 self._pool.shutdown(wait=False)
                 self._pool = None
 
-    def take_output(self, contributions: Sequence[bytes | memoryview], dtype: DType) -> memoryview | None:
-        """A buffer from `output_buffers` for the average of `contributions`, when one is offered
-        (float32 averages of several contributions only: one is returned as is)."""
+    def take_output(
+        self,
+        contributions: Sequence[bytes | memoryview],
+        dtype: DType,
+        *,
+        divide: bool = True,
+        finite_only: bool = True,
+    ) -> Output | None:
+        """Where `output_buffers` has the average of `contributions` written, when they offer a
+        place (float32 averages of several contributions only: one is returned as is): over the
+        contributions themselves when each asked for that (means of finite values only, so that
+        a failure still finds its culprit), else a buffer."""
         buffers = self.output_buffers
         if buffers is None or dtype is not DType.FLOAT32 or len(contributions) < 2:
             return None
+        if divide and finite_only:
+            in_place = buffers.in_place(contributions)
+            if in_place is not None:
+                return in_place
         return buffers.take(payload_nbytes(contributions[0]))
 
-    def give_back(self, out: memoryview | None) -> None:
-        """Returns a buffer from `take_output` that holds no average after all."""
+    def give_back(self, out: Output | None) -> None:
+        """Returns what `take_output` gave that holds no average after all."""
         if out is not None and self.output_buffers is not None:
-            self.output_buffers.give_back(out)
+            self.output_buffers.give_back(out.targets[0] if isinstance(out, InPlace) else out)
 
     def reduce(
         self,
@@ -104,10 +141,9 @@ class Averager:
     ) -> bytes | memoryview:
         """`average`, written into a buffer from `output_buffers` when one is offered (and given
         back when the average fails)."""
-        buffers = self.output_buffers
         out = None
-        if buffers is not None:
-            out = self.take_output(contributions, dtype)
+        if self.output_buffers is not None:
+            out = self.take_output(contributions, dtype, divide=divide, finite_only=finite_only)
         try:
             return self.average(contributions, divide=divide, dtype=dtype, out=out, finite_only=finite_only)
         except (SumOverflow, NonFiniteContribution):
@@ -120,7 +156,7 @@ class Averager:
         *,
         divide: bool = True,
         dtype: DType = DType.FLOAT32,
-        out: memoryview | None = None,
+        out: Output | None = None,
         finite_only: bool = True,
     ) -> bytes | memoryview:
         """Mean of little-endian float32 buffers, given in worker-id order; with `divide` False
@@ -129,7 +165,12 @@ class Averager:
         without `finite_only` both are results (the float64 sum rounded once: Inf, NaN), as
         torch.distributed gives them. 16-bit `dtype` payloads: see `_average_16`.
         A writable float32-sized `out` receives the result and is returned itself (one input
-        is returned as is, without touching `out`)."""
+        is returned as is, without touching `out`); an `InPlace` `out` gets it over every one of
+        its targets, and the first is returned."""
+        if isinstance(out, InPlace):
+            if dtype is not DType.FLOAT32 or not divide or not finite_only or len(contributions) < 2:
+                raise ValueError("averages in place are float32 means of several finite contributions")
+            return self._average_in_place(contributions, out)
         if dtype is not DType.FLOAT32:
             return self._average_16(contributions, dtype, divide, finite_only)
         arrays = [np.frombuffer(c, dtype=_F32) for c in contributions]
@@ -158,6 +199,45 @@ class Averager:
         if not finite and finite_only:
             raise _locate_non_finite(arrays, overflow_possible=not divide)
         return result.data if out is None else out
+
+    def _average_in_place(self, contributions: Sequence[bytes | memoryview], out: InPlace) -> memoryview:
+        arrays = [np.frombuffer(c, dtype=_F32) for c in contributions]
+        targets = [np.frombuffer(t, dtype=_F32) for t in out.targets]
+        size = arrays[0].size
+        if any(t.size != size for t in targets):
+            raise ValueError("every in-place target must be as long as the contributions")
+        parts = max(1, min(self._threads, size // (2 * _BLOCK)))
+        bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
+        if parts > 1:
+            pool = self._range_pool()
+            jobs = [
+                pool.submit(self._in_place_range, arrays, targets, bounds[i], bounds[i + 1])
+                for i in range(parts)
+            ]
+            finite = all([job.result() for job in jobs])
+        else:
+            finite = self._in_place_range(arrays, targets, 0, size)
+        if not finite:
+            raise _locate_non_finite(arrays)
+        return out.targets[0]
+
+    def _in_place_range(
+        self, arrays: list[np.ndarray], targets: list[np.ndarray], begin: int, end: int
+    ) -> bool:
+        """Averages elements [begin, end) block by block into a float32 scratch (the same
+        operations as `_sum_range`, so the same bytes) and copies each finite block over every
+        target; stops at the first block that is not, leaving its inputs as they were."""
+        block = getattr(self._local, "block", None)
+        if block is None:
+            block = self._local.block = np.empty(_BLOCK, dtype=_F32)
+        for start in range(begin, end, _BLOCK):
+            stop = min(start + _BLOCK, end)
+            result = block[: stop - start]
+            if not self._sum_range([a[start:stop] for a in arrays], result, 0, stop - start, True):
+                return False
+            for target in targets:
+                target[start:stop] = result
+        return True
 
     def _range_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._pool_lock:

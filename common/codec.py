@@ -442,7 +442,7 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
         data = memoryview(chunk.data)
     elif data is None and payload == "shm":
         try:
-            shm = _shm_from_pb(chunk.shm, context=context, expected="in")
+            shm = _shm_from_pb(chunk.shm, context=context, allowed=("in", "inout"))
         except InvalidArgumentError as exc:
             exc.step, exc.key, exc.worker_id = key.step, str(key), chunk.worker_id
             raise
@@ -542,13 +542,13 @@ def _shm_to_pb(ref: ShmRef) -> pb.SharedMemoryRef:
     return pb.SharedMemoryRef(name=ref.name, offset=ref.offset, length=ref.length)
 
 
-def _shm_from_pb(msg: pb.SharedMemoryRef, *, context: str, expected: str) -> ShmRef:
-    """A shared-memory reference; only the arena `expected` may be named (bounds are checked
+def _shm_from_pb(msg: pb.SharedMemoryRef, *, context: str, allowed: tuple[str, ...]) -> ShmRef:
+    """A shared-memory reference; only the arenas `allowed` may be named (bounds are checked
     against the mapped arena by whoever resolves it)."""
-    if msg.name != expected:
+    if msg.name not in allowed:
         raise InvalidArgumentError(
             f"{context}: shared-memory payload names arena {msg.name[:MAX_NAME_LENGTH]!r}; only "
-            f"{expected!r} is allowed here"
+            f"{' or '.join(repr(a) for a in allowed)} is allowed here"
         )
     return ShmRef(msg.name, msg.offset, msg.length)
 
@@ -625,7 +625,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
             key = _key_from_pb(a.key, who="coordinator", limits=None)
             shm = None
             if a.WhichOneof("payload") == "shm":
-                shm = _shm_from_pb(a.shm, context=f"coordinator, {key}", expected="out")
+                shm = _shm_from_pb(a.shm, context=f"coordinator, {key}", allowed=("out", "in"))
                 data = memoryview(b"")
             elif data is None:
                 data = memoryview(a.data)

@@ -160,8 +160,10 @@ class ChunkHeader:
 
 @dataclasses.dataclass(frozen=True)
 class ShmRef:
-    """Where a payload lies in a shared-memory arena: its name ("in" or "out"), byte offset and
-    byte length (docs/PROTOCOL.md, "Shared memory")."""
+    """Where a payload lies in a shared-memory arena: its name, byte offset and byte length
+    (docs/PROTOCOL.md, "Shared memory"). A chunk names "in" (the sender's input arena) or "inout"
+    (there too, and its average is wanted over it); an average names "out" (the output arena) or
+    "in" (written over the recipient's own "inout" chunk)."""
 
     name: str
     offset: int

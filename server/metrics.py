@@ -83,6 +83,11 @@ class CoordinatorMetrics:
             "Bytes of averages written straight into an output slot (no copy to publish them)",
             registry=registry,
         )
+        self.shm_averaged_over_inputs_bytes = Counter(
+            "gradserver_shm_averaged_over_inputs_bytes",
+            "Bytes of averages written over the contributors' own inout chunks (bytes per average)",
+            registry=registry,
+        )
         self.reduce_latency = Histogram(
             "gradserver_reduce_latency_seconds",
             "Per key: first contribution to last averaged chunk",

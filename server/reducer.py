@@ -30,7 +30,7 @@ import logging
 import os
 from collections.abc import Callable, Collection
 
-from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
+from gradserver.common.averaging import Averager, NonFiniteContribution, Output, SumOverflow
 from gradserver.common.messages import AveragedChunkOut
 
 from .outgoing import Outgoing
@@ -60,7 +60,7 @@ def average_on_loop(workers: Collection[int], uses_shm: Callable[[int], bool], c
 Result = tuple[bytes | memoryview | None, SumOverflow | NonFiniteContribution | None]
 # Hands a result to its table on the loop; returns what was sent (nothing when it was dropped).
 Finish = Callable[[ReductionTable, Reduce, Result], list[Outgoing]]
-_Pending = tuple[ReductionTable, Reduce, "memoryview | None", "asyncio.Future[Result]"]
+_Pending = tuple[ReductionTable, Reduce, "Output | None", "asyncio.Future[Result]"]
 
 
 class Reducer:
@@ -78,7 +78,13 @@ class Reducer:
 
     def submit(self, table: ReductionTable, request: Reduce) -> None:
         # A reduce-scatter's chunks are copied into its result: no output buffer is worth taking.
-        out = None if request.scattered else self._averager.take_output(request.data, request.dtype)
+        out = (
+            None
+            if request.scattered
+            else self._averager.take_output(
+                request.data, request.dtype, divide=request.divide, finite_only=request.finite_only
+            )
+        )
         # Only with nothing ahead of it: the results go back in request order.
         if not self._queue and (request.nbytes < INLINE_BELOW_BYTES or self._on_loop()):
             self._done(table, request, out, self._average(request, out))
@@ -113,7 +119,7 @@ class Reducer:
             self._queue.popleft()
             self._done(table, request, out, future.result())
 
-    def _average(self, request: Reduce, out: memoryview | None) -> Result:
+    def _average(self, request: Reduce, out: Output | None) -> Result:
         try:
             averaged = self._averager.average(
                 request.data,
@@ -126,7 +132,7 @@ class Reducer:
             return None, exc
         return averaged, None
 
-    def _done(self, table: ReductionTable, request: Reduce, out: memoryview | None, result: Result) -> None:
+    def _done(self, table: ReductionTable, request: Reduce, out: Output | None, result: Result) -> None:
         sent = self._finish(table, request, result)
         averaged = result[0]
         used = any(isinstance(o.event, AveragedChunkOut) and o.event.data is averaged for o in sent)

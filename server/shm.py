@@ -6,15 +6,18 @@ is known as such) with a listening AF_UNIX socket and a random nonce; both go to
 JoinResponse. A worker that reaches the socket proves it is on this host and can open this
 directory; the nonce (sent first) proves to the worker that it reached the coordinator that
 answered its Join; SO_PEERCRED's uid and the member token from Join prove who
-the worker is. The worker passes its sealed input arena, which is mapped read-only here, and gets
-a read-only descriptor of the output arena.
+the worker is. The worker passes its sealed input arena, and gets a read-only descriptor of the
+output arena.
 
 Chunks then name byte ranges of the sender's input arena (`resolve` turns them into read-only
 views for the reduction table) and averages are written once into a slot of the output arena and
-named to every shared-memory recipient (`publish`). A slot is reused only when every recipient
-released it (over the Unix socket) or left; when no slot is free, the average goes inline, so a
-slow reader never blocks anyone. A departed worker's arena is never read again: its peer entry
-goes, and the table holds copies of whatever of its data it still needs (`copy_held_data`).
+named to every shared-memory recipient (`publish`). When every contributor named its chunk
+"inout" (it wants the average over it: `into=` the buffer it sent), the average is written over
+the contributors' own chunks instead (`in_place`), the only write into an input arena, and
+nothing is copied out. A slot is reused only when every recipient released it (over the Unix
+socket) or left; when no slot is free, the average goes inline, so a slow reader never blocks
+anyone. A departed worker's arena is never read again: its peer entry goes, and the table holds
+copies of whatever of its data it still needs (`copy_held_data`).
 `ShmOutbox` is this transport's outbox (server/outbox.py): what the coordinator calls.
 
 Everything here runs on the coordinator's event loop except the blocking handshake reads, which
@@ -37,8 +40,10 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+import numpy as np
+
 from gradserver.common import lane, shm
-from gradserver.common.averaging import Averager
+from gradserver.common.averaging import Averager, InPlace
 from gradserver.common.errors import GradServerError, InvalidArgumentError
 from gradserver.common.messages import AveragedChunkOut, ChunkIn, ShmRef
 
@@ -98,8 +103,21 @@ class _Peer:
     token: int
     conn: socket.socket
     arena: mmap.mmap
-    view: memoryview
+    view: memoryview  # read-only: what chunks are resolved to
+    writable: memoryview  # for averages over "inout" chunks only
+    base: int  # the arena's address here
     reader: asyncio.Task[Any] | None = None
+
+    def locate(self, data: bytes | memoryview) -> int | None:
+        """The byte offset of `data` in this peer's arena, when it lies there."""
+        address = _address(data)
+        if self.base <= address and address + len(data) <= self.base + len(self.view):
+            return address - self.base
+        return None
+
+
+def _address(data: bytes | memoryview) -> int:
+    return int(np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0])
 
 
 class ShmHub:
@@ -133,6 +151,11 @@ class ShmHub:
         self._holders: dict[int, set[int]] = {}  # output slot offset -> workers yet to release it
         # Slots handed to the averager to write into (`take`), keyed by the view's id.
         self._reserved: dict[int, tuple[memoryview, int]] = {}
+        # "inout" chunks resolved and not yet averaged: (worker, arena offset) -> byte length.
+        self._inout: dict[tuple[int, int], int] = {}
+        # Averages handed out to be written over their contributors' chunks (`in_place`), keyed
+        # by the id of the first target: the target and each contributor's (offset, length).
+        self._over_inputs: dict[int, tuple[memoryview, dict[int, tuple[int, int]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # The collective lane, when offered: its arena goes to every worker that registers.
         self.lane: Lane | None = None
@@ -169,6 +192,8 @@ class ShmHub:
             os.close(self._out_fd)
             self._out_fd = -1
         self._reserved.clear()
+        self._over_inputs.clear()
+        self._inout.clear()
         if self._out is not None:
             # A view still alive (an average being encoded) keeps the mapping until it goes.
             with contextlib.suppress(BufferError):
@@ -227,6 +252,10 @@ class ShmHub:
                 key=str(key),
                 worker_id=w,
             )
+        if ref.name == "inout":
+            self._inout[(w, ref.offset)] = ref.length
+        else:
+            self._inout.pop((w, ref.offset), None)
         return dataclasses.replace(chunk, data=peer.view[ref.offset : ref.offset + ref.length], shm=None)
 
     def take(self, nbytes: int) -> memoryview | None:
@@ -245,8 +274,33 @@ class ShmHub:
         self._reserved[id(view)] = (view, offset)
         return view
 
+    def in_place(self, contributions: Sequence[bytes | memoryview]) -> InPlace | None:
+        """Writable views of the contributions themselves, when every one is a registered
+        worker's "inout" chunk (it asked for its average there: `into=` the buffer it sent); the
+        average then needs no output slot and its recipients nothing copied out. None otherwise
+        (a gRPC worker's chunk, one that asked nothing, one the table copied)."""
+        if len(contributions) > len(self._peers):
+            return None
+        found: list[tuple[int, int, int]] = []
+        for data in contributions:
+            place = next(((w, o) for w, p in self._peers.items() if (o := p.locate(data)) is not None), None)
+            if place is None or self._inout.get(place) != len(data):
+                return None
+            found.append((*place, len(data)))
+        if len({w for w, _, _ in found}) != len(found):
+            return None
+        targets = tuple(self._peers[w].writable[o : o + n] for w, o, n in found)
+        for w, o, _ in found:
+            del self._inout[(w, o)]
+        self._over_inputs[id(targets[0])] = (targets[0], {w: (o, n) for w, o, n in found})
+        return InPlace(targets)
+
     def give_back(self, view: memoryview) -> None:
-        """Frees a slot from `take` that holds no average after all (the step failed)."""
+        """Frees a slot from `take` that holds no average after all (the step failed), or forgets
+        an average `in_place` handed out."""
+        over = self._over_inputs.pop(id(view), None)
+        if over is not None and over[0] is not view:
+            self._over_inputs[id(view)] = over  # another object under a reused id
         entry = self._reserved.pop(id(view), None)
         if entry is not None and entry[0] is view:
             self._slots.free(entry[1])
@@ -257,6 +311,12 @@ class ShmHub:
         """Splits one average's recipients: shared-memory ones get a reference into an output
         slot holding the bytes (the one the averager wrote into, or a fresh one it is copied
         to), the others (or everyone, when no slot is free) inline."""
+        over = self._over_inputs.pop(id(event.data), None)
+        if over is not None and over[0] is not event.data:
+            self._over_inputs[id(event.data)] = over  # another object under a reused id
+            over = None
+        if over is not None:
+            return self._publish_over_inputs(event, to, over[1])
         readers = tuple(w for w in to if w in self._peers)
         reserved = self._reserved.pop(id(event.data), None)
         if reserved is not None and reserved[0] is not event.data:
@@ -288,6 +348,23 @@ class ShmHub:
             out.append((event, rest))
         return out
 
+    def _publish_over_inputs(
+        self, event: AveragedChunkOut, to: tuple[int, ...], places: dict[int, tuple[int, int]]
+    ) -> list[tuple[AveragedChunkOut, tuple[int, ...]]]:
+        """An average written over its contributors' chunks: each of them is told where it lies
+        in its own arena; anyone else (none, unless the recipients changed) gets it as usual,
+        copied from the first contributor's arena before anything returns."""
+        out: list[tuple[AveragedChunkOut, tuple[int, ...]]] = []
+        for w in to:
+            if w in places and w in self._peers:
+                offset, length = places[w]
+                self._metrics.shm_averaged_over_inputs_bytes.inc(length)
+                out.append((dataclasses.replace(event, data=b"", shm=ShmRef("in", offset, length)), (w,)))
+        rest = tuple(w for w in to if not any(w in t for _, t in out))
+        if rest:
+            out.extend(self.publish(dataclasses.replace(event, data=bytes(event.data)), rest))
+        return out
+
     def release(self, worker_id: int, offset: int) -> None:
         holders = self._holders.get(offset)
         if holders is None or worker_id not in holders:
@@ -308,7 +385,10 @@ class ShmHub:
         if peer.reader is not None and peer.reader is not asyncio.current_task():
             peer.reader.cancel()
         peer.conn.close()
+        for place in [p for p in self._inout if p[0] == worker_id]:
+            del self._inout[place]
         peer.view.release()
+        peer.writable.release()
         # Views the table still holds keep the mapping alive until they go (never re-read: the
         # table copies a lost worker's data first); the kernel unmaps it then.
         with contextlib.suppress(BufferError):
@@ -350,10 +430,14 @@ class ShmHub:
                 )
             member = self._authenticate(worker_id, session_id, token)
             try:
-                arena = shm.map_readonly(fds[0], f"worker {worker_id}'s input arena")
+                # Writable only for the averages its "inout" chunks ask for.
+                arena = shm.map_shared(fds[0], f"worker {worker_id}'s input arena")
             except (ValueError, OSError) as exc:
                 raise InvalidArgumentError(str(exc)) from None
-            self._register(_Peer(worker_id, member.token, conn, arena, memoryview(arena)))
+            view = memoryview(arena).toreadonly()
+            self._register(
+                _Peer(worker_id, member.token, conn, arena, view, memoryview(arena), _address(view))
+            )
             given = [shm.readonly_fd(self._out_fd)]
             if self.lane is not None:
                 given.append(self.lane.shared_fd())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradserver.common.averaging import Averager, NonFiniteContribution
+from gradserver.common.averaging import Averager, InPlace, NonFiniteContribution
+from gradserver.common.messages import DType
 
 
 def _parts(n: int, size: int = 4096) -> list[bytes]:
@@ -117,3 +118,51 @@ def test_a_small_chunk_gives_the_bytes_of_the_same_elements_in_a_large_one(
                 [x[start : start + length].tobytes() for x in inputs], divide=divide, finite_only=False
             )
             assert bytes(small) == large[start : start + length].tobytes()
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_average_in_place_has_the_bytes_of_one_into_a_buffer_over_every_input(
+    workers: int, threads: int
+) -> None:
+    """`InPlace` (the shared-memory path's `into=` the buffer sent): every contribution is
+    overwritten with the same bytes the ordinary path gives, large sums and subnormals included,
+    over several blocks and a ragged tail."""
+    rng = np.random.default_rng(31 + workers)
+    size = 3 * 65536 + 1001
+    inputs = [_finite_float32_bits(rng, size) for _ in range(workers)]
+    want = bytes(Averager().average([x.tobytes() for x in inputs]))
+    buffers = [bytearray(x.tobytes()) for x in inputs]
+    averager = Averager(threads)
+    result = averager.average(
+        [memoryview(b).toreadonly() for b in buffers], out=InPlace(tuple(memoryview(b) for b in buffers))
+    )
+    assert bytes(result) == want
+    assert all(bytes(b) == want for b in buffers)
+
+
+def test_a_non_finite_value_in_place_names_its_culprit_and_leaves_its_block_as_sent() -> None:
+    """A block is written over the inputs only once its average is finite: the culprit and its
+    element are found as on the ordinary path, and the failing block (and what follows) still
+    holds what was sent."""
+    size = 4 * 65536
+    inputs = [np.random.default_rng(w).standard_normal(size, dtype=np.float32) for w in range(2)]
+    inputs[1][2 * 65536 + 7] = np.inf
+    buffers = [bytearray(x.tobytes()) for x in inputs]
+    with pytest.raises(NonFiniteContribution) as info:
+        Averager().average(
+            [memoryview(b).toreadonly() for b in buffers], out=InPlace(tuple(memoryview(b) for b in buffers))
+        )
+    assert (info.value.position, info.value.element) == (1, 2 * 65536 + 7)
+    for sent, buffer in zip(inputs, buffers, strict=True):
+        assert bytes(buffer)[2 * 65536 * 4 :] == sent[2 * 65536 :].tobytes()
+
+
+def test_in_place_is_only_for_means_of_finite_float32_values() -> None:
+    """A sum may overflow in a block after earlier blocks were overwritten, which would make the
+    culprit unfindable: refused, as are 16-bit payloads and a lone contribution."""
+    buffers = [bytearray(16), bytearray(16)]
+    out = InPlace(tuple(memoryview(b) for b in buffers))
+    for kwargs in ({"divide": False}, {"finite_only": False}, {"dtype": DType.BFLOAT16}):
+        with pytest.raises(ValueError, match="float32 means"):
+            Averager().average([bytes(b) for b in buffers], out=out, **kwargs)

@@ -10,7 +10,7 @@ from gradserver.common import codec
 from gradserver.common._pb import gradient_server_pb2 as pb
 from gradserver.common.chunking import chunk_spans
 from gradserver.common.components import NonBlockComponent, compute_block_sizes
-from gradserver.common.errors import InvalidArgumentError, ResourceExhaustedError
+from gradserver.common.errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from gradserver.common.messages import (
     AveragedChunkOut,
     BarrierIn,
@@ -26,6 +26,7 @@ from gradserver.common.messages import (
     SampleRangeAssignmentOut,
     SampleRangeRequestIn,
     SampleStats,
+    ShmRef,
     ShutdownOut,
     TensorKey,
 )
@@ -239,3 +240,25 @@ def test_chunk_errors_name_worker_step_and_key() -> None:
         codec.decode_worker_message(_chunk(data=b"\0" * 12), LIMITS)
     assert info.value.message.startswith("worker 1, step 4 non-block LM_HEAD")
     assert (info.value.step, info.value.worker_id) == (4, 1)
+
+
+@pytest.mark.parametrize("name", ["in", "inout", "out", "x"])
+def test_a_chunk_names_its_senders_arena_and_an_average_the_output_or_the_recipients(name: str) -> None:
+    """Chunks lie in the sender's input arena ("in"; "inout": the average is wanted over them),
+    averages in the output arena ("out") or over the recipient's own "inout" chunk ("in"); any
+    other name is refused with the names allowed."""
+    key = TensorKey.non_block(4, NonBlockComponent.LM_HEAD)
+    header = ChunkHeader(DType.FLOAT32, 4, ())
+    chunk = ChunkIn(1, key, header, 0, b"", None, ShmRef(name, 64, 16))
+    average = AveragedChunkOut(key, header, 0, b"", 2, shm=ShmRef(name, 64, 16))
+    raw_chunk, raw_average = codec.encode_worker_event(chunk), codec.encode_server_event(average)
+    if name in ("in", "inout"):
+        assert codec.decode_worker_message(raw_chunk, LIMITS).shm == ShmRef(name, 64, 16)
+    else:
+        with pytest.raises(InvalidArgumentError, match="only 'in' or 'inout' is allowed"):
+            codec.decode_worker_message(raw_chunk, LIMITS)
+    if name in ("out", "in"):
+        assert codec.decode_server_message(raw_average).shm == ShmRef(name, 64, 16)
+    else:
+        with pytest.raises(InternalError, match="only 'out' or 'in' is allowed"):
+            codec.decode_server_message(raw_average)

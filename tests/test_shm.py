@@ -153,6 +153,66 @@ def test_an_in_place_allreduce_writes_the_same_bytes_into_the_senders_buffer(
     server = shm_coordinator(world_size=2)
     results = _run(server, transports, _workload_in_place)
     assert results[0] == results[1] == _reference(2)
+    # With every worker on shared memory the averages (not the SUM collective's) are written
+    # over the senders' own buffers: nothing goes through the output arena or is copied out.
+    over_inputs = server.call(lambda s: metric(s, "gradserver_shm_averaged_over_inputs_bytes_total"))
+    assert (over_inputs > 0) == (transports == ("shm", "shm"))
+    if transports == ("shm", "shm"):
+        gradients = 2 * 4 * (3 * sum(SIZES) + 9000 + 5000)  # two steps, bytes per recipient
+        assert over_inputs == 2 * gradients
+
+
+def test_an_average_over_the_inputs_needs_every_worker_to_want_it_there(shm_coordinator) -> None:
+    """One worker sends from a gradient_buffer into= it, the other into a separate array: the
+    average goes through the output arena to both, with the same bytes."""
+    server = shm_coordinator(world_size=2)
+
+    def work(c: CollectiveClient) -> bytes:
+        buf = c.gradient_buffer(10000)
+        buf[:] = _data(c.worker_id, 3, 10000)
+        into = buf if c.worker_id == 0 else np.empty(10000, np.float32)
+        c.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, buf, into=into)
+        got = c.receive_averaged_non_block().gradients
+        assert np.shares_memory(got, into)
+        return got.tobytes()
+
+    results = _run(server, ["shm", "shm"], work)
+    want = ((_data(0, 3, 10000).astype(np.float64) + _data(1, 3, 10000)) / 2).astype(np.float32)
+    assert results == [want.tobytes()] * 2
+    assert server.call(lambda s: metric(s, "gradserver_shm_averaged_over_inputs_bytes_total")) == 0
+    assert server.call(lambda s: metric(s, "gradserver_shm_averaged_in_place_bytes_total")) > 0
+
+
+def test_a_non_finite_value_averaged_over_the_inputs_fails_the_step_naming_its_sender(
+    shm_coordinator,
+) -> None:
+    """In place as well, a NaN fails the step for everyone, naming the worker and the element;
+    the next step of the same buffers is averaged as usual."""
+    server = shm_coordinator(world_size=2)
+    size = 3 * 4096 + 5  # four chunks; the NaN is in the third
+
+    def work(c: CollectiveClient) -> tuple[str, bytes]:
+        buf = c.gradient_buffer(size)
+        buf[:] = _data(c.worker_id, 4, size)
+        if c.worker_id == 1:
+            buf[2 * 4096 + 9] = np.nan
+        c.send_non_block_gradient(0, NonBlockComponent.LM_HEAD, buf, into=buf)
+        try:
+            c.receive_averaged_non_block()
+            error = "no error"
+        except GradServerError as exc:
+            error = str(exc)
+        buf[:] = _data(c.worker_id, 5, size)
+        c.send_non_block_gradient(1, NonBlockComponent.LM_HEAD, buf, into=buf)
+        c.receive_averaged_non_block()
+        return error, buf.tobytes()
+
+    results = _run(server, ["shm", "shm"], work)
+    want = ((_data(0, 5, size).astype(np.float64) + _data(1, 5, size)) / 2).astype(np.float32)
+    for error, step1 in results:
+        assert "worker 1 sent a non-finite value" in error and "step 0" in error, error
+        assert f"element {2 * 4096 + 9}" in error, error
+        assert step1 == want.tobytes()
 
 
 def test_into_that_cannot_take_the_average_is_refused_by_name(shm_coordinator) -> None:
@@ -327,7 +387,8 @@ def test_no_side_can_write_into_another_sides_memory(shm_coordinator) -> None:
     server = shm_coordinator(world_size=1)
     (client,) = connect_ranks(server.address, ["shm"])
     try:
-        # The coordinator maps the worker's input arena read-only.
+        # What the coordinator reads of a worker's input arena is read-only (it writes there only
+        # the averages of chunks that ask for it, "inout").
         assert server.call(lambda s: s.shm._peers[0].view.readonly if s.shm else False)
         assert client.transport == "shm"
         channel = client._link.arenas

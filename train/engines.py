@@ -149,10 +149,13 @@ class CoordinatorEngine(AveragingEngine):
         return make
 
     def _submit(self, key: Key, flat: torch.Tensor, num_blocks: int, sizes: tuple[int, ...]) -> None:
+        # Averaged into `flat` itself, as all_reduce does: on shared memory, with `flat` in the
+        # client's arena (`gradient_allocator`), the coordinator writes it there and nothing is
+        # copied; otherwise it lands in `flat` directly instead of in a result array first.
         if key[0] == "block":
-            self.client.send_block_gradient(self._step, key[1], num_blocks, flat, sizes)
+            self.client.send_block_gradient(self._step, key[1], num_blocks, flat, sizes, into=flat)
         else:
-            self.client.send_non_block_gradient(self._step, key[1], flat)
+            self.client.send_non_block_gradient(self._step, key[1], flat, into=flat)
         self._submitted.append(_Submitted(key, flat))
 
     def finish(self) -> list[tuple[Key, torch.Tensor]]:

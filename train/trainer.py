@@ -288,7 +288,8 @@ class DistributedTrainer:
                 raise InternalError(
                     f"average of {kind} {index} has {avg.numel()} elements, expected {target.numel()}"
                 )
-            target.copy_(avg.reshape(-1), non_blocking=True)
+            if avg.data_ptr() != target.data_ptr():  # else averaged in place already
+                target.copy_(avg.reshape(-1), non_blocking=True)
         for b, block in enumerate(self.model.block_list()):
             for param, grad in zip(block.components(), acc.block_grads[b].components, strict=True):
                 param.grad = grad.view(param.shape)

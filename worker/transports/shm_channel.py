@@ -172,14 +172,10 @@ class ShmChannel:
         """Where the chunk `piece` (elements from `offset` of `key`) lies in the input arena once
         written there; None when it must go inline (no slot freed up within `wait_s`)."""
         nbytes = piece.nbytes
-        address = int(piece.__array_interface__["data"][0])
-        if (
-            self._base <= address
-            and address + nbytes <= self._base + len(self._arena)
-            and piece.flags.c_contiguous
-        ):
+        where = self.placed(piece)
+        if where is not None:
             self.zero_copy_bytes += nbytes
-            return ShmRef("in", address - self._base, nbytes)
+            return ShmRef("in", where, nbytes)
         if nbytes > self._slots.slot_bytes:
             return None
         deadline = time.monotonic() + wait_s
@@ -193,6 +189,18 @@ class ShmChannel:
         self._arena_view[slot : slot + nbytes] = piece.view(np.uint8)
         self.staged_bytes += nbytes
         return ShmRef("in", slot, nbytes)
+
+    def placed(self, piece: np.ndarray) -> int | None:
+        """The byte offset of `piece` in the input arena when it lies there contiguously (a
+        `gradient_buffer` or a slice of one: sent from where it lies), else None."""
+        address = int(piece.__array_interface__["data"][0])
+        if (
+            self._base <= address
+            and address + piece.nbytes <= self._base + len(self._arena)
+            and piece.flags.c_contiguous
+        ):
+            return address - self._base
+        return None
 
     def chunk_done(self, key: TensorKey, offset: int) -> None:
         """The coordinator is done with this chunk (averaged, or refused): its slot is free."""
@@ -225,6 +233,16 @@ class ShmChannel:
                 f"its {len(self._out)}-byte arena"
             )
         return self._out_view[ref.offset : ref.offset + ref.length].view(_F32)
+
+    def own_average(self, ref: ShmRef) -> np.ndarray:
+        """The float32 average the coordinator wrote over this worker's own "inout" chunk at
+        `ref` (a view of the input arena; nothing to release). Outside it: InternalError."""
+        if ref.offset % 4 or ref.length % 4 or ref.offset + ref.length > len(self._arena):
+            raise InternalError(
+                f"coordinator named input bytes [{ref.offset}, {ref.offset + ref.length}) outside "
+                f"this worker's {len(self._arena)}-byte arena"
+            )
+        return self._arena_view[ref.offset : ref.offset + ref.length].view(_F32)
 
     def result_bytes(self, ref: ShmRef) -> np.ndarray:
         """The raw bytes of a byte-moving collective's result the coordinator wrote at `ref` (a

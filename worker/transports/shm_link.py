@@ -26,6 +26,7 @@ from gradserver.common.messages import (
     ErrorOut,
     JoinAccepted,
     SampleStats,
+    ShmRef,
     TensorKey,
 )
 from gradserver.common.timeouts import Timeouts
@@ -86,10 +87,25 @@ class ShmLink(GrpcLink):
             ref = self.arenas.stage(key, offset, piece, wait_s=0.0)
         else:
             ref = self.arenas.stage(key, offset, piece)
+            if ref is not None and self._average_lands_on(key, header, offset, piece):
+                ref = ShmRef("inout", ref.offset, ref.length)
         if ref is None:
             super().send_chunk(key, header, offset, piece, stats)
         else:
             self.send(ChunkIn(self.accepted.worker_id, key, header, offset, b"", stats, ref))
+
+    def _average_lands_on(self, key: TensorKey, header: ChunkHeader, offset: int, piece: np.ndarray) -> bool:
+        """Whether `piece` lies in the input arena and its average is to be written over it
+        (`into=` the buffer sent, a `gradient_buffer`): the coordinator may then write it there
+        and nothing is copied out (docs/PROTOCOL.md, "Shared memory")."""
+        if header.dtype is not DType.FLOAT32 or self.arenas.placed(piece) is None:
+            return False
+        with self._cond:
+            pending = self._results.get(key)
+        if pending is None or pending.dtype is not DType.FLOAT32:
+            return False
+        target = pending.array[offset : offset + piece.size]
+        return target.size == piece.size and _address(target) == _address(piece)
 
     def forget(self, key: TensorKey) -> None:
         """Stops waiting for `key` and frees the input slots its chunks were staged in (called
@@ -104,6 +120,11 @@ class ShmLink(GrpcLink):
             self.arenas.chunk_done(event.key, event.offset)
         if event.shm is None:
             super()._on_chunk(event)
+            return
+        if event.shm.name == "in":
+            # Written over this worker's own "inout" chunk: usually the very memory awaiting it,
+            # so `_fill` finds nothing to copy; no output slot to release.
+            self._fill(event, self.arenas.own_average(event.shm))
             return
         try:
             if event.header.dtype is DType.BYTES:
@@ -133,3 +154,7 @@ class ShmLink(GrpcLink):
             super().close()
         finally:
             self.arenas.close()
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
