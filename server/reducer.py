@@ -18,7 +18,9 @@ loop), the queue in front of it stayed ~13 deep, each entry holding an output sl
 took ~0.30 s instead of ~0.22 s (docs/PERFORMANCE.md, "Averaging on the loop or a thread").
 
 An output buffer (the shared-memory output arena) is taken and given back on the loop only; the
-thread just writes the average into it.
+thread just writes the average into it. An average written over the workers' own chunks
+(`InPlace`) is always computed on the loop: the loop also sends the step failures after which a
+worker may reuse that memory, so no such write can still be under way when one is sent.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import logging
 import os
 from collections.abc import Callable, Collection
 
-from gradserver.common.averaging import Averager, NonFiniteContribution, Output, SumOverflow
+from gradserver.common.averaging import Averager, InPlace, NonFiniteContribution, Output, SumOverflow
 from gradserver.common.messages import AveragedChunkOut
 
 from .outgoing import Outgoing
@@ -85,14 +87,25 @@ class Reducer:
                 request.data, request.dtype, divide=request.divide, finite_only=request.finite_only
             )
         )
+        loop = asyncio.get_running_loop()
+        if isinstance(out, InPlace):
+            # Written over the workers' own memory, here on the loop: a step failure (after which
+            # a worker may reuse that memory) is sent from the loop too, so none can be sent while
+            # such a write is under way. Its result still goes back in request order.
+            result = self._average(request, out)
+            if not self._queue:
+                self._done(table, request, out, result)
+                return
+            future: asyncio.Future[Result] = loop.create_future()
+            future.set_result(result)
         # Only with nothing ahead of it: the results go back in request order.
-        if not self._queue and (request.nbytes < INLINE_BELOW_BYTES or self._on_loop()):
+        elif not self._queue and (request.nbytes < INLINE_BELOW_BYTES or self._on_loop()):
             self._done(table, request, out, self._average(request, out))
             return
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, "gradserver-average")
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, self._average, request, out)
+        else:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, "gradserver-average")
+            future = loop.run_in_executor(self._pool, self._average, request, out)
         self._queue.append((table, request, out, future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.create_task(self._drain(), name="gradserver-averages")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 
 from gradserver.common import shm as shm_support
-from gradserver.common.averaging import Averager
+from gradserver.common.averaging import Averager, InPlace
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import Status
 from gradserver.common.messages import AveragedChunkOut, ChunkHeader, ChunkIn, DType, ErrorOut, TensorKey
@@ -193,3 +193,62 @@ def test_the_coordinator_averages_on_its_loop_only_when_every_worker_uses_shared
     finally:
         for c in clients:
             c.close()
+
+
+class _OverInputs:
+    """Output buffers whose every average is wanted "in place" (here: in fresh buffers per
+    request, so what was written when can be seen)."""
+
+    def __init__(self) -> None:
+        self.targets: list[tuple[memoryview, ...]] = []
+
+    def take(self, nbytes: int) -> memoryview | None:
+        return None
+
+    def in_place(self, contributions: Sequence[bytes | memoryview]) -> InPlace | None:
+        targets = tuple(memoryview(bytearray(len(c))) for c in contributions)
+        self.targets.append(targets)
+        return InPlace(targets)
+
+    def give_back(self, view: memoryview) -> None:
+        pass
+
+
+def test_an_average_over_the_workers_own_memory_is_written_on_the_loop_and_still_sent_in_order() -> None:
+    """With the thread busy (an average queued on it), an in-place average is written before
+    `submit` returns, so no step failure the loop sends later can overtake a write into memory a
+    worker may then reuse; its result still goes out after the one queued before it."""
+    first = _chunks(0, 1, 1, NonBlockComponent.LM_HEAD)
+    second = _chunks(0, 2, 2, NonBlockComponent.FINAL_NORM)
+    inline = _table(defer=False)
+    expected = _averages([o for chunk in first + second for o in inline.contribute(chunk)])
+
+    async def run() -> list[Outgoing]:
+        table, sent = _table(defer=True), []
+        averager, buffers = Averager(2), _OverInputs()
+
+        def finish(t: ReductionTable, request: Reduce, result: Result) -> list[Outgoing]:
+            out = t.reduced(request, *result)
+            sent.extend(out)
+            return out
+
+        reducer = Reducer(averager, finish)
+        for chunk in first:  # on the thread: nothing wants it in place yet
+            sent.extend(table.contribute(chunk))
+            for request in table.take_reductions():
+                reducer.submit(table, request)
+        averager.output_buffers = buffers
+        for chunk in second:
+            sent.extend(table.contribute(chunk))
+            for request in table.take_reductions():
+                reducer.submit(table, request)
+                averaged = buffers.targets[-1]
+                assert all(bytes(t) == bytes(averaged[0]) != bytes(len(t)) for t in averaged)
+        for _ in range(3000):  # 30 s at most
+            if len(_averages(sent)) == 3:
+                break
+            await asyncio.sleep(0.01)
+        await reducer.close()
+        return sent
+
+    assert _averages(asyncio.run(run())) == expected
