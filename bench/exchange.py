@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_ARENA_MIB = 256.0  # the worker's and the coordinator's default
 SLICE = {"num_blocks": 4, "hidden": 1024, "kv_hidden": 256, "intermediate": 4096, "vocab": 32768}
 
 
@@ -304,7 +303,9 @@ def run_gradserver(
                 time.sleep(0.02)
             address = f"127.0.0.1:{port_file.read_text().strip()}"
             common = ["--shape", json.dumps(shape), "--steps", str(steps), "--warmup", str(warmup)]
-            arena = DEFAULT_ARENA_MIB if shm_arena_mib is None else shm_arena_mib
+            from gradserver.worker.transports import DEFAULT_SHM_ARENA_MIB
+
+            arena = DEFAULT_SHM_ARENA_MIB if shm_arena_mib is None else shm_arena_mib
             common += ["--transport", transport, "--api", api, "--shm-arena-mib", str(arena)]
             if zero_copy:
                 set_mib = 4 * _elements(shape) / 2**20
@@ -403,7 +404,10 @@ def main() -> int:
         "--zero-copy", action="store_true", help="shm, --api tuned: send from gradient_buffer()s"
     )
     parser.add_argument(
-        "--shm-arena-mib", type=float, default=None, help="per-worker and output arena (default: 256)"
+        "--shm-arena-mib",
+        type=float,
+        default=None,
+        help="per-worker and output arena (default: their own defaults)",
     )
     args = parser.parse_args()
     if args.role == "gradserver-worker":
@@ -428,7 +432,8 @@ def main() -> int:
         f"gradient set: {shape['num_blocks']} blocks + LM head = {4 * elements / 2**20:.0f} MiB per worker; "
         f"chunk {f'{args.chunk_mib:g} MiB' if args.chunk_mib else 'chosen by the coordinator'}; "
         f"API {args.api}; median of {args.steps} steps after {args.warmup} warm-up; "
-        f"nproc={os.cpu_count()}; arenas {args.shm_arena_mib or DEFAULT_ARENA_MIB:g} MiB"
+        f"nproc={os.cpu_count()}; arenas "
+        + (f"{args.shm_arena_mib:g} MiB" if args.shm_arena_mib else "of their default sizes")
         + (" + the set (zero copy)" if args.zero_copy else "")
     )
     print(

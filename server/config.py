@@ -169,7 +169,10 @@ class CoordinatorConfig:
     )
     reduce_threads: int = dataclasses.field(
         default=0,
-        metadata={"help": "threads that average one large chunk together (0: half the CPUs, 1 to 8)"},
+        metadata={
+            "help": "threads that average one large chunk together (0: half the CPUs, 1 to 8; all "
+            "of them for an average written over the workers' own shared memory)"
+        },
     )
     shm_arena_mib: float = dataclasses.field(
         default=256.0,

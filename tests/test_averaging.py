@@ -166,3 +166,20 @@ def test_in_place_is_only_for_means_of_finite_float32_values() -> None:
     for kwargs in ({"divide": False}, {"finite_only": False}, {"dtype": DType.BFLOAT16}):
         with pytest.raises(ValueError, match="float32 means"):
             Averager().average([bytes(b) for b in buffers], out=out, **kwargs)
+
+
+@pytest.mark.parametrize("workers", [3, 4, 8])
+def test_a_mean_of_any_count_is_the_float64_sum_divided_and_rounded_once(workers: int) -> None:
+    """Over every finite float32 pattern (subnormals and the largest values included), the mean
+    is the rank-order float64 sum divided by the count and rounded once, also where a power of
+    two divides by multiplying with its inverse."""
+    rng = np.random.default_rng(41 + workers)
+    inputs = [_finite_float32_bits(rng, 3 * 65536 + 7) for _ in range(workers)]
+    acc = inputs[0].astype(np.float64)
+    for x in inputs[1:]:
+        acc = acc + x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        want = (acc / workers).astype(np.float32)
+    assert np.isfinite(want).all()
+    got = Averager().average([x.tobytes() for x in inputs])
+    assert bytes(got) == want.tobytes()

@@ -106,7 +106,8 @@ def test_a_component_view_of_a_block_keeps_its_result(pair) -> None:
 
 
 def test_a_result_held_by_a_weak_reference_is_never_overwritten(pair) -> None:
-    """Weakly held, a result may go away (the pool lets go of it), but is not reused."""
+    """Weakly held, a result may go away (the pool lets go of it; an arena result is freed), but
+    is not reused while it can still be reached."""
 
     def work(c: WorkerClient) -> None:
         first = _block(c, 0)
@@ -114,9 +115,10 @@ def test_a_result_held_by_a_weak_reference_is_never_overwritten(pair) -> None:
         ref = weakref.ref(first)
         del first
         second = _block(c, 1)
-        assert _pointer(second) != where
         held = ref()
-        assert held is None or held.tobytes() == _mean(2, 0).tobytes()
+        if held is not None:
+            assert _pointer(second) != where
+            assert held.tobytes() == _mean(2, 0).tobytes()
 
     run_each(pair, work)
 

@@ -18,7 +18,7 @@ from gradserver.common import compute_block_sizes
 from gradserver.common import shm as shm_support
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import FailedPreconditionError, GradServerError, InvalidArgumentError
-from gradserver.common.messages import ReduceOp
+from gradserver.common.messages import ChunkHeader, DType, ReduceOp, TensorKey
 from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
 
@@ -566,3 +566,36 @@ def test_a_16_bit_wire_stays_on_grpc_and_shm_refuses_it(shm_coordinator, caplog)
         client.close()
     with pytest.raises(FailedPreconditionError, match=r"transport 'shm' is not available.*bfloat16"):
         WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, transport="shm", wire_dtype="bfloat16")
+
+
+def test_result_memory_a_refused_key_averages_into_stays_taken_until_its_step_fails(shm_coordinator) -> None:
+    """A key sent without `into=` gets its result in the worker's arena, and its chunks are
+    averaged over it. Refused (here: a chunk sent twice), the key's other chunks may still be
+    averaged there, so that memory is not reused until the coordinator fails the step."""
+    server = shm_coordinator(world_size=2)
+    c0, c1 = connect_ranks(server.address, ["shm", "shm"])
+    try:
+        arena = c0._link.arenas
+        free = arena._slots.free_slots
+        key = TensorKey.non_block(0, NonBlockComponent.EMBEDDING)
+        data = _data(0, 6, 10000)  # three chunks
+        c0.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, data)
+        assert arena._slots.free_slots < free and arena.staged_bytes == 40000  # copied into the result
+        header = ChunkHeader(DType.FLOAT32, 10000, ())
+        c0._link.send_chunk(key, header, 0, data[:4096], None)  # refused: sent twice
+        _poll(lambda: key in c0._link._unsettled, "the refusal")
+        with pytest.raises(GradServerError, match="twice"):
+            c0.receive_averaged_non_block()
+        gc.collect()
+        assert arena._slots.free_slots < free  # still taken: its chunks may yet be averaged there
+        bad = _data(1, 6, 10000)
+        bad[5] = np.nan
+        c1.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, bad)
+        with pytest.raises(GradServerError, match="non-finite"):
+            c1.receive_averaged_non_block()
+        _poll(lambda: not c0._link._unsettled, "the step's failure")
+        gc.collect()
+        assert arena._slots.free_slots == free
+    finally:
+        c0.close()
+        c1.close()

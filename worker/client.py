@@ -80,14 +80,18 @@ class WorkerClient:
     `WorkerClient.connect`.
 
     Results: a key sent with `into=` is averaged into that buffer. Without it, the result is a
-    numpy array the client owns, and to spare a fresh allocation (and its page faults) per key
-    and step, the client reuses the array it returned for the same key slot (kind and index: a
-    block, a non-block component, the whole model, a collective's group) at an earlier step,
-    when it has the same size and nothing but the client holds it: no reference to the array
-    itself, to a view of it (a slice, `reshape`, a component of `AveragedBlock.components()`),
-    a memoryview, a `torch.from_numpy` tensor or a weak reference. A result you keep is
-    therefore never overwritten; one you dropped may be (only a raw pointer taken from it, such
-    as `array.ctypes.data`, is not seen). At most one array per key slot is kept."""
+    numpy array the client owns. Over shared memory it lies in this worker's input arena while
+    room is left there: the chunks are copied there instead of into staging slots and the
+    coordinator writes the average over them, so nothing is copied out; its memory returns to
+    the arena when the array (and every view of it) is collected. Otherwise, to spare a fresh
+    allocation (and its page faults) per key and step, the client reuses the array it returned
+    for the same key slot (kind and index: a block, a non-block component, the whole model, a
+    collective's group) at an earlier step, when it has the same size and nothing but the client
+    holds it: no reference to the array itself, to a view of it (a slice, `reshape`, a component
+    of `AveragedBlock.components()`), a memoryview, a `torch.from_numpy` tensor or a weak
+    reference. A result you keep is therefore never overwritten; one you dropped may be (only a
+    raw pointer taken from it, such as `array.ctypes.data`, is not seen). At most one array per
+    key slot is kept."""
 
     def __init__(self, link: Link, encoder: WireEncoder, timeouts: Timeouts, address: str) -> None:
         self._link = link
@@ -500,10 +504,12 @@ class WorkerClient:
         self._check_size(key, int(array.size), "elements")
         total = self._result_length(key, int(array.size))
         assert total is not None  # only ALL_TO_ALL has no length before its result, and it moves bytes
-        if into is None:
-            result = self._result_for(key, total, np.float32)
-        else:
+        if into is not None:
             result = as_result_buffer(into, total, what=str(key))
+        elif total == array.size and (placed := self._link.result_buffer(total)) is not None:
+            result = placed  # averaged there (shared memory), not copied out
+        else:
+            result = self._result_for(key, total, np.float32)
         self._link.raise_if_broken()
         payload = self._encoder.encode(key, array)
         header = ChunkHeader(self._encoder.dtype, int(array.size), sizes)

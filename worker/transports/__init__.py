@@ -46,7 +46,9 @@ log = logging.getLogger("gradserver.worker")
 
 TRANSPORTS = ("auto", "grpc", "shm")
 TRANSPORT_ENV = env_name("transport")
-DEFAULT_SHM_ARENA_MIB = 256.0
+# A worker's input arena: staging slots, gradient_buffers and the results averaged there, so a
+# step's gradients of a ~250M-parameter model fit whole. Only the pages used are ever allocated.
+DEFAULT_SHM_ARENA_MIB = 1024.0
 
 
 def transport_choice(transport: str | None) -> str:

@@ -101,6 +101,12 @@ class Link(Protocol):
         serves just as well)."""
         ...
 
+    def result_buffer(self, num_elements: int) -> np.ndarray | None:
+        """A float32 array for a result the caller gave no `into=` for, where this transport
+        can have the average written without copying it out (its contents unspecified; freed
+        when collected), or None (then the client's own array)."""
+        ...
+
     def expect(
         self,
         key: TensorKey,

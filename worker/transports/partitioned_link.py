@@ -174,6 +174,9 @@ class PartitionedLink:
     def allocate(self, num_elements: int) -> np.ndarray | None:
         return None
 
+    def result_buffer(self, num_elements: int) -> np.ndarray | None:
+        return None
+
     def raise_if_broken(self) -> None:
         for index, link in enumerate(self._links):
             try:

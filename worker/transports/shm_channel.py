@@ -43,6 +43,9 @@ _F32 = np.dtype("<f4")
 # How long a chunk waits for a free input slot before it goes inline instead: long enough to ride
 # out the normal turnover of a busy arena, short enough that a stalled arena costs little.
 _SLOT_WAIT_S = 2.0
+# Slots a result buffer never takes (half the arena, when smaller): what chunks sent from other
+# memory are staged in, so results held by the caller cannot push them inline.
+_STAGING_RESERVE = 8
 # A SIGKILLed coordinator closes its sockets a moment before /proc shows it gone (it still runs its
 # exit then); on a loaded machine that moment lasts long enough for a single look to call it alive
 # and keep its directory for good. A closed socket is worth waiting this long for the process.
@@ -154,6 +157,21 @@ class ShmChannel:
         nbytes = max(num_elements, 1) * 4
         slots = -(-nbytes // self._slots.slot_bytes)
         with self._cond:
+            offset = self._slots.take_run(slots)
+        if offset is None:
+            return None
+        array = np.frombuffer(memoryview(self._arena)[offset : offset + num_elements * 4], dtype=_F32)
+        weakref.finalize(array, self._free_run, offset, slots)
+        return array
+
+    def result_buffer(self, num_elements: int) -> np.ndarray | None:
+        """A float32 array of `num_elements` in the registered arena for a result (its contents
+        unspecified), or None when taking it would leave fewer than `_STAGING_RESERVE` slots
+        for staging. Its slots return when it is collected."""
+        slots = -(-max(num_elements, 1) * 4 // self._slots.slot_bytes)
+        with self._cond:
+            if self._slots.free_slots - slots < min(_STAGING_RESERVE, self._slots.count // 2):
+                return None
             offset = self._slots.take_run(slots)
         if offset is None:
             return None

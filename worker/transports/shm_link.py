@@ -56,6 +56,10 @@ class ShmLink(GrpcLink):
         """Takes ownership of `arenas` (closed with the link) before the stream opens, so that
         the receiver thread finds them from its first message."""
         self.arenas = arenas
+        # Arena memory of keys given up on (a send failed midway, a refusal) while the
+        # coordinator may still write averages over their chunks ("inout"): kept from reuse
+        # until their step fails (the coordinator then holds nothing of it) or the link closes.
+        self._unsettled: dict[TensorKey, np.ndarray] = {}
         super().__init__(channel, accepted, timeouts, extra_metadata, cond=cond, on_break=on_break)
 
     def _pacing_window(self) -> int:
@@ -86,32 +90,63 @@ class ShmLink(GrpcLink):
         elif result_in_pieces(key):
             ref = self.arenas.stage(key, offset, piece, wait_s=0.0)
         else:
-            ref = self.arenas.stage(key, offset, piece)
-            if ref is not None and self._average_lands_on(key, header, offset, piece):
-                ref = ShmRef("inout", ref.offset, ref.length)
+            ref = self._in_place(key, header, offset, piece) or self.arenas.stage(key, offset, piece)
         if ref is None:
             super().send_chunk(key, header, offset, piece, stats)
         else:
             self.send(ChunkIn(self.accepted.worker_id, key, header, offset, b"", stats, ref))
 
-    def _average_lands_on(self, key: TensorKey, header: ChunkHeader, offset: int, piece: np.ndarray) -> bool:
-        """Whether `piece` lies in the input arena and its average is to be written over it
-        (`into=` the buffer sent, a `gradient_buffer`): the coordinator may then write it there
-        and nothing is copied out (docs/PROTOCOL.md, "Shared memory")."""
-        if header.dtype is not DType.FLOAT32 or self.arenas.placed(piece) is None:
-            return False
+    def _in_place(self, key: TensorKey, header: ChunkHeader, offset: int, piece: np.ndarray) -> ShmRef | None:
+        """An "inout" reference when this chunk's average is to land in the input arena: in the
+        memory it is sent from (`into=` the `gradient_buffer` sent), or, for a chunk from other
+        memory, in arena memory (a `result_buffer`, or a `gradient_buffer` given as `into=`)
+        that it is copied into first instead of a staging slot. The coordinator may then write
+        the average over it and nothing is copied out (docs/PROTOCOL.md, "Shared memory"). None
+        otherwise."""
+        if header.dtype is not DType.FLOAT32:
+            return None
         with self._cond:
             pending = self._results.get(key)
         if pending is None or pending.dtype is not DType.FLOAT32:
-            return False
+            return None
         target = pending.array[offset : offset + piece.size]
-        return target.size == piece.size and _address(target) == _address(piece)
+        where = self.arenas.placed(target)
+        if where is None or target.size != piece.size:
+            return None
+        if _address(target) != _address(piece):
+            # Sent from the arena already (one copy out either way), or overlapping its target
+            # (copying would clobber what is still to send): as any chunk.
+            if self.arenas.placed(piece) is not None or np.may_share_memory(target, piece):
+                return None
+            target[...] = piece
+            self.arenas.staged_bytes += piece.nbytes
+        else:
+            self.arenas.zero_copy_bytes += piece.nbytes
+        return ShmRef("inout", where, piece.nbytes)
+
+    def result_buffer(self, num_elements: int) -> np.ndarray | None:
+        """A result array in the input arena: chunks are copied there instead of a staging slot
+        and sent "inout", so the average is written over them and not copied out."""
+        return self.arenas.result_buffer(num_elements)
 
     def forget(self, key: TensorKey) -> None:
         """Stops waiting for `key` and frees the input slots its chunks were staged in (called
         when its send failed midway, or once the coordinator dropped it)."""
+        with self._cond:
+            self._keep_unsettled(key)
         super().forget(key)
         self.arenas.key_done(key)
+
+    def _keep_unsettled(self, key: TensorKey) -> None:
+        """Keeps `key`'s result memory from reuse while it lies in the arena and its step has
+        not failed (lock held)."""
+        pending = self._results.get(key)
+        if (
+            pending is not None
+            and key.step not in self._failed_steps
+            and self.arenas.placed(pending.array) is not None
+        ):
+            self._unsettled[key] = pending.array
 
     def _on_chunk(self, event: AveragedChunkOut) -> None:
         if not result_in_pieces(event.key):
@@ -138,10 +173,15 @@ class ShmLink(GrpcLink):
         self.arenas.key_done(key)
 
     def _coordinator_dropped(self, event: ErrorOut) -> None:
-        # A failed step or a refused key is dropped by the coordinator: its slots are free.
+        # A failed step or a refused key is dropped by the coordinator: its slots are free. A
+        # refused key's chunks accepted before may still be averaged, though, so memory that
+        # averages are written over stays taken until its step fails.
         if event.step_failed:
             self.arenas.step_done(event.step)
+            for key in [k for k in self._unsettled if k.step == event.step]:
+                del self._unsettled[key]
         elif event.key is not None:
+            self._keep_unsettled(event.key)
             self.arenas.key_done(event.key)
 
     def _coordinator_lost(self) -> None:
@@ -153,6 +193,7 @@ class ShmLink(GrpcLink):
         try:
             super().close()
         finally:
+            self._unsettled.clear()
             self.arenas.close()
 
 
