@@ -456,6 +456,28 @@ def test_nothing_stays_mapped_after_the_job(shm_coordinator) -> None:
     assert memfd_mappings() == []
 
 
+def test_a_result_in_the_arena_outlives_its_client_and_its_mapping_goes_with_it(shm_coordinator) -> None:
+    """A result kept in the worker's arena stays readable (and unchanged) after the client and
+    the coordinator are gone; the arena is unmapped once the result is dropped too."""
+    server = shm_coordinator(world_size=2)
+
+    def work(c: CollectiveClient) -> np.ndarray:
+        c.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, _data(c.worker_id, 8, 10000))
+        got = c.receive_averaged_non_block().gradients
+        assert c._link.arenas.placed(got) is not None
+        return got
+
+    results = _run(server, ["shm", "shm"], work)
+    server.stop()
+    gc.collect()
+    want = ((_data(0, 8, 10000).astype(np.float64) + _data(1, 8, 10000)) / 2).astype(np.float32)
+    assert [r.tobytes() for r in results] == [want.tobytes()] * 2
+    assert memfd_mappings() != []
+    del results
+    gc.collect()
+    assert memfd_mappings() == []
+
+
 def test_a_chunk_naming_shared_memory_without_an_arena_is_refused(shm_coordinator) -> None:
     server = shm_coordinator(world_size=1)
     (client,) = connect_ranks(server.address, ["grpc"])
