@@ -154,23 +154,18 @@ class ShmChannel:
     def gradient_buffer(self, num_elements: int) -> np.ndarray | None:
         """A float32 array of `num_elements` in the registered arena (chunks sent from it need no
         copy), or None when no contiguous room is left. Its slots return when it is collected."""
-        nbytes = max(num_elements, 1) * 4
-        slots = -(-nbytes // self._slots.slot_bytes)
-        with self._cond:
-            offset = self._slots.take_run(slots)
-        if offset is None:
-            return None
-        array = np.frombuffer(memoryview(self._arena)[offset : offset + num_elements * 4], dtype=_F32)
-        weakref.finalize(array, self._free_run, offset, slots)
-        return array
+        return self._run(num_elements, keep_free=0)
 
     def result_buffer(self, num_elements: int) -> np.ndarray | None:
         """A float32 array of `num_elements` in the registered arena for a result (its contents
         unspecified), or None when taking it would leave fewer than `_STAGING_RESERVE` slots
-        for staging. Its slots return when it is collected."""
+        (or half the arena) for staging. Its slots return when it is collected."""
+        return self._run(num_elements, keep_free=min(_STAGING_RESERVE, self._slots.count // 2))
+
+    def _run(self, num_elements: int, *, keep_free: int) -> np.ndarray | None:
         slots = -(-max(num_elements, 1) * 4 // self._slots.slot_bytes)
         with self._cond:
-            if self._slots.free_slots - slots < min(_STAGING_RESERVE, self._slots.count // 2):
+            if self._slots.free_slots - slots < keep_free:
                 return None
             offset = self._slots.take_run(slots)
         if offset is None:
