@@ -87,6 +87,12 @@ def as_byte_buffer(into: Any, num_bytes: int | None, *, what: str) -> np.ndarray
     return array.reshape(-1).view(np.uint8)
 
 
+def same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `a` and `b` are the very same elements (same start, same length): a result
+    written in place, where copying one into the other would be a wasted pass."""
+    return bool(a.size == b.size and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+
 def _host_array(into: Any, what: str, *, torch_dtype: str = "") -> np.ndarray:
     """`into` as a numpy array over the caller's memory: a numpy array as it is, a CPU torch tensor
     (of `torch_dtype` when given) as a view; refused, naming `what`, otherwise."""

@@ -75,6 +75,7 @@ from gradserver.common.rpc import EXCHANGE_METHOD, from_grpc, stream_metadata
 from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import widen
 
+from ..tensors import same_memory
 from .base import ErrorRecord, PendingResult
 from .lane import LaneClient
 
@@ -570,7 +571,7 @@ class GrpcLink:
             target = pending.array[event.offset : end]
             # An average written over the very memory awaiting it (shared memory, `into=` the
             # buffer sent) is already in place.
-            if target.__array_interface__["data"][0] != data.__array_interface__["data"][0]:
+            if not same_memory(target, data):
                 target[...] = data
         with self._cond:
             if error is not None:

@@ -38,6 +38,8 @@ from gradserver.common.lane import Descriptor, LaneMemory, LaneState
 from gradserver.common.lane_rounds import RoundPlanner, RoundProblem, reduce_round
 from gradserver.common.messages import CollectiveKind, TensorKey
 
+from ..tensors import same_memory
+
 
 class LaneClient:
     """One worker's use of a lane arena (mapped read-write by its `ShmChannel`)."""
@@ -285,7 +287,7 @@ class _Operation:
         self._receive_at: list[int] = []  # ALL_TO_ALL: where each sender's piece starts in the result
         # A broadcast root whose result is its own input holds the bytes already.
         self._in_place = (
-            self.kind is CollectiveKind.BROADCAST and result is not None and _same_memory(result, data)
+            self.kind is CollectiveKind.BROADCAST and result is not None and same_memory(result, data)
         )
 
     def fill(self, part: int, slot: np.ndarray) -> Descriptor:
@@ -366,7 +368,3 @@ class _Operation:
                 f"{self.key}: the other workers send this worker {needed} bytes, but the result "
                 f"buffer holds {self.result.size}"
             )
-
-
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    return bool(a.size == b.size and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])

@@ -31,6 +31,7 @@ from gradserver.common.messages import (
 )
 from gradserver.common.timeouts import Timeouts
 
+from ..tensors import same_memory
 from .base import ErrorRecord
 from .grpc_link import GrpcLink, result_in_pieces
 from .lane import LaneClient
@@ -113,7 +114,7 @@ class ShmLink(GrpcLink):
         where = self.arenas.placed(target)
         if where is None or target.size != piece.size:
             return None
-        if _address(target) != _address(piece):
+        if not same_memory(target, piece):
             # Sent from the arena already (one copy out either way), or overlapping its target
             # (copying would clobber what is still to send): as any chunk.
             if self.arenas.placed(piece) is not None or np.may_share_memory(target, piece):
@@ -195,7 +196,3 @@ class ShmLink(GrpcLink):
         finally:
             self._unsettled.clear()
             self.arenas.close()
-
-
-def _address(array: np.ndarray) -> int:
-    return int(array.__array_interface__["data"][0])
