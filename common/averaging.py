@@ -35,7 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -188,17 +188,9 @@ class Averager:
             if not finite and finite_only:
                 raise _locate_non_finite(arrays, overflow_possible=not divide)
             return result.data if out is None else out
-        parts = min(self._threads, size // (2 * _BLOCK))
-        if parts > 1:
-            bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
-            pool = self._range_pool()
-            jobs = [
-                pool.submit(self._sum_range, arrays, result, bounds[i], bounds[i + 1], divide)
-                for i in range(parts)
-            ]
-            finite = all([job.result() for job in jobs])
-        else:
-            finite = self._sum_range(arrays, result, 0, size, divide)
+        finite = self._over_ranges(
+            size, self._threads, lambda begin, end: self._sum_range(arrays, result, begin, end, divide)
+        )
         if not finite and finite_only:
             raise _locate_non_finite(arrays, overflow_possible=not divide)
         return result.data if out is None else out
@@ -209,20 +201,24 @@ class Averager:
         size = arrays[0].size
         if any(t.size != size for t in targets):
             raise ValueError("every in-place target must be as long as the contributions")
-        parts = max(1, min(self._in_place_threads, size // (2 * _BLOCK)))
-        bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
-        if parts > 1:
-            pool = self._range_pool()
-            jobs = [
-                pool.submit(self._in_place_range, arrays, targets, bounds[i], bounds[i + 1])
-                for i in range(parts)
-            ]
-            finite = all([job.result() for job in jobs])
-        else:
-            finite = self._in_place_range(arrays, targets, 0, size)
+        finite = self._over_ranges(
+            size, self._in_place_threads, lambda begin, end: self._in_place_range(arrays, targets, begin, end)
+        )
         if not finite:
             raise _locate_non_finite(arrays)
         return out.targets[0]
+
+    def _over_ranges(self, size: int, threads: int, work: Callable[[int, int], bool]) -> bool:
+        """Runs `work(begin, end)` over `size` elements: at once, or cut into up to `threads`
+        ranges (multiples of the block, at least two blocks each) on the range threads; True
+        when every range was finite."""
+        parts = min(threads, size // (2 * _BLOCK))
+        if parts <= 1:
+            return work(0, size)
+        bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
+        pool = self._range_pool()
+        jobs = [pool.submit(work, bounds[i], bounds[i + 1]) for i in range(parts)]
+        return all([job.result() for job in jobs])
 
     def _in_place_range(
         self, arrays: list[np.ndarray], targets: list[np.ndarray], begin: int, end: int
