@@ -116,9 +116,11 @@ def test_a_result_held_by_a_weak_reference_is_never_overwritten(pair) -> None:
         del first
         second = _block(c, 1)
         held = ref()
-        if held is not None:
+        # A pooled result is replaced while still alive, so the new one is elsewhere; an arena
+        # result (shared memory) may take freed memory only once nothing can reach the old one.
+        if held is not None or c.transport != "shm":
             assert _pointer(second) != where
-            assert held.tobytes() == _mean(2, 0).tobytes()
+        assert held is None or held.tobytes() == _mean(2, 0).tobytes()
 
     run_each(pair, work)
 

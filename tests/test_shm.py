@@ -17,8 +17,13 @@ import pytest
 from gradserver.common import compute_block_sizes
 from gradserver.common import shm as shm_support
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.errors import FailedPreconditionError, GradServerError, InvalidArgumentError
-from gradserver.common.messages import ChunkHeader, DType, ReduceOp, TensorKey
+from gradserver.common.errors import (
+    FailedPreconditionError,
+    GradServerError,
+    InternalError,
+    InvalidArgumentError,
+)
+from gradserver.common.messages import ChunkHeader, DType, ReduceOp, ShmRef, TensorKey
 from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
 
@@ -621,3 +626,19 @@ def test_result_memory_a_refused_key_averages_into_stays_taken_until_its_step_fa
     finally:
         c0.close()
         c1.close()
+
+
+def test_an_average_named_outside_the_workers_own_arena_is_an_internal_error(shm_coordinator) -> None:
+    """An answer naming "in" must lie inside this worker's input arena, 4-byte aligned: anything
+    else is the coordinator's fault, reported by name instead of reading stray memory."""
+    server = shm_coordinator(world_size=1)
+    (c,) = connect_ranks(server.address, ["shm"])
+    try:
+        arenas = c._link.arenas
+        size = len(arenas._arena)
+        assert arenas.own_average(ShmRef("in", 64, 16)).size == 4
+        for ref in (ShmRef("in", size - 8, 16), ShmRef("in", 2, 16), ShmRef("in", 0, 6)):
+            with pytest.raises(InternalError, match="outside this worker's"):
+                arenas.own_average(ref)
+    finally:
+        c.close()
