@@ -228,6 +228,7 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
         gpu_count=request.gpu_count,
         device_type=request.device_type,
         protocol_version=request.protocol_version,
+        shared_memory=request.shared_memory,
     )
     if request.committed_step is not None:
         msg.committed_step = request.committed_step
@@ -265,6 +266,7 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         fingerprint,
         rank,
         partition_index,
+        msg.shared_memory,
     )
 
 

@@ -291,6 +291,8 @@ class JoinRequestIn:
     rank: int | None = None
     # Partitioned coordinators: the partition index the joiner believes it reaches (partitions 1..K-1).
     partition_index: int | None = None
+    # The worker will send through shared memory when offered (the job's chunk size depends on it).
+    shared_memory: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

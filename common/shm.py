@@ -224,7 +224,7 @@ class SlotArena:
     def __init__(self, size: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
         self.count = size // slot_bytes
-        self._free = [True] * self.count
+        self._free = bytearray(b"\x01") * self.count  # 1: free; searched by bytes.find, in C
         self.free_slots = self.count
 
     def take(self) -> int | None:
@@ -235,20 +235,17 @@ class SlotArena:
         """The byte offset of `slots` contiguous free slots (first fit), or None."""
         if slots < 1 or slots > self.free_slots:
             return None
-        run = 0
-        for index, free in enumerate(self._free):
-            run = run + 1 if free else 0
-            if run == slots:
-                first = index - slots + 1
-                for i in range(first, index + 1):
-                    self._free[i] = False
-                self.free_slots -= slots
-                return first * self.slot_bytes
-        return None
+        first = self._free.find(b"\x01" * slots)
+        if first < 0:
+            return None
+        self._free[first : first + slots] = bytes(slots)
+        self.free_slots -= slots
+        return first * self.slot_bytes
 
     def free(self, offset: int, slots: int = 1) -> None:
         first = offset // self.slot_bytes
-        for i in range(first, first + slots):
-            if not self._free[i]:
-                self._free[i] = True
-                self.free_slots += 1
+        if first < 0 or first + slots > self.count:
+            raise IndexError(f"slots {first}..{first + slots - 1} of an arena of {self.count}")
+        run = self._free[first : first + slots]
+        self.free_slots += len(run) - run.count(1)
+        self._free[first : first + slots] = b"\x01" * slots

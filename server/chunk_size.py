@@ -2,12 +2,15 @@
 
 Every worker of a job must cut its keys at the same offsets (the reduction table counts chunks by
 them), so the size is decided once per job, before any Join returns, from what the coordinator
-knows of its members: where each one's Join came from. When every member reached it over
-loopback (or a Unix socket) they are all on this host, where the shared-memory path wants large
-chunks (each chunk costs a control message each way and a reduction call); when any member is
-remote, small chunks keep both directions of its link busy (docs/PERFORMANCE.md, "Across
-machines"). Partitioned coordinators cannot see each other's members without more protocol, so
-their size is fixed before anyone joins (`CoordinatorConfig.fixed_chunk_bytes`). Pure: no I/O.
+knows of its members: where each one's Join came from and whether it said it will send through
+shared memory. When every member reached it over loopback (or a Unix socket) they are all on this
+host, where each chunk costs a control message each way and a reduction call, so chunks are
+large: largest when every member uses shared memory (no payload in any message, averages written
+in place, nothing to pipeline), smaller over loopback gRPC (whose messages carry the bytes and
+pipeline). When any member is remote, small chunks keep both directions of its link busy
+(docs/PERFORMANCE.md, "Across machines"). Partitioned coordinators cannot see each other's
+members without more protocol, so their size is fixed before anyone joins
+(`CoordinatorConfig.fixed_chunk_bytes`). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ def is_local_peer(host: str) -> bool:
     return is_loopback(address)
 
 
-def choose_chunk(config: CoordinatorConfig, hosts: Sequence[str]) -> ChunkChoice:
-    """The chunk size of a job whose members came from `hosts` (one per member)."""
+def choose_chunk(
+    config: CoordinatorConfig, hosts: Sequence[str], *, shared_memory: bool = False
+) -> ChunkChoice:
+    """The chunk size of a job whose members came from `hosts` (one per member); `shared_memory`:
+    every member said at Join it sends through shared memory, and this coordinator offers it."""
     fixed = config.fixed_chunk_bytes
     if fixed is not None:
         why = "--chunk-mib" if not config.chunk_auto else "partitioned coordinators (--partition-map)"
@@ -52,4 +58,8 @@ def choose_chunk(config: CoordinatorConfig, hosts: Sequence[str]) -> ChunkChoice
     if remote:
         shown = ", ".join(remote[:3]) + (f" and {len(remote) - 3} more" if len(remote) > 3 else "")
         return ChunkChoice(int(REMOTE_CHUNK_MIB * MIB), f"workers on other hosts ({shown})")
+    if shared_memory:
+        return ChunkChoice(
+            config.shm_chunk_bytes, "every worker reached it over loopback and sends through shared memory"
+        )
     return ChunkChoice(int(LOCAL_CHUNK_MIB * MIB), "every worker reached it over loopback (this host)")

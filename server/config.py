@@ -24,10 +24,14 @@ from gradserver.common.partition_map import PartitionMap
 from gradserver.common.security import is_loopback
 
 # The automatic chunk sizes (--chunk-mib 0), docs/PERFORMANCE.md: each chunk costs a control
-# message each way and a reduction call (~0.7 ms on the shared-memory path), so same-host jobs
-# want large chunks; over real links smaller ones keep both directions of every link busy.
+# message each way and a reduction call, so same-host jobs want large chunks, shared memory (no
+# bytes in the messages, averages written in place) the largest; over real links smaller ones
+# keep both directions of every link busy.
+SHM_CHUNK_MIB = 32.0
 LOCAL_CHUNK_MIB = 8.0
 REMOTE_CHUNK_MIB = 0.25
+# What a gRPC message holds besides a chunk's payload, at most.
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +53,16 @@ class CoordinatorConfig:
         default=10.0, metadata={"help": "seconds of silence after which a worker counts as lost"}
     )
     max_message_mib: float = dataclasses.field(
-        default=16.0, metadata={"help": "largest gRPC message accepted, MiB"}
+        # A shared-memory job's chunk plus its message (a worker that falls back to gRPC sends them).
+        default=SHM_CHUNK_MIB + 1,
+        metadata={"help": "largest gRPC message accepted, MiB"},
     )
     chunk_mib: float = dataclasses.field(
         default=0.0,
         metadata={
             "help": "payload bytes per chunk, MiB (0: chosen when the world is complete: "
-            f"{LOCAL_CHUNK_MIB:g} when every worker reached this coordinator over loopback, "
+            f"{SHM_CHUNK_MIB:g} when every worker reached this coordinator over loopback and sends "
+            f"through shared memory, {LOCAL_CHUNK_MIB:g} when every one is on this host, "
             f"{REMOTE_CHUNK_MIB:g} when any is remote and with --partition-map)"
         },
     )
@@ -212,7 +219,7 @@ class CoordinatorConfig:
         # too, so that a job never learns at run time that its chunks do not fit).
         chunk_mib = self.chunk_bytes / MIB
         require_setting(
-            self.max_message_bytes >= self.chunk_bytes + 64 * 1024,
+            self.max_message_bytes >= self.chunk_bytes + MESSAGE_OVERHEAD_BYTES,
             "max_message_mib",
             self.max_message_mib,
             self._at_least_chunk(0.0625),
@@ -293,7 +300,28 @@ class CoordinatorConfig:
         a chunk (the output arena's slots, the collective lane's) hold; a job's own chunk size
         is the coordinator's `GradientServer.chunk_bytes`."""
         fixed = self.fixed_chunk_bytes
+        return fixed if fixed is not None else self.shm_chunk_bytes
+
+    @property
+    def lane_chunk_bytes(self) -> int:
+        """What the collective lane's slots are sized from (`common.lane.slot_bytes_for`): the
+        chunk given, else the same-host gRPC size (measured for the lane; gradient jobs' larger
+        shared-memory chunks do not concern it)."""
+        fixed = self.fixed_chunk_bytes
         return fixed if fixed is not None else int(LOCAL_CHUNK_MIB * MIB)
+
+    @property
+    def shm_chunk_bytes(self) -> int:
+        """The automatic chunk size of a job whose every member sends through shared memory:
+        SHM_CHUNK_MIB, or less (whole MiB, at least LOCAL_CHUNK_MIB) where --max-message-mib
+        (a member that falls back to gRPC sends chunks whole), --max-inflight-mib or a quarter
+        of --shm-arena-mib (slots of the output arena) leave less room."""
+        room = min(
+            self.max_message_bytes - MESSAGE_OVERHEAD_BYTES,
+            self.max_inflight_bytes,
+            self.shm_arena_bytes // 4,
+        )
+        return max(int(LOCAL_CHUNK_MIB * MIB), min(int(SHM_CHUNK_MIB * MIB), room // MIB * MIB))
 
     def setting_notes(self) -> dict[str, str]:
         """What --print-config adds to a value: where the chunk size comes from."""
@@ -302,8 +330,9 @@ class CoordinatorConfig:
         if self.fixed_chunk_bytes is not None:
             return {"chunk_mib": f"-> automatic: {REMOTE_CHUNK_MIB:g} MiB (partitioned coordinators)"}
         return {
-            "chunk_mib": f"-> automatic, per job: {LOCAL_CHUNK_MIB:g} MiB when every worker joins over "
-            f"loopback (this host), {REMOTE_CHUNK_MIB:g} MiB when any joins from another host"
+            "chunk_mib": f"-> automatic, per job: {self.shm_chunk_bytes / MIB:g} MiB when every worker joins "
+            f"over loopback and sends through shared memory, {LOCAL_CHUNK_MIB:g} MiB when every one "
+            f"joins over loopback, {REMOTE_CHUNK_MIB:g} MiB when any joins from another host"
         }
 
     def _at_least_chunk(self, extra_mib: float) -> str:

@@ -372,7 +372,12 @@ class GradientServer:
         comes here before any returns) from where its members joined from, and everything sized
         by it: the reduction table (still untouched: no stream opens before the world is
         complete), the streams' chunk checks and the output arena's slots."""
-        choice = choose_chunk(self.config, [m.host for m in self._membership.members()])
+        members = self._membership.members()
+        choice = choose_chunk(
+            self.config,
+            [m.host for m in members],
+            shared_memory=self.shm is not None and all(m.shared_memory for m in members),
+        )
         self._chunk = choice
         if self._table.chunk_elements != choice.chunk_bytes // 4:
             self._table = self._new_table(choice.chunk_bytes)

@@ -41,6 +41,8 @@ class Member:
     identity: str | None = None
     committed_step: int | None = None
     host: str = ""
+    # Said at Join that it will send through shared memory when offered.
+    shared_memory: bool = False
 
 
 class Membership:
@@ -94,6 +96,7 @@ class Membership:
             identity=identity,
             committed_step=request.committed_step,
             host=host,
+            shared_memory=request.shared_memory,
         )
         if self._fingerprint is None:
             self._fingerprint = dict(request.fingerprint)

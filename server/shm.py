@@ -549,7 +549,9 @@ class ShmOutbox:
         try:
             await hub.start()
             if not config.no_lane and lane.supported():
-                hub.lane = Lane(config.world_size, config.chunk_bytes, averager, metrics, config.step_timeout)
+                hub.lane = Lane(
+                    config.world_size, config.lane_chunk_bytes, averager, metrics, config.step_timeout
+                )
         except OSError as exc:
             log.warning("shared memory is off (gRPC only): %r", exc)
             await hub.stop()

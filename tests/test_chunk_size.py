@@ -1,11 +1,13 @@
-"""The chunk size chosen per job (`--chunk-mib 0`, the default): 8 MiB when every worker joined
-over loopback, 0.25 MiB when one joined from another host (a network namespace here) and for
-partitioned coordinators (tests/test_partitioned_coordinators.py), --chunk-mib when given; every
-buffer sized by it follows (the table, the streams' checks, the output arena's slots), and the
-averages are the same bytes whatever the size."""
+"""The chunk size chosen per job (`--chunk-mib 0`, the default): 32 MiB when every worker joined
+over loopback and said it sends through shared memory, 8 MiB when every one joined over loopback,
+0.25 MiB when one joined from another host (a network namespace here) and for partitioned
+coordinators (tests/test_partitioned_coordinators.py), --chunk-mib when given; every buffer sized
+by it follows (the table, the streams' checks, the output arena's slots), and the averages are the
+same bytes whatever the size."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import sys
 import time
@@ -15,33 +17,38 @@ import numpy as np
 import pytest
 
 from gradserver.common.config import MIB
+from gradserver.common.errors import UnavailableError
 from gradserver.server import GradientServer
 from gradserver.server.chunk_size import choose_chunk, is_local_peer
 from gradserver.server.config import CoordinatorConfig
 from gradserver.server.job import JobState
 from gradserver.worker import WorkerClient
+from gradserver.worker.transports.shm_channel import ShmChannel
 
 from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each
 
+SHM = 32 * MIB
 LOCAL = 8 * MIB
 REMOTE = MIB // 4
 # 2.5 local chunks, 81 remote ones.
 ELEMENTS = 5 * MIB + 12345
+# Just over two shared-memory chunks.
+SHM_ELEMENTS = 16 * MIB + 4321
 
 
 def _grads(worker: int, step: int, size: int = ELEMENTS) -> np.ndarray:
     return np.random.default_rng([worker, step]).standard_normal(size, dtype=np.float32)
 
 
-def _exchange(client: WorkerClient, step: int = 0) -> bytes:
-    client.send_non_block_gradient(step, "lm_head", _grads(client.worker_id, step))
+def _exchange(client: WorkerClient, step: int = 0, size: int = ELEMENTS) -> bytes:
+    client.send_non_block_gradient(step, "lm_head", _grads(client.worker_id, step, size))
     return client.receive_averaged_non_block().gradients.tobytes()
 
 
-def _expected(world: int, step: int = 0) -> bytes:
+def _expected(world: int, step: int = 0, size: int = ELEMENTS) -> bytes:
     """What every chunk size must give: the coordinator's rule (a float64 sum in worker order,
     divided and rounded once; for two workers the float32 path proven to give the same bytes)."""
-    total = sum(_grads(w, step).astype(np.float64) for w in range(world))
+    total = sum(_grads(w, step, size).astype(np.float64) for w in range(world))
     return (total / world).astype(np.float32).tobytes()
 
 
@@ -66,8 +73,10 @@ def _wait_for_a_fresh_job(server: ServerThread, timeout: float = 20.0) -> None:
 
 def test_the_choice_follows_where_members_joined_from() -> None:
     auto = CoordinatorConfig()
-    assert choose_chunk(auto, ["ipv4:127.0.0.1", "ipv6:[::1]", "unix"]).chunk_bytes == LOCAL
-    remote = choose_chunk(auto, ["ipv4:127.0.0.1", "ipv4:10.0.0.7"])
+    here = ["ipv4:127.0.0.1", "ipv6:[::1]", "unix"]
+    assert choose_chunk(auto, here).chunk_bytes == LOCAL
+    assert choose_chunk(auto, here, shared_memory=True).chunk_bytes == SHM
+    remote = choose_chunk(auto, ["ipv4:127.0.0.1", "ipv4:10.0.0.7"], shared_memory=True)
     assert remote.chunk_bytes == REMOTE and "10.0.0.7" in remote.why
     assert choose_chunk(CoordinatorConfig(chunk_mib=2.0), ["ipv4:10.0.0.7"]).chunk_bytes == 2 * MIB
     partitioned = CoordinatorConfig(partition_map="127.0.0.1:1,127.0.0.1:2")
@@ -80,8 +89,23 @@ def test_the_choice_follows_where_members_joined_from() -> None:
     ]
 
 
+def test_the_shared_memory_size_stays_within_the_limits() -> None:
+    """The shared-memory chunk shrinks (whole MiB) to what --max-message-mib (a worker that falls
+    back to gRPC sends chunks whole), --max-inflight-mib and a quarter of --shm-arena-mib allow,
+    but never below the same-host gRPC size."""
+    assert CoordinatorConfig().shm_chunk_bytes == SHM
+    assert CoordinatorConfig(max_message_mib=16.0).shm_chunk_bytes == 15 * MIB
+    assert CoordinatorConfig(max_inflight_mib=20.5).shm_chunk_bytes == 20 * MIB
+    assert CoordinatorConfig(shm_arena_mib=64.0).shm_chunk_bytes == 16 * MIB
+    assert CoordinatorConfig(max_message_mib=9.0).shm_chunk_bytes == LOCAL
+    assert CoordinatorConfig(max_message_mib=16.0).chunk_bytes == 15 * MIB
+    # The collective lane keeps its slots sized by the gRPC size.
+    assert CoordinatorConfig().lane_chunk_bytes == LOCAL
+    assert CoordinatorConfig(chunk_mib=2.0).lane_chunk_bytes == 2 * MIB
+
+
 def test_limits_are_checked_against_the_largest_automatic_chunk() -> None:
-    assert CoordinatorConfig().chunk_bytes == LOCAL
+    assert CoordinatorConfig().chunk_bytes == SHM
     with pytest.raises(ValueError, match=r"--max-message-mib .* at least 8.0625 \(the largest automatic"):
         CoordinatorConfig(max_message_mib=4.0)
     with pytest.raises(ValueError, match="--shm-arena-mib"):
@@ -93,15 +117,58 @@ def test_limits_are_checked_against_the_largest_automatic_chunk() -> None:
     )
 
 
-def test_workers_on_this_host_get_8_mib_chunks_and_the_same_bytes(coordinator) -> None:
+def test_workers_on_this_host_using_shared_memory_get_32_mib_chunks_and_the_same_bytes(coordinator) -> None:
     server = coordinator(world_size=3)
     clients = connect_all(server.address, 3, TEST_TIMEOUTS)
     try:
-        assert [c.chunk_bytes for c in clients] == [LOCAL] * 3
+        assert [c.chunk_bytes for c in clients] == [SHM] * 3
         assert {c.transport for c in clients} == {"shm"}
+        assert _chunk_state(server) == (SHM, SHM)
+        got = run_each(clients, lambda c: _exchange(c, size=SHM_ELEMENTS))
+        assert got == [_expected(3, size=SHM_ELEMENTS)] * 3
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize("transports", [("grpc", "grpc"), ("shm", "grpc")])
+def test_a_worker_on_this_host_using_grpc_makes_the_job_use_8_mib_chunks(coordinator, transports) -> None:
+    server = coordinator(world_size=2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(
+                WorkerClient.connect, server.address, node_id=f"w{i}", timeout=TEST_TIMEOUTS, transport=t
+            )
+            for i, t in enumerate(transports)
+        ]
+        clients = sorted((f.result(timeout=60) for f in futures), key=lambda c: c.worker_id)
+    try:
+        assert [c.chunk_bytes for c in clients] == [LOCAL] * 2
+        assert sorted(c.transport for c in clients) == sorted(transports)
         assert _chunk_state(server) == (LOCAL, LOCAL)
-        got = run_each(clients, _exchange)
-        assert got == [_expected(3)] * 3
+        assert run_each(clients, _exchange) == [_expected(2)] * 2
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_workers_that_fall_back_to_grpc_still_fit_shared_memory_chunks_in_a_message(
+    coordinator, monkeypatch
+) -> None:
+    """Workers said at Join they would use shared memory, then could not register (here: the
+    registration fails; in life, e.g. a container sharing the network but not the socket's
+    directory): the job's 32 MiB chunks go inline over gRPC, within the default message limit."""
+
+    def refuse(*args: object, **kwargs: object) -> ShmChannel:
+        raise UnavailableError("no shared memory in this test")
+
+    monkeypatch.setattr(ShmChannel, "open", refuse)
+    server = coordinator(world_size=2)
+    clients = connect_all(server.address, 2, TEST_TIMEOUTS)
+    try:
+        assert [(c.chunk_bytes, c.transport) for c in clients] == [(SHM, "grpc")] * 2
+        got = run_each(clients, lambda c: _exchange(c, size=SHM_ELEMENTS))
+        assert got == [_expected(2, size=SHM_ELEMENTS)] * 2
     finally:
         for c in clients:
             c.close()
@@ -190,18 +257,19 @@ def test_a_worker_on_another_host_makes_the_job_use_the_remote_chunk_size(
 @pytest.mark.processes
 def test_a_fresh_job_chooses_again(processes, coordinator, peer_host) -> None:
     """A job whose workers all left gives way to a fresh one, which chooses its own size: local
-    first (8 MiB), then remote (0.25 MiB), then local again (8 MiB, the arena's slots too)."""
+    first (32 MiB: shared memory), then remote (0.25 MiB), then local again (32 MiB, the arena's
+    slots too)."""
     server = coordinator(world_size=1, bind="0.0.0.0:0", insecure=True)
     port = int(server.address.rsplit(":", 1)[1])
 
     def local_job() -> None:
         (client,) = connect_all(f"127.0.0.1:{port}", 1, TEST_TIMEOUTS)
         with client:
-            assert client.chunk_bytes == LOCAL
+            assert client.chunk_bytes == SHM
             assert _exchange(client) == _grads(0, 0).tobytes()
 
     local_job()
-    assert _chunk_state(server) == (LOCAL, LOCAL)
+    assert _chunk_state(server) == (SHM, SHM)
     _wait_for_a_fresh_job(server)
     remote = _remote_worker(processes, peer_host, port)
     assert int(remote.wait_for(r"JOINED \d (\d+)", timeout=60).group(1)) == REMOTE
@@ -209,6 +277,6 @@ def test_a_fresh_job_chooses_again(processes, coordinator, peer_host) -> None:
     assert remote.wait(60) == 0, remote.output
     _wait_for_a_fresh_job(server)
     # Between jobs: the table waits with the largest size, the output arena kept the last job's.
-    assert _chunk_state(server) == (LOCAL, REMOTE)
+    assert _chunk_state(server) == (SHM, REMOTE)
     local_job()
-    assert _chunk_state(server) == (LOCAL, LOCAL)
+    assert _chunk_state(server) == (SHM, SHM)

@@ -21,6 +21,7 @@ from gradserver.common.messages import (
     ErrorOut,
     HeartbeatAckOut,
     HeartbeatIn,
+    JoinRequestIn,
     LeaveIn,
     SampleRange,
     SampleRangeAssignmentOut,
@@ -262,3 +263,14 @@ def test_a_chunk_names_its_senders_arena_and_an_average_the_output_or_the_recipi
     else:
         with pytest.raises(InternalError, match="only 'out' or 'in' is allowed"):
             codec.decode_server_message(raw_average)
+
+
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_a_join_request_says_whether_the_worker_sends_through_shared_memory(shared_memory: bool) -> None:
+    request = JoinRequestIn(
+        "node", 1, "cpu", codec.PROTOCOL_VERSION, 7, {"model": "m"}, rank=1, shared_memory=shared_memory
+    )
+    assert codec.decode_join_request(codec.encode_join_request(request)) == request
+    # An older worker's request (no field): not shared memory, so the job's chunks fit its gRPC.
+    old = pb.JoinRequest(node_id="node", protocol_version=codec.PROTOCOL_VERSION).SerializeToString()
+    assert codec.decode_join_request(old).shared_memory is False

@@ -27,9 +27,9 @@ def test_flag_beats_environment_beats_default() -> None:
 
 def test_heartbeat_default_is_at_most_ten_seconds() -> None:
     assert CoordinatorConfig().heartbeat_timeout <= 10
-    # The chunk size is chosen per job (8 MiB on one host, 0.25 MiB across hosts): buffers sized
-    # by a chunk are sized for the larger.
-    assert CoordinatorConfig().chunk_auto and CoordinatorConfig().chunk_bytes <= 8 * 2**20
+    # The chunk size is chosen per job (32 MiB on one host through shared memory, 8 MiB over
+    # loopback gRPC, 0.25 MiB across hosts): buffers sized by a chunk are sized for the largest.
+    assert CoordinatorConfig().chunk_auto and CoordinatorConfig().chunk_bytes == 32 * 2**20
 
 
 @pytest.mark.parametrize(

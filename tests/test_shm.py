@@ -603,18 +603,18 @@ def test_result_memory_a_refused_key_averages_into_stays_taken_until_its_step_fa
     c0, c1 = connect_ranks(server.address, ["shm", "shm"])
     try:
         arena = c0._link.arenas
-        free = arena._slots.free_slots
+        free = arena._pages.free_slots
         key = TensorKey.non_block(0, NonBlockComponent.EMBEDDING)
         data = _data(0, 6, 10000)  # three chunks
         c0.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, data)
-        assert arena._slots.free_slots < free and arena.staged_bytes == 40000  # copied into the result
+        assert arena._pages.free_slots < free and arena.staged_bytes == 40000  # copied into the result
         header = ChunkHeader(DType.FLOAT32, 10000, ())
         c0._link.send_chunk(key, header, 0, data[:4096], None)  # refused: sent twice
         _poll(lambda: key in c0._link._unsettled, "the refusal")
         with pytest.raises(GradServerError, match="twice"):
             c0.receive_averaged_non_block()
         gc.collect()
-        assert arena._slots.free_slots < free  # still taken: its chunks may yet be averaged there
+        assert arena._pages.free_slots < free  # still taken: its chunks may yet be averaged there
         bad = _data(1, 6, 10000)
         bad[5] = np.nan
         c1.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, bad)
@@ -622,7 +622,7 @@ def test_result_memory_a_refused_key_averages_into_stays_taken_until_its_step_fa
             c1.receive_averaged_non_block()
         _poll(lambda: not c0._link._unsettled, "the step's failure")
         gc.collect()
-        assert arena._slots.free_slots == free
+        assert arena._pages.free_slots == free
     finally:
         c0.close()
         c1.close()
@@ -642,3 +642,37 @@ def test_an_average_named_outside_the_workers_own_arena_is_an_internal_error(shm
                 arenas.own_average(ref)
     finally:
         c.close()
+
+
+def test_a_slot_arena_hands_out_first_fit_runs_and_counts_what_it_frees() -> None:
+    arena = shm_support.SlotArena(10 * 4096, 4096)
+    assert arena.count == 10 and arena.free_slots == 10
+    assert [arena.take_run(3), arena.take_run(1), arena.take_run(4)] == [0, 3 * 4096, 4 * 4096]
+    assert arena.free_slots == 2 and arena.take_run(3) is None
+    arena.free(3 * 4096)
+    arena.free(3 * 4096)  # twice: counted once
+    assert arena.free_slots == 3
+    assert arena.take_run(3) is None  # 3 free, but not contiguous
+    arena.free(0, 3)
+    assert arena.take_run(4) == 0 and arena.free_slots == 2
+    with pytest.raises(IndexError):
+        arena.free(9 * 4096, 2)
+
+
+def test_small_buffers_take_pages_of_the_arena_not_whole_chunks(shm_coordinator) -> None:
+    """With 32 MiB chunks a 1 GiB input arena holds 32 chunks; small gradient buffers and results
+    take 1 MiB pages, so far more of them than that lie in the arena (sent without a copy)."""
+    server = shm_coordinator(world_size=1, chunk_mib=0, max_message_mib=33.0)
+    client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, shm_arena_mib=1024)
+    try:
+        assert client.transport == "shm" and client.chunk_bytes == 32 * 2**20
+        arena = client._link.arenas
+        buffers = [client.gradient_buffer(1000) for _ in range(100)]
+        assert all(arena.placed(b) is not None for b in buffers)
+        assert arena._pages.count - arena._pages.free_slots == 100
+        buffers[0][:] = 2.0
+        client.send_non_block_gradient(0, 1, buffers[0], into=buffers[0])
+        assert client.receive_averaged_non_block().gradients.tolist() == [2.0] * 1000
+        assert arena.zero_copy_bytes == 4000
+    finally:
+        client.close()

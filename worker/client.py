@@ -174,6 +174,7 @@ class WorkerClient:
             committed_step,
             dict(fingerprint or {}),
             rank=rank,
+            shared_memory=transports.shm_intended(choice, encoder.dtype),
         )
 
         def join(at: str, request: JoinRequestIn) -> tuple[grpc.Channel, JoinAccepted]:

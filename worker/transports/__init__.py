@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
+from gradserver.common import shm
 from gradserver.common.config import env_name, environment_value
 from gradserver.common.errors import FailedPreconditionError, GradServerError, InvalidArgumentError
 from gradserver.common.messages import DType, JoinAccepted
@@ -39,6 +40,7 @@ __all__ = [
     "Link",
     "PendingResult",
     "open_link",
+    "shm_intended",
     "transport_choice",
 ]
 
@@ -58,6 +60,14 @@ def transport_choice(transport: str | None) -> str:
         source = "transport" if transport is not None else TRANSPORT_ENV
         raise InvalidArgumentError(f"{source}={choice!r}: choose one of {', '.join(TRANSPORTS)}")
     return choice
+
+
+def shm_intended(choice: str, wire_dtype: DType) -> bool:
+    """Whether a worker with this transport `choice` and `wire_dtype` will send through shared
+    memory if its coordinator offers it (JoinRequest.shared_memory: the coordinator sizes the
+    job's chunks for it). Partitioned coordinators rule it out too, but they are not known before
+    the Join and fix their chunk size regardless."""
+    return choice != "grpc" and _why_not_shm(wire_dtype, partitioned=False) is None and shm.supported()
 
 
 def open_link(

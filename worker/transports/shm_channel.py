@@ -5,13 +5,14 @@ the coordinator sends first (only the coordinator that answered this worker's Jo
 presents the worker id and member token, and passes this worker's sealed input arena; it gets a
 read-only descriptor of the coordinator's output arena back and maps it read-only.
 
-Input arena: fixed-size slots of one chunk each, plus contiguous runs handed out as
-`gradient_buffer`s. A chunk is copied into a free slot (or, when it already lies in a gradient
-buffer, referenced where it is) and only then named to the coordinator, so a worker killed while
-writing never references partial data. A slot is reused once the chunk's average (or an error
-that voids it) arrived: by then the coordinator has dropped its view of it. When no slot frees up
-within a short wait, the chunk goes inline over gRPC instead, so mismatched key orders across
-workers cannot deadlock on a full arena.
+Input arena: pages of at most 1 MiB, taken in runs: a staging slot is a chunk's worth, a
+`gradient_buffer` or a result array as many as it needs (so a small buffer does not take a whole
+chunk's room when chunks are large). A chunk is copied into a free slot (or, when it already
+lies in a gradient buffer, referenced where it is) and only then named to the coordinator, so a
+worker killed while writing never references partial data. A slot is reused once the chunk's
+average (or an error that voids it) arrived: by then the coordinator has dropped its view of it.
+When no slot frees up within a short wait, the chunk goes inline over gRPC instead, so
+mismatched key orders across workers cannot deadlock on a full arena.
 
 Output arena: averages are read where the coordinator wrote them; the worker copies them out and
 releases the slot over the Unix socket (never through the gRPC stream, whose back-pressure must
@@ -46,6 +47,8 @@ _SLOT_WAIT_S = 2.0
 # Slots a result buffer never takes (half the arena, when smaller): what chunks sent from other
 # memory are staged in, so results held by the caller cannot push them inline.
 _STAGING_RESERVE = 8
+# The input arena's allocation unit when chunks are larger.
+_PAGE_BYTES = 1 << 20
 # A SIGKILLed coordinator closes its sockets a moment before /proc shows it gone (it still runs its
 # exit then); on a loaded machine that moment lasts long enough for a single look to call it alive
 # and keep its directory for good. A closed socket is worth waiting this long for the process.
@@ -77,7 +80,10 @@ class ShmChannel:
         self._base = int(self._arena_view.__array_interface__["data"][0])
         self._out = out
         self._out_view = np.frombuffer(out, dtype=np.uint8)
-        self._slots = shm.SlotArena(len(arena), slot_bytes)
+        page = min(slot_bytes, _PAGE_BYTES)
+        self._pages = shm.SlotArena(len(arena), page)  # a staging slot is `_slot_pages` of them
+        self._slot_bytes = slot_bytes
+        self._slot_pages = -(-slot_bytes // page)
         self._cond = threading.Condition()
         self._held: dict[tuple[TensorKey, int], int] = {}  # (key, offset) -> slot byte offset
         self._send_lock = threading.Lock()
@@ -160,23 +166,24 @@ class ShmChannel:
         """A float32 array of `num_elements` in the registered arena for a result (its contents
         unspecified), or None when taking it would leave fewer than `_STAGING_RESERVE` slots
         (or half the arena) for staging. Its slots return when it is collected."""
-        return self._run(num_elements, keep_free=min(_STAGING_RESERVE, self._slots.count // 2))
+        reserve = min(_STAGING_RESERVE * self._slot_pages, self._pages.count // 2)
+        return self._run(num_elements, keep_free=reserve)
 
     def _run(self, num_elements: int, *, keep_free: int) -> np.ndarray | None:
-        slots = -(-max(num_elements, 1) * 4 // self._slots.slot_bytes)
+        pages = -(-max(num_elements, 1) * 4 // self._pages.slot_bytes)
         with self._cond:
-            if self._slots.free_slots - slots < keep_free:
+            if self._pages.free_slots - pages < keep_free:
                 return None
-            offset = self._slots.take_run(slots)
+            offset = self._pages.take_run(pages)
         if offset is None:
             return None
         array = np.frombuffer(memoryview(self._arena)[offset : offset + num_elements * 4], dtype=_F32)
-        weakref.finalize(array, self._free_run, offset, slots)
+        weakref.finalize(array, self._free_run, offset, pages)
         return array
 
-    def _free_run(self, offset: int, slots: int) -> None:
+    def _free_run(self, offset: int, pages: int) -> None:
         with self._cond:
-            self._slots.free(offset, slots)
+            self._pages.free(offset, pages)
             self._cond.notify_all()
 
     def stage(
@@ -189,11 +196,11 @@ class ShmChannel:
         if where is not None:
             self.zero_copy_bytes += nbytes
             return ShmRef("in", where, nbytes)
-        if nbytes > self._slots.slot_bytes:
+        if nbytes > self._slot_bytes:
             return None
         deadline = time.monotonic() + wait_s
         with self._cond:
-            while (slot := self._slots.take()) is None:
+            while (slot := self._pages.take_run(self._slot_pages)) is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
                     return None
@@ -220,7 +227,7 @@ class ShmChannel:
         with self._cond:
             slot = self._held.pop((key, offset), None)
             if slot is not None:
-                self._slots.free(slot)
+                self._pages.free(slot, self._slot_pages)
                 self._cond.notify_all()
 
     def key_done(self, key: TensorKey) -> None:
@@ -232,7 +239,7 @@ class ShmChannel:
     def _free_where(self, match: object) -> None:
         with self._cond:
             for held in [h for h in self._held if match(h[0])]:  # type: ignore[operator]
-                self._slots.free(self._held.pop(held))
+                self._pages.free(self._held.pop(held), self._slot_pages)
             self._cond.notify_all()
 
     # --- receiving ----------------------------------------------------------------------------
