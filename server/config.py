@@ -300,7 +300,9 @@ class CoordinatorConfig:
         a chunk (the output arena's slots, the collective lane's) hold; a job's own chunk size
         is the coordinator's `GradientServer.chunk_bytes`."""
         fixed = self.fixed_chunk_bytes
-        return fixed if fixed is not None else self.shm_chunk_bytes
+        if fixed is not None:
+            return fixed
+        return int(LOCAL_CHUNK_MIB * MIB) if self.no_shm else self.shm_chunk_bytes
 
     @property
     def lane_chunk_bytes(self) -> int:
@@ -329,10 +331,15 @@ class CoordinatorConfig:
             return {}
         if self.fixed_chunk_bytes is not None:
             return {"chunk_mib": f"-> automatic: {REMOTE_CHUNK_MIB:g} MiB (partitioned coordinators)"}
+        shm = (
+            ""
+            if self.no_shm
+            else f"{self.shm_chunk_bytes / MIB:g} MiB when every worker joins over loopback and sends "
+            "through shared memory, "
+        )
         return {
-            "chunk_mib": f"-> automatic, per job: {self.shm_chunk_bytes / MIB:g} MiB when every worker joins "
-            f"over loopback and sends through shared memory, {LOCAL_CHUNK_MIB:g} MiB when every one "
-            f"joins over loopback, {REMOTE_CHUNK_MIB:g} MiB when any joins from another host"
+            "chunk_mib": f"-> automatic, per job: {shm}{LOCAL_CHUNK_MIB:g} MiB when every worker joins "
+            f"over loopback, {REMOTE_CHUNK_MIB:g} MiB when any joins from another host"
         }
 
     def _at_least_chunk(self, extra_mib: float) -> str:

@@ -99,6 +99,10 @@ def test_the_shared_memory_size_stays_within_the_limits() -> None:
     assert CoordinatorConfig(shm_arena_mib=64.0).shm_chunk_bytes == 16 * MIB
     assert CoordinatorConfig(max_message_mib=9.0).shm_chunk_bytes == LOCAL
     assert CoordinatorConfig(max_message_mib=16.0).chunk_bytes == 15 * MIB
+    # Without shared memory no job gets it: buffers sized by a chunk need only the gRPC size.
+    assert CoordinatorConfig(no_shm=True).chunk_bytes == LOCAL
+    assert "32 MiB" in CoordinatorConfig().setting_notes()["chunk_mib"]
+    assert "32 MiB" not in CoordinatorConfig(no_shm=True).setting_notes()["chunk_mib"]
     # The collective lane keeps its slots sized by the gRPC size.
     assert CoordinatorConfig().lane_chunk_bytes == LOCAL
     assert CoordinatorConfig(chunk_mib=2.0).lane_chunk_bytes == 2 * MIB

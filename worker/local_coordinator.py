@@ -38,9 +38,10 @@ _VERDICT_WAIT_S = 1.0
 def coordinator_command(world_size: int, port_file: Path, *options: str, port: int = 0) -> list[str]:
     """The argv of a coordinator for `world_size` workers on 127.0.0.1:`port` that reports its
     port in `port_file`; `options` are further `gradserver coordinator` flags. It chooses its
-    chunk size itself (8 MiB when every worker joins over loopback, as they do here; 0.25 MiB
-    when one joins from another host, as a torch backend group's ranks on several machines do)
-    unless `options` or GRADSERVER_CHUNK_MIB set it."""
+    chunk size itself (32 MiB when every worker joins over loopback and uses shared memory, as
+    they do here by default, 8 MiB over loopback gRPC; 0.25 MiB when one joins from another host,
+    as a torch backend group's ranks on several machines do) unless `options` or
+    GRADSERVER_CHUNK_MIB set it."""
     return [
         sys.executable,
         "-m",
