@@ -68,7 +68,10 @@ class CoordinatorConfig:
     )
     max_inflight_mib: float = dataclasses.field(
         default=64.0,
-        metadata={"help": "per-worker MiB of unreduced contributions buffered before back-pressure"},
+        metadata={
+            "help": "per-worker MiB of unreduced contributions buffered before back-pressure (those "
+            "in a worker's shared memory do not count)"
+        },
     )
     max_tensor_elements: int = dataclasses.field(
         default=1 << 32, metadata={"help": "largest tensor a key may declare, elements"}

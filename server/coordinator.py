@@ -413,7 +413,7 @@ class GradientServer:
         if isinstance(event, ChunkIn):
             chunk = self._outboxes.resolve(event, stream.member)
             self.metrics.payload_received(chunk.worker_id, len(chunk.data))
-            self._deliver(self._table.contribute(chunk))
+            self._deliver(self._table.contribute(chunk, borrowed=event.shm is not None))
         elif isinstance(event, BarrierIn):
             self._deliver(self._table.barrier(event))
         else:

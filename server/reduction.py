@@ -86,6 +86,9 @@ class _Slot:
     reduced: int = 0
     # Chunks handed out to be averaged (`Reduce`), their parts kept until the result is back.
     inflight: dict[int, list[bytes | memoryview | None]] = dataclasses.field(default_factory=dict)
+    # What each part counts toward its sender's in-flight budget, per chunk index (held or in
+    # flight): its bytes, or 0 when it lies in the sender's own memory (`contribute(borrowed=)`).
+    charged: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     # ALL_GATHER, BROADCAST, ALL_TO_ALL: the chunks are routed there instead of averaged.
     collective: ByteCollective | None = None
     # REDUCE_SCATTER: cuts the reduced chunks into the ranks' parts.
@@ -308,8 +311,9 @@ class ReductionTable:
                 )
                 continue
             slot.expected = slot.expected - {lost}
-            for parts in slot.chunks.values():
-                self._buffered[lost] -= payload_nbytes(parts[lost])
+            for index, parts in slot.chunks.items():
+                self._buffered[lost] -= slot.charged[index][lost]
+                slot.charged[index][lost] = 0
                 parts[lost] = None
             slot.received[lost].clear()
             if not slot.expected:
@@ -326,13 +330,16 @@ class ReductionTable:
 
     # --- contributions ------------------------------------------------------------------------
 
-    def contribute(self, chunk: ChunkIn) -> list[Outgoing]:
-        """Accepts, rejects or reduces one chunk of one worker's contribution."""
-        out = self._contribute(chunk)
+    def contribute(self, chunk: ChunkIn, *, borrowed: bool = False) -> list[Outgoing]:
+        """Accepts, rejects or reduces one chunk of one worker's contribution. `borrowed`: its
+        data lies in memory its sender lent (shared memory), so holding it costs this process
+        nothing and it does not count toward the sender's in-flight budget (which, counted,
+        would hold back a worker whose keys come in another order than the others' for good)."""
+        out = self._contribute(chunk, borrowed)
         self._settle_steps()
         return out
 
-    def _contribute(self, chunk: ChunkIn) -> list[Outgoing]:
+    def _contribute(self, chunk: ChunkIn, borrowed: bool = False) -> list[Outgoing]:
         w, key = chunk.worker_id, chunk.key
         rejected = self._admit(w, key.step, key, what=str(key))
         if rejected is not None:
@@ -424,7 +431,9 @@ class ReductionTable:
             return out + self._route(slot, chunk, index)
         parts = slot.chunks.setdefault(index, [None] * self.world_size)
         parts[w] = chunk.data
-        self._buffered[w] += payload_nbytes(chunk.data)
+        charged = 0 if borrowed else payload_nbytes(chunk.data)
+        slot.charged.setdefault(index, [0] * self.world_size)[w] = charged
+        self._buffered[w] += charged
         self._step_stats.bytes_received(key.step, payload_nbytes(chunk.data))
         if slot.chunk_complete(index):
             out += self._reduce(slot, index)
@@ -833,8 +842,9 @@ class ReductionTable:
                 key=slot.key,
             )
         assert averaged is not None
-        for w, part in enumerate(slot.inflight.pop(index)):
-            self._buffered[w] -= payload_nbytes(part)
+        del slot.inflight[index]
+        for w, charged in enumerate(slot.charged.pop(index)):
+            self._buffered[w] -= charged
         if slot.scattered is not None:
             outgoing = self._scatter(slot, index, averaged, request.to)
             slot.reduced += 1
@@ -890,9 +900,9 @@ class ReductionTable:
             self._failed.popitem(last=False)
         for ident, slot in list(self._pending.items()):
             if slot.key.step == step:
-                for parts in [*slot.chunks.values(), *slot.inflight.values()]:
-                    for w, part in enumerate(parts):
-                        self._buffered[w] -= payload_nbytes(part)
+                for charged in slot.charged.values():
+                    for w, n in enumerate(charged):
+                        self._buffered[w] -= n
                 if slot.collective is not None:
                     for w in range(self.world_size):
                         self._buffered[w] -= slot.collective.held_bytes(w)

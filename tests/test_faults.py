@@ -96,12 +96,21 @@ def test_row16_a_sigstopped_worker_whose_stream_is_held_back_is_dropped_in_time(
 ) -> None:
     # The coordinator reads nothing from a stream it holds back, so it cannot see that worker's
     # heartbeats; only its own HTTP/2 keepalive can tell a stopped process from a waiting one.
+    # The worker sends over gRPC: contributions in shared memory cost the coordinator nothing to
+    # hold and never hold a stream back.
     server = coordinator(
         world_size=2, heartbeat_timeout=HEARTBEAT, step_timeout=120.0, chunk_mib=0.03, max_inflight_mib=0.05
     )
     with log_waiter() as logs:
         proc = processes.scripted_worker(
-            server.address, "--send-blocks", "2", "--hold", "60", "--then-receive", name="held-back"
+            server.address,
+            "--send-blocks",
+            "2",
+            "--hold",
+            "60",
+            "--then-receive",
+            name="held-back",
+            env={"GRADSERVER_TRANSPORT": "grpc"},
         )
         client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
         try:

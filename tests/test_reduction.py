@@ -91,6 +91,24 @@ def test_memory_is_freed_chunk_by_chunk() -> None:
     assert t.keys_reduced == 1 and t.contributions_counted == 2
 
 
+def test_borrowed_contributions_do_not_count_toward_the_budget() -> None:
+    """A chunk lying in its sender's shared memory (`borrowed`) costs this process nothing to
+    hold; owned chunks count as before, and every count returns to 0 however the chunks end."""
+    t, _ = table(2)
+    a, b = chunks(0, KEY, np.ones(12, np.float32)), chunks(1, KEY, np.ones(12, np.float32))
+    t.contribute(a[0], borrowed=True)
+    t.contribute(a[1])
+    assert t.buffered_bytes(0) == 16
+    t.contribute(b[0])
+    t.contribute(b[1], borrowed=True)
+    assert t.buffered_bytes(0) == t.buffered_bytes(1) == 0
+    t.contribute(a[2], borrowed=True)
+    t.contribute(chunks(0, TensorKey.non_block(0, NonBlockComponent.FINAL_NORM), np.ones(4, np.float32))[0])
+    assert t.buffered_bytes(0) == 16
+    out = t.worker_lost(1, "disconnected")  # fails step 0, releasing what it held
+    assert errors(out) and t.buffered_bytes(0) == t.buffered_bytes(1) == 0
+
+
 def test_zero_element_tensor_completes() -> None:
     t, _ = table(2)
     t.contribute(chunks(0, KEY, np.zeros(0, np.float32))[0])

@@ -435,7 +435,7 @@ def test_a_lost_workers_later_writes_cannot_change_an_average(shm_coordinator) -
         buf[:] = _data(2, 5, 10000)
         zombie.send_non_block_gradient(0, 0, buf)
         # Once the coordinator holds the zombie's whole contribution, the zombie is lost.
-        _poll(lambda: server.call(lambda s: s._table.buffered_bytes(2)) == 40000, "the contribution")
+        _poll(lambda: server.call(lambda s: s.metrics.traffic(2).received_bytes) == 40000, "the contribution")
         zombie._link._call.cancel()
         _poll(lambda: not server.call(lambda s: s.shm.registered(2) if s.shm else False), "the loss")
         buf[:] = 1e30  # the zombie writes after it was declared lost
@@ -676,3 +676,32 @@ def test_small_buffers_take_pages_of_the_arena_not_whole_chunks(shm_coordinator)
         assert arena.zero_copy_bytes == 4000
     finally:
         client.close()
+
+
+def test_keys_sent_in_opposite_orders_and_larger_than_the_budget_complete(shm_coordinator) -> None:
+    """Worker 0 sends A then B, worker 1 B then A, each key 16 times the in-flight budget.
+    Contributions in the workers' shared memory cost the coordinator nothing to hold, so they do
+    not count toward the budget: counted, each worker's stream would be held back with its half
+    of the other key unread, and the step would wait for its timeout."""
+    server = shm_coordinator(world_size=2, max_inflight_mib=CHUNK_MIB * 2, step_timeout=30.0)
+    c0, c1 = connect_ranks(server.address, ["shm", "shm"])
+    elements = int(CHUNK_MIB * 2**20) // 4 * 32  # 32 chunks; the budget holds 2
+    a, b = NonBlockComponent.LM_HEAD, NonBlockComponent.EMBEDDING
+
+    def exchange(client: WorkerClient) -> dict[int, np.ndarray]:
+        order = [a, b] if client.worker_id == 0 else [b, a]
+        for component in order:
+            client.send_non_block_gradient(0, component, _data(client.worker_id, int(component), elements))
+        results = [client.receive_averaged_non_block() for _ in order]
+        return {int(r.component): r.gradients for r in results}
+
+    try:
+        got = run_each([c0, c1], exchange, timeout=25.0)
+        for c in (int(a), int(b)):
+            total = _data(0, c, elements).astype(np.float64) + _data(1, c, elements)
+            for results in got:
+                np.testing.assert_array_equal(results[c], (total / 2).astype(np.float32))
+        assert server.call(lambda s: metric(s, "gradserver_shm_received_bytes_total")) >= 4 * elements * 4
+    finally:
+        c0.close()
+        c1.close()

@@ -133,11 +133,12 @@ class ProcessGroup:
             raise AssertionError(f"coordinator did not start:\n{proc.output}")
         return proc, f"127.0.0.1:{port}"
 
-    def scripted_worker(self, address: str, *args: str, name: str) -> ManagedProcess:
+    def scripted_worker(
+        self, address: str, *args: str, name: str, env: dict[str, str | None] | None = None
+    ) -> ManagedProcess:
         """A worker driven by tests/helpers/scripted_worker.py (full steps, then a fault point)."""
-        return self.start(
-            [sys.executable, "-m", "tests.helpers.scripted_worker", "--coordinator", address, *args], name
-        )
+        argv = [sys.executable, "-m", "tests.helpers.scripted_worker", "--coordinator", address, *args]
+        return self.start(argv, name, env)
 
     def wait_any(self, procs: list[ManagedProcess], timeout: float) -> ManagedProcess:
         """The first of `procs` to exit (its output read); fails naming them if none does."""
