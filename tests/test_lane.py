@@ -408,6 +408,46 @@ def test_a_non_finite_value_is_named_by_worker_and_element_unless_it_is_let_thro
             c.close()
 
 
+def test_a_worker_a_round_behind_names_the_non_finite_value_too(
+    lane_coordinator: Callable[..., ServerThread],
+) -> None:
+    """Worker 0 finds a NaN in the last round and gives up while worker 1 is a round behind (held
+    there until worker 0 gave up): worker 0 had posted every round, so worker 1 reads them all and
+    fails naming the culprit and element too, not merely that worker 0 gave up."""
+    _, clients = _clients(lane_coordinator)
+    size = 3 * SLOT // 4  # three rounds
+    lane = clients[1]._link.arenas.lane
+    assert lane is not None
+    read_peer = lane._read_peer
+
+    def a_round_behind(op: Any, part: int, g: int) -> None:
+        read_peer(op, part, g)
+        if part == op.rounds - 2:
+            end = time.monotonic() + 10
+            while not lane.memory.abandoned(0):
+                assert time.monotonic() < end, "worker 0 never gave up"
+                time.sleep(0.002)
+
+    try:
+        lane._read_peer = a_round_behind  # type: ignore[method-assign]
+
+        def send_nan(client: CollectiveClient) -> np.ndarray:
+            data = np.ones(size, np.float32)
+            if client.worker_id == 1:
+                data[size - 3] = np.nan
+            return _reduce(client, 0, data)
+
+        outcomes = _each(clients, send_nan)
+        assert isinstance(outcomes[1], InvalidArgumentError) and isinstance(outcomes[0], AbortedError), (
+            outcomes
+        )
+        named = "worker 1 sent a non-finite value (NaN or Inf) in operation 0 collective SUM of group 0"
+        assert all(f"{named} at element {size - 3}" in str(outcome) for outcome in outcomes), outcomes
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_a_worker_that_leaves_mid_operation_fails_it_for_the_others_naming_it(
     lane_coordinator: Callable[..., ServerThread],
 ) -> None:

@@ -136,7 +136,7 @@ class LaneClient:
             # of it, and everyone finds the same. Then whether anyone gave up for another reason:
             # its data is there, but the operation fails for everyone as the coordinator fails it.
             self._read_peer(op, part, g)
-            self._raise_if_given_up(op)
+            self._raise_if_given_up(op, part, g)
         else:
             self._wait(lambda: memory.done, memory.done_address(), g, deadline, check, op, g)
             op.read(part, g)
@@ -165,15 +165,25 @@ class LaneClient:
         if op.kind is CollectiveKind.REDUCE_SCATTER:
             op.result[offset : offset + length] = out[me * length : (me + 1) * length]
 
-    def _raise_if_given_up(self, op: _Operation) -> None:
+    def _raise_if_given_up(self, op: _Operation, part: int, g: int) -> None:
         """A worker that gave up on this operation may have posted the round before it did: its
         data is then there, but it reads no more, and the operation fails here as the coordinator
-        fails it. (Anything else that failed the lane meanwhile does not undo a round whose data
-        is all there: a worker that left after it had it, say.)"""
+        fails it. Unless it had posted every round of the operation: then this worker reads them
+        all and ends as it would have (a worker that found a later round non-finite gave up
+        because of it, and this one, a round behind, must find the same, not just that it gave
+        up). (Anything else that failed the lane meanwhile does not undo a round whose data is
+        all there: a worker that left after it had it, say.)"""
         memory, key = self.memory, op.key
+        last = g
+        for _ in range(op.rounds - 1 - part):
+            last = shared.next_round(last)
         for r in range(memory.layout.world):
             quit_at = memory.abandoned(r)
-            if quit_at and shared.reached(op.index & 0xFFFFFFFF or 1, quit_at):
+            if (
+                quit_at
+                and shared.reached(op.index & 0xFFFFFFFF or 1, quit_at)
+                and not shared.reached(memory.posted(r), last)
+            ):
                 raise AbortedError(
                     f"{key} aborted: worker {r} gave up on it (its own deadline or error)",
                     step=key.step,
