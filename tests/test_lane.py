@@ -448,6 +448,45 @@ def test_a_worker_a_round_behind_names_the_non_finite_value_too(
             c.close()
 
 
+def test_a_worker_a_round_behind_one_that_gave_up_fails_even_with_every_round_there(
+    lane_coordinator: Callable[..., ServerThread],
+) -> None:
+    """Worker 0 posts every round of an operation, then gives up on it for a reason of its own
+    (an error injected into its last read) while worker 1 is a round behind: worker 1 reads the
+    rounds, which are all there and fine, and still fails naming worker 0, as every worker fails
+    an operation that one gave up on."""
+    _, clients = _clients(lane_coordinator)
+    size = 3 * SLOT // 4  # three rounds
+    quitter, behind = clients[0]._link.arenas.lane, clients[1]._link.arenas.lane
+    assert quitter is not None and behind is not None
+    finish, read_peer = quitter._finish, behind._read_peer
+
+    def fail_last_read(op: Any, part: int, g: int, deadline: float, check: Any) -> None:
+        if part == op.rounds - 1:
+            raise RuntimeError("injected: worker 0 gives up")
+        finish(op, part, g, deadline, check)
+
+    def a_round_behind(op: Any, part: int, g: int) -> None:
+        read_peer(op, part, g)
+        if part == op.rounds - 2:
+            end = time.monotonic() + 10
+            while not behind.memory.abandoned(0):
+                assert time.monotonic() < end, "worker 0 never gave up"
+                time.sleep(0.002)
+
+    try:
+        quitter._finish = fail_last_read  # type: ignore[method-assign]
+        behind._read_peer = a_round_behind  # type: ignore[method-assign]
+        outcomes = _each(clients, lambda c: _reduce(c, 0, np.ones(size, np.float32)))
+        assert isinstance(outcomes[0], RuntimeError), outcomes
+        assert isinstance(outcomes[1], AbortedError) and "worker 0 gave up on it" in str(outcomes[1]), (
+            outcomes
+        )
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_a_worker_that_leaves_mid_operation_fails_it_for_the_others_naming_it(
     lane_coordinator: Callable[..., ServerThread],
 ) -> None:

@@ -95,6 +95,8 @@ class LaneClient:
                         continue
                     done_part, g = pending.popleft()
                     self._finish(operation, done_part, g, deadline, check)
+                if operation.quitter is not None:
+                    raise self._given_up(key, operation.quitter)
             except BaseException:
                 self._give_up()
                 raise
@@ -168,28 +170,32 @@ class LaneClient:
     def _raise_if_given_up(self, op: _Operation, part: int, g: int) -> None:
         """A worker that gave up on this operation may have posted the round before it did: its
         data is then there, but it reads no more, and the operation fails here as the coordinator
-        fails it. Unless it had posted every round of the operation: then this worker reads them
-        all and ends as it would have (a worker that found a later round non-finite gave up
-        because of it, and this one, a round behind, must find the same, not just that it gave
-        up). (Anything else that failed the lane meanwhile does not undo a round whose data is
-        all there: a worker that left after it had it, say.)"""
-        memory, key = self.memory, op.key
+        fails it. When it had posted every round of the operation, this worker still reads them
+        all first (`op.quitter`: the operation fails once they are read), so that a later round's
+        problem is named as that worker found it: one that found the last round non-finite gave
+        up because of it, and a worker a round behind must name the same culprit and element, not
+        only that it gave up. (Anything else that failed the lane meanwhile does not undo a round
+        whose data is all there: a worker that left after it had it, say.)"""
+        memory = self.memory
         last = g
         for _ in range(op.rounds - 1 - part):
             last = shared.next_round(last)
         for r in range(memory.layout.world):
             quit_at = memory.abandoned(r)
-            if (
-                quit_at
-                and shared.reached(op.index & 0xFFFFFFFF or 1, quit_at)
-                and not shared.reached(memory.posted(r), last)
-            ):
-                raise AbortedError(
-                    f"{key} aborted: worker {r} gave up on it (its own deadline or error)",
-                    step=key.step,
-                    key=str(key),
-                    worker_id=r,
-                )
+            if quit_at and shared.reached(op.index & 0xFFFFFFFF or 1, quit_at):
+                if not shared.reached(memory.posted(r), last):
+                    raise self._given_up(op.key, r)
+                if op.quitter is None:
+                    op.quitter = r
+
+    @staticmethod
+    def _given_up(key: TensorKey, quitter: int) -> AbortedError:
+        return AbortedError(
+            f"{key} aborted: worker {quitter} gave up on it (its own deadline or error)",
+            step=key.step,
+            key=str(key),
+            worker_id=quitter,
+        )
 
     def _error(self, problem: RoundProblem, key: TensorKey) -> GradServerError:
         """The error this worker raises for a round it found wrong itself (each worker finds the
@@ -284,6 +290,9 @@ class _Operation:
         self.index = index
         self.lane = lane
         self.key = key
+        # A worker that gave up on this operation after posting all of it (see
+        # `LaneClient._raise_if_given_up`): its rounds are read, then the operation fails.
+        self.quitter: int | None = None
         self.data = data
         self.result = result
         self.kind = key.collective_kind
