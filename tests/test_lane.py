@@ -408,6 +408,24 @@ def test_a_non_finite_value_is_named_by_worker_and_element_unless_it_is_let_thro
             c.close()
 
 
+def _hold_a_round_behind(client: CollectiveClient, until_worker_gave_up: int) -> None:
+    """Makes `client` stop after reading the second-to-last round of its lane operations until
+    worker `until_worker_gave_up` has given up on one (bounded): a worker a round behind."""
+    lane = client._link.arenas.lane
+    assert lane is not None
+    read_peer = lane._read_peer
+
+    def a_round_behind(op: Any, part: int, g: int) -> None:
+        read_peer(op, part, g)
+        if part == op.rounds - 2:
+            end = time.monotonic() + 10
+            while not lane.memory.abandoned(until_worker_gave_up):
+                assert time.monotonic() < end, f"worker {until_worker_gave_up} never gave up"
+                time.sleep(0.002)
+
+    lane._read_peer = a_round_behind  # type: ignore[method-assign]
+
+
 def test_a_worker_a_round_behind_names_the_non_finite_value_too(
     lane_coordinator: Callable[..., ServerThread],
 ) -> None:
@@ -416,20 +434,8 @@ def test_a_worker_a_round_behind_names_the_non_finite_value_too(
     fails naming the culprit and element too, not merely that worker 0 gave up."""
     _, clients = _clients(lane_coordinator)
     size = 3 * SLOT // 4  # three rounds
-    lane = clients[1]._link.arenas.lane
-    assert lane is not None
-    read_peer = lane._read_peer
-
-    def a_round_behind(op: Any, part: int, g: int) -> None:
-        read_peer(op, part, g)
-        if part == op.rounds - 2:
-            end = time.monotonic() + 10
-            while not lane.memory.abandoned(0):
-                assert time.monotonic() < end, "worker 0 never gave up"
-                time.sleep(0.002)
-
     try:
-        lane._read_peer = a_round_behind  # type: ignore[method-assign]
+        _hold_a_round_behind(clients[1], until_worker_gave_up=0)
 
         def send_nan(client: CollectiveClient) -> np.ndarray:
             data = np.ones(size, np.float32)
@@ -457,26 +463,18 @@ def test_a_worker_a_round_behind_one_that_gave_up_fails_even_with_every_round_th
     an operation that one gave up on."""
     _, clients = _clients(lane_coordinator)
     size = 3 * SLOT // 4  # three rounds
-    quitter, behind = clients[0]._link.arenas.lane, clients[1]._link.arenas.lane
-    assert quitter is not None and behind is not None
-    finish, read_peer = quitter._finish, behind._read_peer
+    quitter = clients[0]._link.arenas.lane
+    assert quitter is not None
+    finish = quitter._finish
 
     def fail_last_read(op: Any, part: int, g: int, deadline: float, check: Any) -> None:
         if part == op.rounds - 1:
             raise RuntimeError("injected: worker 0 gives up")
         finish(op, part, g, deadline, check)
 
-    def a_round_behind(op: Any, part: int, g: int) -> None:
-        read_peer(op, part, g)
-        if part == op.rounds - 2:
-            end = time.monotonic() + 10
-            while not behind.memory.abandoned(0):
-                assert time.monotonic() < end, "worker 0 never gave up"
-                time.sleep(0.002)
-
     try:
         quitter._finish = fail_last_read  # type: ignore[method-assign]
-        behind._read_peer = a_round_behind  # type: ignore[method-assign]
+        _hold_a_round_behind(clients[1], until_worker_gave_up=0)
         outcomes = _each(clients, lambda c: _reduce(c, 0, np.ones(size, np.float32)))
         assert isinstance(outcomes[0], RuntimeError), outcomes
         assert isinstance(outcomes[1], AbortedError) and "worker 0 gave up on it" in str(outcomes[1]), (
