@@ -177,12 +177,12 @@ class LaneClient:
         only that it gave up. (Anything else that failed the lane meanwhile does not undo a round
         whose data is all there: a worker that left after it had it, say.)"""
         memory = self.memory
-        last = g
-        for _ in range(op.rounds - 1 - part):
-            last = shared.next_round(last)
         for r in range(memory.layout.world):
             quit_at = memory.abandoned(r)
             if quit_at and shared.reached(op.index & 0xFFFFFFFF or 1, quit_at):
+                last = g  # the operation's last round (found only here: every round passes by)
+                for _ in range(op.rounds - 1 - part):
+                    last = shared.next_round(last)
                 if not shared.reached(memory.posted(r), last):
                     raise self._given_up(op.key, r)
                 if op.quitter is None:
