@@ -88,6 +88,25 @@ class Row:
 # --- worker roles (run inside a host) -----------------------------------------------------------
 
 
+class _Window:
+    """When (wall clock, shared by every namespace) a worker's timed steps began and ended, so the
+    link bytes per step count only those steps: not the joins, the link probes or the warm-up."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def step_starts(self, timed: bool) -> None:
+        if timed and self.first is None:
+            self.first = time.time()
+
+    def step_ended(self) -> None:
+        self.last = time.time()
+
+    def span(self) -> list[float | None]:
+        return [self.first, self.last]
+
+
 def _gradients(rank: int, mib: float, blocks: int) -> list[np.ndarray]:
     per_block = int(mib * 2**20 / 4) // blocks
     rng = np.random.default_rng(rank)
@@ -105,18 +124,20 @@ def _gradserver_worker(args: argparse.Namespace) -> dict[str, Any]:
     )
     blocks = _gradients(client.worker_id, args.mib, args.blocks)
     sizes = [(b.size, 0, 0, 0, 0, 0, 0, 0, 0) for b in blocks]
-    times = []
+    times, window = [], _Window()
     with client:
         for step in range(args.warmup + args.steps):
             client.barrier(step)
             started = time.perf_counter()
+            window.step_starts(step >= args.warmup)
             for b in reversed(range(len(blocks))):
                 client.send_block_gradient(step, b, len(blocks), blocks[b], sizes[b])
             for _ in blocks:
                 client.receive_averaged_block()
             if step >= args.warmup:
                 times.append(time.perf_counter() - started)
-    return {"rank": client.worker_id, "times": times}
+                window.step_ended()
+    return {"rank": client.worker_id, "times": times, "window": window.span()}
 
 
 def _gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,19 +155,21 @@ def _gloo_worker(args: argparse.Namespace) -> dict[str, Any]:
     )
     dtype = torch.bfloat16 if args.wire_dtype == "bfloat16" else torch.float32
     tensors = [torch.from_numpy(b).to(dtype) for b in _gradients(args.rank, args.mib, args.blocks)]
-    times = []
+    times, window = [], _Window()
     try:
         for step in range(args.warmup + args.steps):
             dist.barrier()
             started = time.perf_counter()
+            window.step_starts(step >= args.warmup)
             for t in reversed(tensors):
                 dist.all_reduce(t)
                 t.div_(args.world)
             if step >= args.warmup:
                 times.append(time.perf_counter() - started)
+                window.step_ended()
     finally:
         dist.destroy_process_group()
-    return {"rank": args.rank, "times": times}
+    return {"rank": args.rank, "times": times, "window": window.span()}
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -222,24 +245,24 @@ class Bench:
 
     def measure(self, config: Config) -> Row:
         row = Row(config, len(self.workers))
-        before = self.cluster.link_bytes()
-        sampler = _Timeline(self.cluster) if self.args.timeline else None
+        sampler = _Timeline(self.cluster)
         try:
-            times = self._gloo(config.wire_dtype) if config.name == "gloo" else self._gradserver(config)
+            results = self._gloo(config.wire_dtype) if config.name == "gloo" else self._gradserver(config)
         finally:
-            if sampler is not None:
-                sampler.stop()
+            sampler.stop()
             self.cluster.stop_processes()
-        if sampler is not None:
+        if self.args.timeline:
             sampler.report(f"{config.name} {config.placement} {config.wire_dtype}", self.args.link_mbit)
-        moved = self.cluster.link_bytes() - before
-        row.step_s_median = statistics.median(times)
-        row.busiest_bytes_per_step = moved.busiest() / (self.args.warmup + self.args.steps)
+        first = min(r["window"][0] for r in results)
+        last = max(r["window"][1] for r in results)
+        moved = sampler.between(first, last)
+        row.step_s_median = statistics.median(step_times(results))
+        row.busiest_bytes_per_step = moved.busiest() / self.args.steps
         capacity = self.args.link_mbit * 1e6 / 8
         row.link_utilization = row.busiest_bytes_per_step / (capacity * row.step_s_median)
         return row
 
-    def _gloo(self, wire_dtype: str) -> list[float]:
+    def _gloo(self, wire_dtype: str) -> list[dict[str, Any]]:
         master = f"{self.workers[0].ip}:{GLOO_PORT}"
         procs = []
         for rank, host in enumerate(self.workers):
@@ -247,7 +270,7 @@ class Bench:
             argv = _me("--role", "gloo-worker", "--address", master, "--rank", str(rank))
             argv += ["--world", str(len(self.workers)), "--wire-dtype", wire_dtype, *self._common()]
             procs.append(self.cluster.spawn(host, argv, env=env, cwd=_REPO))
-        return step_times(_collect(procs, self.args.timeout, f"gloo {wire_dtype}"))
+        return _collect(procs, self.args.timeout, f"gloo {wire_dtype}")
 
     def _server_hosts(self, config: Config) -> list[Host]:
         if config.placement == "worker host 0":
@@ -256,7 +279,7 @@ class Bench:
             return self.workers
         return self.servers
 
-    def _gradserver(self, config: Config) -> list[float]:
+    def _gradserver(self, config: Config) -> list[dict[str, Any]]:
         hosts = self._server_hosts(config)
         addresses = [f"{h.ip}:{COORDINATOR_PORT}" for h in hosts]
         with tempfile.TemporaryDirectory(prefix="gradserver-cluster-") as tmp:
@@ -280,18 +303,19 @@ class Bench:
                 argv += ["--wire-dtype", config.wire_dtype, *self._common()]
                 env = dict(os.environ, OMP_NUM_THREADS="1")
                 procs.append(self.cluster.spawn(host, argv, env=env, cwd=_REPO))
-            return step_times(_collect(procs, self.args.timeout, f"gradserver {config.placement}"))
+            return _collect(procs, self.args.timeout, f"gradserver {config.placement}")
 
 
 class _Timeline:
-    """Samples every link's counters while one configuration runs (--timeline), to show when each
-    direction of each link idles: what the single utilization figure sums up."""
+    """Samples every link's counters while one configuration runs: the bytes of its timed steps
+    (`between`) and, with --timeline, when each direction of each link idled: what the single
+    utilization figure sums up."""
 
-    PERIOD_S = 0.05
+    PERIOD_S = 0.02
 
     def __init__(self, cluster: Cluster) -> None:
         self._cluster = cluster
-        self._samples: list[tuple[float, LinkBytes]] = []
+        self._samples: list[tuple[float, LinkBytes]] = [(time.monotonic(), cluster.link_bytes())]
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -303,6 +327,25 @@ class _Timeline:
     def stop(self) -> None:
         self._done.set()
         self._thread.join(5.0)
+        self._samples.append((time.monotonic(), self._cluster.link_bytes()))
+
+    def between(self, first: float, last: float) -> LinkBytes:
+        """Bytes each link direction carried between two wall-clock times (linear between samples)."""
+        offset = time.time() - time.monotonic()
+        return self._at(last - offset) - self._at(first - offset)
+
+    def _at(self, when: float) -> LinkBytes:
+        samples = self._samples
+        if when <= samples[0][0]:
+            return samples[0][1]
+        for (t0, a), (t1, b) in itertools.pairwise(samples):
+            if when <= t1:
+                share = (when - t0) / (t1 - t0) if t1 > t0 else 1.0
+                return LinkBytes(
+                    tuple(round(x + (y - x) * share) for x, y in zip(a.to_host, b.to_host, strict=True)),
+                    tuple(round(x + (y - x) * share) for x, y in zip(a.from_host, b.from_host, strict=True)),
+                )
+        return samples[-1][1]
 
     def report(self, what: str, link_mbit: float) -> None:
         """One line per link direction: each character one period, by its share of capacity

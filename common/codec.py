@@ -54,6 +54,8 @@ from .messages import (
 PROTOCOL_VERSION = 1
 MAX_NAME_LENGTH = 256
 MAX_FINGERPRINT_FIELDS = 64
+# The largest link probe a coordinator answers (workers send 512 KiB).
+MAX_PROBE_BYTES = 4 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +231,8 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
         device_type=request.device_type,
         protocol_version=request.protocol_version,
         shared_memory=request.shared_memory,
+        link_elements_per_s=request.link_elements_per_s,
+        job_chunk_bytes=request.job_chunk_bytes,
     )
     if request.committed_step is not None:
         msg.committed_step = request.committed_step
@@ -267,7 +271,22 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         rank,
         partition_index,
         msg.shared_memory,
+        msg.link_elements_per_s,
+        msg.job_chunk_bytes,
     )
+
+
+def encode_link_probe(payload_bytes: int) -> bytes:
+    """A link probe carrying `payload_bytes` bytes (zeros: only their size is timed)."""
+    return pb.LinkProbe(payload=bytes(payload_bytes)).SerializeToString()
+
+
+def decode_link_probe(raw: bytes) -> int:
+    """The probe's payload size; refuses one above MAX_PROBE_BYTES (a probe needs far less)."""
+    size = len(_parse(pb.LinkProbe, raw, "LinkProbe").payload)
+    if size > MAX_PROBE_BYTES:
+        raise InvalidArgumentError(f"LinkProbe: {size} payload bytes exceed the limit of {MAX_PROBE_BYTES}")
+    return size
 
 
 def encode_join_accepted(accepted: JoinAccepted) -> bytes:
@@ -671,7 +690,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
     raise InternalError("message from the coordinator carries no message kind")
 
 
-_M = TypeVar("_M", pb.WorkerMessage, pb.GradientChunk, pb.JoinRequest, pb.JoinResponse)
+_M = TypeVar("_M", pb.WorkerMessage, pb.GradientChunk, pb.JoinRequest, pb.JoinResponse, pb.LinkProbe)
 
 
 def _parse(cls: type[_M], raw: bytes, what: str) -> _M:

@@ -18,6 +18,7 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["GradientServer"]
 SERVICE_NAME: str = _SERVICE.full_name
 JOIN_METHOD = f"/{SERVICE_NAME}/{_SERVICE.methods_by_name['Join'].name}"
 EXCHANGE_METHOD = f"/{SERVICE_NAME}/{_SERVICE.methods_by_name['Exchange'].name}"
+PROBE_METHOD = f"/{SERVICE_NAME}/{_SERVICE.methods_by_name['Probe'].name}"
 
 # Call metadata of an Exchange stream: who is speaking, in which coordinator session.
 META_WORKER_ID = "x-gradserver-worker-id"

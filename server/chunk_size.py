@@ -7,10 +7,13 @@ shared memory. When every member reached it over loopback (or a Unix socket) the
 host, where each chunk costs a control message each way and a reduction call, so chunks are
 large: largest when every member uses shared memory (no payload in any message, averages written
 in place, nothing to pipeline), smaller over loopback gRPC (whose messages carry the bytes and
-pipeline). When any member is remote, small chunks keep both directions of its link busy
-(docs/PERFORMANCE.md, "Across machines"). Partitioned coordinators cannot see each other's
-members without more protocol, so their size is fixed before anyone joins
-(`CoordinatorConfig.fixed_chunk_bytes`). Pure: no I/O.
+pipeline). When any member is remote, chunks are what the slowest member's link carries in
+about 10 ms, from the rate each measured just before joining (JoinRequest.link_elements_per_s): small
+on slow links, to keep both directions busy (a coordinator averages a chunk only once every copy
+arrived, then sends it whole), larger on fast ones, where the work per chunk would otherwise cap
+the rate (docs/PERFORMANCE.md, "Across machines"). Partitioned coordinators must cut keys alike:
+partition 0 chooses for its members, and each worker brings that choice to the other partitions
+in its Join (JoinRequest.job_chunk_bytes), which they adopt. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from collections.abc import Sequence
 from gradserver.common.config import MIB
 from gradserver.common.security import is_loopback
 
-from .config import LOCAL_CHUNK_MIB, REMOTE_CHUNK_MIB, CoordinatorConfig
+from .config import (
+    LOCAL_CHUNK_MIB,
+    MAX_RATE_CHUNK_MIB,
+    MIN_RATE_CHUNK_MIB,
+    RATE_CHUNK_S,
+    REMOTE_CHUNK_MIB,
+    CoordinatorConfig,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,19 +55,57 @@ def is_local_peer(host: str) -> bool:
     return is_loopback(address)
 
 
+def chunk_for_rate(elements_per_s: int, largest: int = int(MAX_RATE_CHUNK_MIB * MIB)) -> int:
+    """The chunk (in float32 bytes, as chunk sizes are) holding the elements a link carrying
+    `elements_per_s` moves in about RATE_CHUNK_S: the largest power of two times
+    MIN_RATE_CHUNK_MIB that fits, at most `largest`. Rates are in elements, so a 16-bit wire's
+    chunks hold twice the elements of a float32 wire's on the same link."""
+    size = int(MIN_RATE_CHUNK_MIB * MIB)
+    while size * 2 <= largest and size * 2 <= 4 * elements_per_s * RATE_CHUNK_S:
+        size *= 2
+    return size
+
+
 def choose_chunk(
-    config: CoordinatorConfig, hosts: Sequence[str], *, shared_memory: bool = False
+    config: CoordinatorConfig,
+    hosts: Sequence[str],
+    *,
+    shared_memory: bool = False,
+    link_rates: Sequence[int] = (),
+    brought: Sequence[int] = (),
 ) -> ChunkChoice:
     """The chunk size of a job whose members came from `hosts` (one per member); `shared_memory`:
-    every member said at Join it sends through shared memory, and this coordinator offers it."""
+    every member said at Join it sends through shared memory, and this coordinator offers it;
+    `link_rates`: each member's measured wire elements per second (0 or missing: unknown); `brought`
+    (partitions 1..K-1): the chunk size each member says partition 0 gave it."""
     fixed = config.fixed_chunk_bytes
     if fixed is not None:
-        why = "--chunk-mib" if not config.chunk_auto else "partitioned coordinators (--partition-map)"
-        return ChunkChoice(fixed, why)
-    remote = sorted({h for h in hosts if not is_local_peer(h)})
+        return ChunkChoice(fixed, "--chunk-mib")
+    if config.partitions is not None and config.partition_index > 0:
+        told = set(brought)
+        if len(told) == 1 and 0 not in told:
+            return ChunkChoice(told.pop(), "partition 0's choice, brought by every worker's Join")
+        return ChunkChoice(
+            int(REMOTE_CHUNK_MIB * MIB),
+            "partitioned coordinators: the workers brought no single chunk size from partition 0 "
+            f"({sorted(told)})",
+        )
+    rates = list(link_rates) + [0] * (len(hosts) - len(link_rates))
+    remote = sorted({(h, r) for h, r in zip(hosts, rates, strict=True) if not is_local_peer(h)})
     if remote:
-        shown = ", ".join(remote[:3]) + (f" and {len(remote) - 3} more" if len(remote) > 3 else "")
-        return ChunkChoice(int(REMOTE_CHUNK_MIB * MIB), f"workers on other hosts ({shown})")
+        names = sorted({h for h, _ in remote})
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if all(r > 0 for _, r in remote):
+            slowest = min(r for _, r in remote)
+            return ChunkChoice(
+                chunk_for_rate(slowest, config.max_rate_chunk_bytes),
+                f"workers on other hosts ({shown}), the slowest link measured at "
+                f"{slowest / 1e6:.1f} M elements/s",
+            )
+        unmeasured = f"workers on other hosts ({shown}), links not measured"
+        return ChunkChoice(int(REMOTE_CHUNK_MIB * MIB), unmeasured)
+    if config.partitions is not None:
+        return ChunkChoice(int(REMOTE_CHUNK_MIB * MIB), "partitioned coordinators, every worker on this host")
     if shared_memory:
         return ChunkChoice(
             config.shm_chunk_bytes, "every worker reached it over loopback and sends through shared memory"

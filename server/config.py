@@ -30,6 +30,13 @@ from gradserver.common.security import is_loopback
 SHM_CHUNK_MIB = 32.0
 LOCAL_CHUNK_MIB = 8.0
 REMOTE_CHUNK_MIB = 0.25
+# Jobs with members on other hosts whose links were measured (JoinRequest.link_elements_per_s): a
+# chunk is what the slowest link carries in RATE_CHUNK_S, rounded down to a power of two between
+# these bounds (small enough to pipeline on a slow link, large enough on a fast one that the work
+# per chunk does not cap it); REMOTE_CHUNK_MIB when a rate is unknown.
+RATE_CHUNK_S = 0.010
+MIN_RATE_CHUNK_MIB = 0.125
+MAX_RATE_CHUNK_MIB = 4.0
 # What a gRPC message holds besides a chunk's payload, at most.
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
 
@@ -63,7 +70,8 @@ class CoordinatorConfig:
             "help": "payload bytes per chunk, MiB (0: chosen when the world is complete: "
             f"{SHM_CHUNK_MIB:g} when every worker reached this coordinator over loopback and sends "
             f"through shared memory, {LOCAL_CHUNK_MIB:g} when every one is on this host, "
-            f"{REMOTE_CHUNK_MIB:g} when any is remote and with --partition-map)"
+            f"{MIN_RATE_CHUNK_MIB:g}-{MAX_RATE_CHUNK_MIB:g} from the slowest measured link when any is "
+            f"remote, else {REMOTE_CHUNK_MIB:g}; with --partition-map partition 0 chooses)"
         },
     )
     max_inflight_mib: float = dataclasses.field(
@@ -286,14 +294,10 @@ class CoordinatorConfig:
 
     @property
     def fixed_chunk_bytes(self) -> int | None:
-        """The chunk size known before any worker joins: --chunk-mib when given, else the
-        automatic choice for partitioned coordinators (every partition must cut keys alike, and
-        none knows the others' members); None when each job's is chosen as its world completes
-        (`server/chunk_size.py`)."""
+        """The chunk size known before any worker joins: --chunk-mib when given; None when each
+        job's is chosen as its world completes (`server/chunk_size.py`)."""
         if not self.chunk_auto:
             return int(self.chunk_mib * MIB) // 4 * 4
-        if self.partitions is not None:
-            return int(REMOTE_CHUNK_MIB * MIB)
         return None
 
     @property
@@ -305,6 +309,8 @@ class CoordinatorConfig:
         fixed = self.fixed_chunk_bytes
         if fixed is not None:
             return fixed
+        if self.partitions is not None:  # partitioned jobs are sized for links
+            return self.max_rate_chunk_bytes
         return int(LOCAL_CHUNK_MIB * MIB) if self.no_shm else self.shm_chunk_bytes
 
     @property
@@ -313,7 +319,19 @@ class CoordinatorConfig:
         chunk given, else the same-host gRPC size (measured for the lane; gradient jobs' larger
         shared-memory chunks do not concern it)."""
         fixed = self.fixed_chunk_bytes
-        return fixed if fixed is not None else int(LOCAL_CHUNK_MIB * MIB)
+        if fixed is not None:
+            return fixed
+        return int((REMOTE_CHUNK_MIB if self.partitions is not None else LOCAL_CHUNK_MIB) * MIB)
+
+    @property
+    def max_rate_chunk_bytes(self) -> int:
+        """The largest chunk chosen from a measured link: MAX_RATE_CHUNK_MIB, halved (down to
+        REMOTE_CHUNK_MIB) while --max-message-mib or --max-inflight-mib leave less room."""
+        room = min(self.max_message_bytes - MESSAGE_OVERHEAD_BYTES, self.max_inflight_bytes)
+        size = int(MAX_RATE_CHUNK_MIB * MIB)
+        while size > room and size > int(REMOTE_CHUNK_MIB * MIB):
+            size //= 2
+        return size
 
     @property
     def shm_chunk_bytes(self) -> int:
@@ -332,8 +350,14 @@ class CoordinatorConfig:
         """What --print-config adds to a value: where the chunk size comes from."""
         if not self.chunk_auto:
             return {}
-        if self.fixed_chunk_bytes is not None:
-            return {"chunk_mib": f"-> automatic: {REMOTE_CHUNK_MIB:g} MiB (partitioned coordinators)"}
+        remote = (
+            f"{MIN_RATE_CHUNK_MIB:g}-{MAX_RATE_CHUNK_MIB:g} MiB from the slowest link the workers "
+            f"measured when any joins from another host ({REMOTE_CHUNK_MIB:g} when not measured)"
+        )
+        if self.partitions is not None:
+            if self.partition_index:
+                return {"chunk_mib": "-> automatic: partition 0's choice, brought by each worker's Join"}
+            return {"chunk_mib": f"-> automatic, per job: {remote}, else {REMOTE_CHUNK_MIB:g} MiB"}
         shm = (
             ""
             if self.no_shm
@@ -342,7 +366,7 @@ class CoordinatorConfig:
         )
         return {
             "chunk_mib": f"-> automatic, per job: {shm}{LOCAL_CHUNK_MIB:g} MiB when every worker joins "
-            f"over loopback, {REMOTE_CHUNK_MIB:g} MiB when any joins from another host"
+            f"over loopback, {remote}"
         }
 
     def _at_least_chunk(self, extra_mib: float) -> str:

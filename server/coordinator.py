@@ -213,6 +213,7 @@ class GradientServer:
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
             "NotifyPartition": grpc.unary_unary_rpc_method_handler(self._notify_partition),
+            "Probe": grpc.unary_unary_rpc_method_handler(self._probe),
         }
         server = grpc_server(cfg, handlers, self._health, self.metrics)
         self.port = bind_port(server, cfg)
@@ -377,6 +378,8 @@ class GradientServer:
             self.config,
             [m.host for m in members],
             shared_memory=self.shm is not None and all(m.shared_memory for m in members),
+            link_rates=[m.link_elements_per_s for m in members],
+            brought=[m.job_chunk_bytes for m in members],
         )
         self._chunk = choice
         if self._table.chunk_elements != choice.chunk_bytes // 4:
@@ -391,6 +394,11 @@ class GradientServer:
         join.check_request(request, self._job, self._partition)
         identity = client_identity(context, self.config.tls_client_ca)
         return await self._membership.join(request, identity, peer_host(context.peer()))
+
+    async def _probe(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        """A worker timing its link before Join: answered at once, once its payload arrived."""
+        await self._refusing(context, _probed(raw))
+        return b""
 
     async def _notify_partition(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         """Another partition failed a step (or lost a worker): fail it here too."""
@@ -435,3 +443,8 @@ class GradientServer:
         stream = self._streams.by_worker.get(member.worker_id)
         if stream is not None:
             stream.end((Status.FAILED_PRECONDITION, f"worker {member.worker_id} evicted: {reason}"))
+
+
+async def _probed(raw: bytes) -> None:
+    """Checks a link probe (the error boundary takes awaitables)."""
+    codec.decode_link_probe(raw)

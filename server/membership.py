@@ -43,6 +43,10 @@ class Member:
     host: str = ""
     # Said at Join that it will send through shared memory when offered.
     shared_memory: bool = False
+    # What it measured of its link at Join (wire elements/s, 0: unknown) and, joining partitions 1..K-1,
+    # the chunk size partition 0 gave it (0: none).
+    link_elements_per_s: int = 0
+    job_chunk_bytes: int = 0
 
 
 class Membership:
@@ -97,6 +101,8 @@ class Membership:
             committed_step=request.committed_step,
             host=host,
             shared_memory=request.shared_memory,
+            link_elements_per_s=request.link_elements_per_s,
+            job_chunk_bytes=request.job_chunk_bytes,
         )
         if self._fingerprint is None:
             self._fingerprint = dict(request.fingerprint)

@@ -172,6 +172,7 @@ class PartitionRole:
     def __init__(self, partition_map: PartitionMap, own_index: int, config: CoordinatorConfig) -> None:
         self.partition_map = partition_map
         self.own_index = own_index
+        self.largest_chunk_bytes = config.chunk_bytes
         self.peers = PartitionPeers(partition_map, own_index, config)
         # Steps whose failure the other partitions know of (the newest _TOLD_KEPT).
         self._told: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -197,6 +198,13 @@ class PartitionRole:
         if asked is not None and request.rank is None:
             raise InvalidArgumentError(
                 f"node {request.node_id!r} joined {self.me} without the worker id partition 0 gave it"
+            )
+        brought = request.job_chunk_bytes
+        if brought and (brought % 4 or brought > self.largest_chunk_bytes):
+            raise InvalidArgumentError(
+                f"node {request.node_id!r} (worker {request.rank}) brought a chunk size of {brought} "
+                f"bytes from partition 0 to {self.me}, which takes whole float32 elements up to "
+                f"{self.largest_chunk_bytes} bytes"
             )
 
     # --- the outbox ---------------------------------------------------------------------------

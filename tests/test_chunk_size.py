@@ -1,9 +1,11 @@
 """The chunk size chosen per job (`--chunk-mib 0`, the default): 32 MiB when every worker joined
 over loopback and said it sends through shared memory, 8 MiB when every one joined over loopback,
-0.25 MiB when one joined from another host (a network namespace here) and for partitioned
-coordinators (tests/test_partitioned_coordinators.py), --chunk-mib when given; every buffer sized
-by it follows (the table, the streams' checks, the output arena's slots), and the averages are the
-same bytes whatever the size."""
+when one joined from another host (a network namespace here) what the slowest measured link
+carries in ~10 ms (0.125-4 MiB; 0.25 MiB when a link was not measured), for partitioned
+coordinators partition 0's choice (tests/test_partitioned_coordinators.py), --chunk-mib when
+given; every buffer sized by it follows (the table, the streams' checks, the output arena's
+slots), and the averages are the same bytes whatever the size. The link probe each worker makes
+before joining is checked here too."""
 
 from __future__ import annotations
 
@@ -13,16 +15,19 @@ import sys
 import time
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 
 from gradserver.common.config import MIB
-from gradserver.common.errors import UnavailableError
+from gradserver.common.errors import UnauthenticatedError, UnavailableError
+from gradserver.common.security import bearer_metadata
 from gradserver.server import GradientServer
-from gradserver.server.chunk_size import choose_chunk, is_local_peer
+from gradserver.server.chunk_size import choose_chunk, chunk_for_rate, is_local_peer
 from gradserver.server.config import CoordinatorConfig
 from gradserver.server.job import JobState
 from gradserver.worker import WorkerClient
+from gradserver.worker.joining import measure_link
 from gradserver.worker.transports.shm_channel import ShmChannel
 
 from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all, run_each
@@ -77,10 +82,10 @@ def test_the_choice_follows_where_members_joined_from() -> None:
     assert choose_chunk(auto, here).chunk_bytes == LOCAL
     assert choose_chunk(auto, here, shared_memory=True).chunk_bytes == SHM
     remote = choose_chunk(auto, ["ipv4:127.0.0.1", "ipv4:10.0.0.7"], shared_memory=True)
-    assert remote.chunk_bytes == REMOTE and "10.0.0.7" in remote.why
+    assert remote.chunk_bytes == REMOTE and "10.0.0.7" in remote.why and "not measured" in remote.why
     assert choose_chunk(CoordinatorConfig(chunk_mib=2.0), ["ipv4:10.0.0.7"]).chunk_bytes == 2 * MIB
     partitioned = CoordinatorConfig(partition_map="127.0.0.1:1,127.0.0.1:2")
-    assert partitioned.fixed_chunk_bytes == REMOTE
+    assert partitioned.fixed_chunk_bytes is None  # partition 0 chooses per job
     assert choose_chunk(partitioned, ["ipv4:127.0.0.1"]).chunk_bytes == REMOTE
     assert [is_local_peer(h) for h in ("ipv4:127.0.0.2", "ipv6:[::ffff:127.0.0.1]", "ipv4:192.168.1.2")] == [
         True,
@@ -115,10 +120,85 @@ def test_limits_are_checked_against_the_largest_automatic_chunk() -> None:
     with pytest.raises(ValueError, match="--shm-arena-mib"):
         CoordinatorConfig(shm_arena_mib=4.0)
     assert CoordinatorConfig(max_message_mib=4.0, chunk_mib=2.0).chunk_bytes == 2 * MIB
-    # Partitioned: 0.25 MiB whatever joins, so smaller limits do.
-    assert (
-        CoordinatorConfig(partition_map="127.0.0.1:1,127.0.0.1:2", max_message_mib=1.0).chunk_bytes == REMOTE
-    )
+    # Partitioned: at most 4 MiB (from a fast measured link), halved to what smaller limits allow,
+    # down to 0.25 MiB.
+    partitions = "127.0.0.1:1,127.0.0.1:2"
+    assert CoordinatorConfig(partition_map=partitions).chunk_bytes == 4 * MIB
+    assert CoordinatorConfig(partition_map=partitions, max_message_mib=1.0).chunk_bytes == MIB // 2
+    assert CoordinatorConfig(partition_map=partitions, max_inflight_mib=3.0).chunk_bytes == 2 * MIB
+    assert CoordinatorConfig(partition_map=partitions, max_message_mib=0.3125).chunk_bytes == REMOTE
+    with pytest.raises(ValueError, match="--max-message-mib"):
+        CoordinatorConfig(partition_map=partitions, max_message_mib=0.3)
+
+
+def test_remote_jobs_get_what_the_slowest_measured_link_carries_in_10_ms() -> None:
+    kib = 1024
+    # Rates in wire elements per second: float32 elements here (a 16-bit wire's are twice as many).
+    assert chunk_for_rate(1) == 128 * kib
+    assert chunk_for_rate(25_000_000 // 4) == 128 * kib  # 200 Mbit/s: 250 kB in 10 ms
+    assert chunk_for_rate(25_000_000 // 2) == 256 * kib  # the same link, bfloat16
+    assert chunk_for_rate(27_000_000 // 4) == 256 * kib
+    assert chunk_for_rate(125_000_000 // 4) == MIB  # 1 Gbit/s
+    assert chunk_for_rate(1_250_000_000 // 4) == 4 * MIB  # 10 Gbit/s: at most 4 MiB
+    assert chunk_for_rate(1_250_000_000 // 4, largest=MIB // 2) == MIB // 2
+    auto = CoordinatorConfig()
+    hosts = ["ipv4:127.0.0.1", "ipv4:10.0.0.7", "ipv4:10.0.0.8"]
+    # The slowest remote member decides; a member on this host does not count.
+    fast, slow, fine = 1_250_000_000 // 4, 25_000_000 // 4, 130_000_000 // 4
+    chosen = choose_chunk(auto, hosts, link_rates=[1, fast, slow])
+    assert chosen.chunk_bytes == 128 * kib and "6.2 M elements/s" in chosen.why
+    assert choose_chunk(auto, hosts, link_rates=[1, fast, fine]).chunk_bytes == MIB
+    # One remote member that measured nothing (an older worker): the fixed remote size.
+    assert choose_chunk(auto, hosts, link_rates=[1, 0, slow]).chunk_bytes == REMOTE
+    assert choose_chunk(auto, hosts[:2]).chunk_bytes == REMOTE
+    # --chunk-mib wins; every member on this host ignores the rates.
+    given = CoordinatorConfig(chunk_mib=2.0)
+    assert choose_chunk(given, hosts, link_rates=[1, slow, slow]).chunk_bytes == 2 * MIB
+    assert choose_chunk(auto, ["ipv4:127.0.0.1"], link_rates=[slow]).chunk_bytes == LOCAL
+    # Partition 0 chooses like one coordinator, within its limits; the others adopt what every
+    # worker brought from partition 0, or fall back to the fixed remote size when they disagree.
+    partitions = "127.0.0.1:1,127.0.0.1:2"
+    first = CoordinatorConfig(partition_map=partitions, max_message_mib=1.0)
+    assert choose_chunk(first, hosts[1:], link_rates=[fast] * 2).chunk_bytes == MIB // 2
+    assert choose_chunk(first, hosts[1:], link_rates=[slow] * 2).chunk_bytes == 128 * kib
+    second = CoordinatorConfig(partition_map=partitions, partition_index=1)
+    assert choose_chunk(second, hosts[1:], brought=[128 * kib] * 2).chunk_bytes == 128 * kib
+    assert choose_chunk(second, hosts[1:], link_rates=[slow] * 2).chunk_bytes == REMOTE
+    disagree = choose_chunk(second, hosts[1:], brought=[128 * kib, MIB])
+    assert disagree.chunk_bytes == REMOTE and "no single chunk size" in disagree.why
+
+
+def test_every_worker_measures_its_link_before_joining(coordinator) -> None:
+    server = coordinator(world_size=2)
+    clients = connect_all(server.address, 2, TEST_TIMEOUTS, transport="grpc")
+    try:
+        rates = server.call(lambda s: [m.link_elements_per_s for m in s._membership.members()])
+        assert len(rates) == 2 and all(r > 0 for r in rates), rates
+        # Over loopback the rates do not matter: the same-host size.
+        assert [c.chunk_bytes for c in clients] == [LOCAL] * 2
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_coordinator_without_the_probe_leaves_the_rate_unknown() -> None:
+    """An older coordinator answers UNIMPLEMENTED: the worker joins with no rate (0)."""
+    bare = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = bare.add_insecure_port("127.0.0.1:0")
+    bare.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert measure_link(channel, 5.0, ()) == 0
+    finally:
+        bare.stop(None)
+
+
+def test_a_probe_without_the_auth_token_is_refused(coordinator) -> None:
+    server = coordinator(world_size=1, auth_token="sesame")
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(UnauthenticatedError, match=r"link probe: .*auth token"):
+            measure_link(channel, 5.0, bearer_metadata("wrong"))
+        assert measure_link(channel, 5.0, bearer_metadata("sesame")) > 0
 
 
 def test_workers_on_this_host_using_shared_memory_get_32_mib_chunks_and_the_same_bytes(coordinator) -> None:
@@ -200,7 +280,7 @@ from tests.test_chunk_size import _exchange
 client = WorkerClient.connect(sys.argv[1], node_id="remote", timeout=Timeouts.of(30.0))
 print("JOINED", client.worker_id, client.chunk_bytes, client.transport, flush=True)
 for step in range(int(sys.argv[2])):
-    print("RESULT", step, hashlib.sha256(_exchange(client, step)).hexdigest(), flush=True)
+    print("RESULT", step, hashlib.sha256(_exchange(client, step, int(sys.argv[3]))).hexdigest(), flush=True)
 client.close()
 """
 
@@ -217,7 +297,7 @@ def peer_host() -> Iterator[object]:
         yield host
 
 
-def _remote_worker(processes, peer_host, port: int, steps: int = 1):
+def _remote_worker(processes, peer_host, port: int, steps: int = 1, size: int = ELEMENTS):
     return processes.start(
         [
             *peer_host.host.prefix(),
@@ -226,31 +306,44 @@ def _remote_worker(processes, peer_host, port: int, steps: int = 1):
             _REMOTE_WORKER,
             f"{peer_host.local_ip}:{port}",
             str(steps),
+            str(size),
         ],
         name="remote-worker",
     )
 
 
 @pytest.mark.processes
-def test_a_worker_on_another_host_makes_the_job_use_the_remote_chunk_size(
-    processes, coordinator, peer_host
+@pytest.mark.parametrize("link", ["veth", "40mbit"])
+def test_a_worker_on_another_host_makes_the_job_use_a_chunk_sized_from_its_link(
+    processes, coordinator, peer_host, link: str
 ) -> None:
-    """One worker here (shared memory, 0.25 MiB output slots after all) and one in another network
-    namespace (gRPC): the job's chunks are 0.25 MiB and the averages the same bytes as ever."""
+    """One worker here (shared memory, output slots of the job's size after all) and one in another
+    network namespace (gRPC): the job's chunks are what the remote link carries in ~10 ms, from
+    what the worker measured before joining (an unlimited veth: 0.5 MiB or more; 40 Mbit/s: the
+    smallest, 0.125 MiB), and the averages the same bytes as ever."""
+    size = ELEMENTS
+    if link != "veth":
+        peer_host.slow(link)
+        size = 300_000  # 1.2 MB each way per step at 40 Mbit/s
     server = coordinator(world_size=2, bind="0.0.0.0:0", insecure=True, heartbeat_timeout=30.0)
     port = int(server.address.rsplit(":", 1)[1])
-    remote = _remote_worker(processes, peer_host, port, steps=2)
+    remote = _remote_worker(processes, peer_host, port, steps=2, size=size)
     (local,) = connect_all(f"127.0.0.1:{port}", 1, TEST_TIMEOUTS)
     try:
         joined = remote.wait_for(r"JOINED (\d) (\d+) (\w+)", timeout=60)
-        assert (int(joined.group(2)), joined.group(3)) == (REMOTE, "grpc")
-        assert (local.chunk_bytes, local.transport) == (REMOTE, "shm")
-        assert _chunk_state(server) == (REMOTE, REMOTE)
+        chunk = int(joined.group(2))
+        if link == "veth":
+            assert chunk in (MIB // 2, MIB, 2 * MIB, 4 * MIB), chunk
+        else:
+            assert chunk == MIB // 8
+        assert joined.group(3) == "grpc"
+        assert (local.chunk_bytes, local.transport) == (chunk, "shm")
+        assert _chunk_state(server) == (chunk, chunk)
         world_ids = sorted([local.worker_id, int(joined.group(1))])
         assert world_ids == [0, 1]
         for step in range(2):
-            mine = _exchange(local, step)
-            assert mine == _expected(2, step)
+            mine = _exchange(local, step, size)
+            assert mine == _expected(2, step, size)
             theirs = remote.wait_for(rf"RESULT {step} (\w+)", timeout=60).group(1)
             assert theirs == hashlib.sha256(mine).hexdigest()
         assert remote.wait(60) == 0, remote.output
@@ -261,8 +354,8 @@ def test_a_worker_on_another_host_makes_the_job_use_the_remote_chunk_size(
 @pytest.mark.processes
 def test_a_fresh_job_chooses_again(processes, coordinator, peer_host) -> None:
     """A job whose workers all left gives way to a fresh one, which chooses its own size: local
-    first (32 MiB: shared memory), then remote (0.25 MiB), then local again (32 MiB, the arena's
-    slots too)."""
+    first (32 MiB: shared memory), then remote (from its link, at most 4 MiB), then local again
+    (32 MiB, the arena's slots too)."""
     server = coordinator(world_size=1, bind="0.0.0.0:0", insecure=True)
     port = int(server.address.rsplit(":", 1)[1])
 
@@ -276,11 +369,12 @@ def test_a_fresh_job_chooses_again(processes, coordinator, peer_host) -> None:
     assert _chunk_state(server) == (SHM, SHM)
     _wait_for_a_fresh_job(server)
     remote = _remote_worker(processes, peer_host, port)
-    assert int(remote.wait_for(r"JOINED \d (\d+)", timeout=60).group(1)) == REMOTE
+    remote_chunk = int(remote.wait_for(r"JOINED \d (\d+)", timeout=60).group(1))
+    assert remote_chunk <= 4 * MIB
     assert remote.wait_for(r"RESULT 0 (\w+)", timeout=60).group(1) == hashlib.sha256(_grads(0, 0)).hexdigest()
     assert remote.wait(60) == 0, remote.output
     _wait_for_a_fresh_job(server)
     # Between jobs: the table waits with the largest size, the output arena kept the last job's.
-    assert _chunk_state(server) == (SHM, REMOTE)
+    assert _chunk_state(server) == (SHM, remote_chunk)
     local_job()
     assert _chunk_state(server) == (SHM, SHM)

@@ -274,3 +274,31 @@ def test_a_join_request_says_whether_the_worker_sends_through_shared_memory(shar
     # An older worker's request (no field): not shared memory, so the job's chunks fit its gRPC.
     old = pb.JoinRequest(node_id="node", protocol_version=codec.PROTOCOL_VERSION).SerializeToString()
     assert codec.decode_join_request(old).shared_memory is False
+
+
+def test_a_join_request_carries_the_measured_link_and_partition_0s_chunk_size() -> None:
+    request = JoinRequestIn(
+        "node",
+        1,
+        "cpu",
+        codec.PROTOCOL_VERSION,
+        rank=1,
+        partition_index=2,
+        link_elements_per_s=6_250_000,
+        job_chunk_bytes=1 << 17,
+    )
+    assert codec.decode_join_request(codec.encode_join_request(request)) == request
+    # An older worker's request: nothing measured, nothing brought.
+    old = codec.decode_join_request(
+        pb.JoinRequest(node_id="node", protocol_version=codec.PROTOCOL_VERSION).SerializeToString()
+    )
+    assert (old.link_elements_per_s, old.job_chunk_bytes) == (0, 0)
+
+
+def test_a_link_probe_says_its_size_and_one_above_the_limit_is_refused() -> None:
+    assert codec.decode_link_probe(codec.encode_link_probe(0)) == 0
+    assert codec.decode_link_probe(codec.encode_link_probe(512 * 1024)) == 512 * 1024
+    with pytest.raises(InvalidArgumentError, match=f"exceed the limit of {codec.MAX_PROBE_BYTES}"):
+        codec.decode_link_probe(codec.encode_link_probe(codec.MAX_PROBE_BYTES + 1))
+    with pytest.raises(InvalidArgumentError, match="malformed LinkProbe"):
+        codec.decode_link_probe(b"\xff\xff")

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
+from gradserver.common import codec
 from gradserver.common.chunking import chunk_count
 from gradserver.common.errors import (
     DeadlineExceededError,
@@ -27,7 +28,7 @@ from gradserver.common.errors import (
     InvalidArgumentError,
     Status,
 )
-from gradserver.common.messages import ChunkHeader, ChunkIn, DType, ReduceOp, TensorKey
+from gradserver.common.messages import ChunkHeader, ChunkIn, DType, JoinRequestIn, ReduceOp, TensorKey
 from gradserver.common.partition_map import NOTIFY_METHOD, PartitionMap, PartitionNotice, encode_notice
 from gradserver.common.security import TlsFiles
 from gradserver.server import GradientServer
@@ -35,6 +36,7 @@ from gradserver.server.config import CoordinatorConfig
 from gradserver.server.reduction import ReductionTable
 from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
+from gradserver.worker.joining import join_at
 
 from .helpers.logwait import log_waiter
 from .helpers.processes import ManagedProcess, ProcessGroup
@@ -314,9 +316,9 @@ def test_partitions_started_with_different_chunk_sizes_are_refused_naming_the_pa
 def test_partitions_without_chunk_mib_all_use_the_remote_chunk_size_with_the_same_averages(
     partitioned: Callable[..., Partitions], clients: list[WorkerClient]
 ) -> None:
-    """--chunk-mib 0 (the default) on partitioned coordinators: 0.25 MiB on every partition before
-    anyone joins (none sees the others' members, and chunk ownership depends on the size), even
-    for workers on one host; the averages are the bytes one coordinator with any chunk size gives."""
+    """--chunk-mib 0 (the default) on partitioned coordinators: workers on one host get 0.25 MiB
+    from partition 0, which each brings to partition 1 (chunk ownership depends on the size); the
+    averages are the bytes one coordinator with any chunk size gives."""
     partitions = partitioned(2, world_size=2, chunk_mib=0.0)
     made = _connect(partitions.address, 2, clients)
     assert [c.chunk_bytes for c in made] == [1 << 18] * 2
@@ -332,6 +334,33 @@ def test_partitions_without_chunk_mib_all_use_the_remote_chunk_size_with_the_sam
         np.float32
     )
     assert got == [want.tobytes()] * 2
+
+
+def test_partitions_without_chunk_mib_adopt_the_size_partition_0_gave_each_worker(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
+) -> None:
+    """Partition 0 decides (here by --chunk-mib, as it would from measured links); partition 1,
+    automatic, takes what the workers bring, so keys are cut alike on both."""
+    partitions = partitioned(2, each=[{"chunk_mib": 4 * CHUNK_MIB}, {"chunk_mib": 0.0}], world_size=2)
+    made = _connect(partitions.address, 2, clients)
+    assert [c.chunk_bytes for c in made] == [16 * CHUNK_ELEMENTS] * 2
+    assert [s.call(lambda g: g.chunk_bytes) for s in partitions.servers] == [16 * CHUNK_ELEMENTS] * 2
+    assert run_each(made, lambda c: _averaged_step(c, 0)) == [_reference_average(2, 0)] * 2
+
+
+def test_a_partition_refuses_a_chunk_size_it_cannot_hold_naming_the_worker(
+    partitioned: Callable[..., Partitions],
+) -> None:
+    partitions = partitioned(2, world_size=1, chunk_mib=0.0)
+    largest = partitions.servers[1].call(lambda g: g.config.chunk_bytes)
+    for brought, why in ((largest * 2, f"up to {largest} bytes"), (1001, "whole float32 elements")):
+        request = JoinRequestIn(
+            "n0", 0, "cpu", codec.PROTOCOL_VERSION, rank=0, partition_index=1, job_chunk_bytes=brought
+        )
+        with pytest.raises(InvalidArgumentError) as info:
+            join_at(partitions.proxies[1].address, request, TEST_TIMEOUTS, None, "", ())
+        assert f"node 'n0' (worker 0) brought a chunk size of {brought} bytes" in info.value.message
+        assert why in info.value.message
 
 
 def test_a_join_refused_by_another_partition_names_that_partition(

@@ -43,6 +43,7 @@ from gradserver.common.errors import (
 )
 from gradserver.common.messages import (
     BYTE_KINDS,
+    ITEM_SIZE,
     ChunkHeader,
     CollectiveKind,
     DType,
@@ -178,11 +179,14 @@ class WorkerClient:
         )
 
         def join(at: str, request: JoinRequestIn) -> tuple[grpc.Channel, JoinAccepted]:
-            return join_at(at, request, timeouts, tls, server_name, metadata)
+            return join_at(at, request, timeouts, tls, server_name, metadata, ITEM_SIZE[encoder.dtype])
 
         def join_partition(index: int, at: str) -> tuple[grpc.Channel, JoinAccepted]:
-            # Every other coordinator partition is joined as the worker id partition 0 gave.
-            again = dataclasses.replace(request, rank=accepted.worker_id, partition_index=index)
+            # Every other coordinator partition is joined as the worker id partition 0 gave, with
+            # the chunk size partition 0 chose, which the others adopt.
+            again = dataclasses.replace(
+                request, rank=accepted.worker_id, partition_index=index, job_chunk_bytes=accepted.chunk_bytes
+            )
             return join(at, again)
 
         channel, accepted = join(address, request)
