@@ -231,8 +231,9 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
         device_type=request.device_type,
         protocol_version=request.protocol_version,
         shared_memory=request.shared_memory,
-        link_elements_per_s=request.link_elements_per_s,
+        link_bytes_per_s=request.link_bytes_per_s,
         job_chunk_bytes=request.job_chunk_bytes,
+        wire_dtype=int(request.wire_dtype),  # type: ignore[arg-type]
     )
     if request.committed_step is not None:
         msg.committed_step = request.committed_step
@@ -271,9 +272,24 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         rank,
         partition_index,
         msg.shared_memory,
-        msg.link_elements_per_s,
-        msg.job_chunk_bytes,
+        link_bytes_per_s=msg.link_bytes_per_s,
+        job_chunk_bytes=msg.job_chunk_bytes,
+        wire_dtype=_join_wire_dtype(msg),
     )
+
+
+def _join_wire_dtype(msg: pb.JoinRequest) -> DType:
+    """The joiner's wire dtype: unset (older workers) is float32; a byte or unknown dtype is refused."""
+    if msg.wire_dtype == pb.DTYPE_UNSPECIFIED:
+        return DType.FLOAT32
+    context = f"JoinRequest from node {msg.node_id!r}: wire_dtype"
+    try:
+        dtype = DType(msg.wire_dtype)
+    except ValueError:
+        raise InvalidArgumentError(f"{context} {msg.wire_dtype} is unknown") from None
+    if dtype not in (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16):
+        raise InvalidArgumentError(f"{context} {dtype.name} is not a gradient wire dtype")
+    return dtype
 
 
 def encode_link_probe(payload_bytes: int) -> bytes:

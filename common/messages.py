@@ -293,9 +293,11 @@ class JoinRequestIn:
     partition_index: int | None = None
     # The worker will send through shared memory when offered (the job's chunk size depends on it).
     shared_memory: bool = False
-    # Wire-dtype elements per second the worker's link to the coordinator carried in a `Probe`
-    # before joining; 0: unknown.
-    link_elements_per_s: int = 0
+    # Bytes per second the worker's link to the coordinator carried in a `Probe` before joining;
+    # 0: unknown.
+    link_bytes_per_s: int = 0
+    # What the worker sends gradients as (sizes its chunks on a link: 16 bits carry twice the elements).
+    wire_dtype: DType = DType.FLOAT32
     # Partitions 1..K-1: the chunk size partition 0 gave this worker; 0: none.
     job_chunk_bytes: int = 0
 

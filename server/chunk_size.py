@@ -8,7 +8,8 @@ host, where each chunk costs a control message each way and a reduction call, so
 large: largest when every member uses shared memory (no payload in any message, averages written
 in place, nothing to pipeline), smaller over loopback gRPC (whose messages carry the bytes and
 pipeline). When any member is remote, chunks are what the slowest member's link carries in
-about 10 ms, from the rate each measured just before joining (JoinRequest.link_elements_per_s): small
+about 10 ms, from the rate each measured just before joining (JoinRequest.link_bytes_per_s; a
+16-bit wire's chunks hold twice the elements): small
 on slow links, to keep both directions busy (a coordinator averages a chunk only once every copy
 arrived, then sends it whole), larger on fast ones, where the work per chunk would otherwise cap
 the rate (docs/PERFORMANCE.md, "Across machines"). Partitioned coordinators must cut keys alike:
@@ -55,15 +56,15 @@ def is_local_peer(host: str) -> bool:
     return is_loopback(address)
 
 
-def chunk_for_rate(elements_per_s: int, largest: int = int(MAX_RATE_CHUNK_MIB * MIB)) -> int:
-    """The chunk (in float32 bytes, as chunk sizes are) holding the elements a link carrying
-    `elements_per_s` moves in about RATE_CHUNK_S: the largest power of two times
-    MIN_RATE_CHUNK_MIB that fits, at most `largest`. Rates are in elements, so a 16-bit wire's
-    chunks hold twice the elements of a float32 wire's on the same link."""
-    size = int(MIN_RATE_CHUNK_MIB * MIB)
-    while size * 2 <= largest and size * 2 <= 4 * elements_per_s * RATE_CHUNK_S:
-        size *= 2
-    return size
+def chunk_for_rate(bytes_per_s: int, item_size: int = 4, largest: int = int(MAX_RATE_CHUNK_MIB * MIB)) -> int:
+    """The chunk (in float32 bytes, as chunk sizes are) for a link of `bytes_per_s` carrying
+    elements of `item_size` bytes: on the wire, the largest power of two times MIN_RATE_CHUNK_MIB
+    the link carries in about RATE_CHUNK_S (at least that floor: below it the work per message
+    shows), so a 16-bit wire's chunk holds twice the elements; at most `largest`."""
+    wire = int(MIN_RATE_CHUNK_MIB * MIB)
+    while wire * 2 * 4 // item_size <= largest and wire * 2 <= bytes_per_s * RATE_CHUNK_S:
+        wire *= 2
+    return min(largest, wire * 4 // item_size)
 
 
 def choose_chunk(
@@ -72,11 +73,13 @@ def choose_chunk(
     *,
     shared_memory: bool = False,
     link_rates: Sequence[int] = (),
+    item_sizes: Sequence[int] = (),
     brought: Sequence[int] = (),
 ) -> ChunkChoice:
     """The chunk size of a job whose members came from `hosts` (one per member); `shared_memory`:
     every member said at Join it sends through shared memory, and this coordinator offers it;
-    `link_rates`: each member's measured wire elements per second (0 or missing: unknown); `brought`
+    `link_rates`: each member's measured bytes per second (0 or missing: unknown), `item_sizes` its
+    wire dtype's element size (missing: 4, float32); `brought`
     (partitions 1..K-1): the chunk size each member says partition 0 gave it."""
     fixed = config.fixed_chunk_bytes
     if fixed is not None:
@@ -91,16 +94,17 @@ def choose_chunk(
             f"({sorted(told)})",
         )
     rates = list(link_rates) + [0] * (len(hosts) - len(link_rates))
-    remote = sorted({(h, r) for h, r in zip(hosts, rates, strict=True) if not is_local_peer(h)})
+    sizes = list(item_sizes) + [4] * (len(hosts) - len(item_sizes))
+    remote = sorted({(h, r, i) for h, r, i in zip(hosts, rates, sizes, strict=True) if not is_local_peer(h)})
     if remote:
-        names = sorted({h for h, _ in remote})
+        names = sorted({h for h, _, _ in remote})
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        if all(r > 0 for _, r in remote):
-            slowest = min(r for _, r in remote)
+        if all(r > 0 for _, r, _ in remote):
+            largest = config.max_rate_chunk_bytes
+            size, rate = min((chunk_for_rate(r, i, largest), r) for _, r, i in remote)
             return ChunkChoice(
-                chunk_for_rate(slowest, config.max_rate_chunk_bytes),
-                f"workers on other hosts ({shown}), the slowest link measured at "
-                f"{slowest / 1e6:.1f} M elements/s",
+                size,
+                f"workers on other hosts ({shown}), the slowest link measured at {rate * 8 / 1e6:.0f} Mbit/s",
             )
         unmeasured = f"workers on other hosts ({shown}), links not measured"
         return ChunkChoice(int(REMOTE_CHUNK_MIB * MIB), unmeasured)

@@ -30,7 +30,7 @@ from gradserver.common.security import is_loopback
 SHM_CHUNK_MIB = 32.0
 LOCAL_CHUNK_MIB = 8.0
 REMOTE_CHUNK_MIB = 0.25
-# Jobs with members on other hosts whose links were measured (JoinRequest.link_elements_per_s): a
+# Jobs with members on other hosts whose links were measured (JoinRequest.link_bytes_per_s): a
 # chunk is what the slowest link carries in RATE_CHUNK_S, rounded down to a power of two between
 # these bounds (small enough to pipeline on a slow link, large enough on a fast one that the work
 # per chunk does not cap it); REMOTE_CHUNK_MIB when a rate is unknown.

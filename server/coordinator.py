@@ -378,7 +378,8 @@ class GradientServer:
             self.config,
             [m.host for m in members],
             shared_memory=self.shm is not None and all(m.shared_memory for m in members),
-            link_rates=[m.link_elements_per_s for m in members],
+            link_rates=[m.link_bytes_per_s for m in members],
+            item_sizes=[m.wire_item_size for m in members],
             brought=[m.job_chunk_bytes for m in members],
         )
         self._chunk = choice

@@ -24,7 +24,7 @@ from gradserver.common.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from gradserver.common.messages import JoinRequestIn
+from gradserver.common.messages import ITEM_SIZE, JoinRequestIn
 
 log = logging.getLogger("gradserver.server.membership")
 
@@ -43,9 +43,10 @@ class Member:
     host: str = ""
     # Said at Join that it will send through shared memory when offered.
     shared_memory: bool = False
-    # What it measured of its link at Join (wire elements/s, 0: unknown) and, joining partitions 1..K-1,
-    # the chunk size partition 0 gave it (0: none).
-    link_elements_per_s: int = 0
+    # What it measured of its link at Join (bytes/s, 0: unknown), its wire dtype's element size and,
+    # joining partitions 1..K-1, the chunk size partition 0 gave it (0: none).
+    link_bytes_per_s: int = 0
+    wire_item_size: int = 4
     job_chunk_bytes: int = 0
 
 
@@ -101,7 +102,8 @@ class Membership:
             committed_step=request.committed_step,
             host=host,
             shared_memory=request.shared_memory,
-            link_elements_per_s=request.link_elements_per_s,
+            link_bytes_per_s=request.link_bytes_per_s,
+            wire_item_size=ITEM_SIZE[request.wire_dtype],
             job_chunk_bytes=request.job_chunk_bytes,
         )
         if self._fingerprint is None:

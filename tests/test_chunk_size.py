@@ -133,21 +133,26 @@ def test_limits_are_checked_against_the_largest_automatic_chunk() -> None:
 
 def test_remote_jobs_get_what_the_slowest_measured_link_carries_in_10_ms() -> None:
     kib = 1024
-    # Rates in wire elements per second: float32 elements here (a 16-bit wire's are twice as many).
     assert chunk_for_rate(1) == 128 * kib
-    assert chunk_for_rate(25_000_000 // 4) == 128 * kib  # 200 Mbit/s: 250 kB in 10 ms
-    assert chunk_for_rate(25_000_000 // 2) == 256 * kib  # the same link, bfloat16
-    assert chunk_for_rate(27_000_000 // 4) == 256 * kib
-    assert chunk_for_rate(125_000_000 // 4) == MIB  # 1 Gbit/s
-    assert chunk_for_rate(1_250_000_000 // 4) == 4 * MIB  # 10 Gbit/s: at most 4 MiB
-    assert chunk_for_rate(1_250_000_000 // 4, largest=MIB // 2) == MIB // 2
+    assert chunk_for_rate(25_000_000) == 128 * kib  # 200 Mbit/s: 250 kB in 10 ms
+    assert chunk_for_rate(27_000_000) == 256 * kib
+    assert chunk_for_rate(125_000_000) == MIB  # 1 Gbit/s
+    assert chunk_for_rate(1_250_000_000) == 4 * MIB  # 10 Gbit/s: at most 4 MiB
+    assert chunk_for_rate(1_250_000_000, largest=MIB // 2) == MIB // 2
+    # A 16-bit wire: the same bytes on the link hold twice the elements (sizes are in float32 bytes).
+    assert chunk_for_rate(1, item_size=2) == 256 * kib
+    assert chunk_for_rate(125_000_000, item_size=2) == 2 * MIB
+    assert chunk_for_rate(1_250_000_000, item_size=2) == 4 * MIB
     auto = CoordinatorConfig()
     hosts = ["ipv4:127.0.0.1", "ipv4:10.0.0.7", "ipv4:10.0.0.8"]
     # The slowest remote member decides; a member on this host does not count.
-    fast, slow, fine = 1_250_000_000 // 4, 25_000_000 // 4, 130_000_000 // 4
+    fast, slow, fine = 1_250_000_000, 25_000_000, 130_000_000
     chosen = choose_chunk(auto, hosts, link_rates=[1, fast, slow])
-    assert chosen.chunk_bytes == 128 * kib and "6.2 M elements/s" in chosen.why
+    assert chosen.chunk_bytes == 128 * kib and "200 Mbit/s" in chosen.why
     assert choose_chunk(auto, hosts, link_rates=[1, fast, fine]).chunk_bytes == MIB
+    # A bfloat16 member on the slow link: 128 KiB on its wire, 256 KiB of float32 elements.
+    bf16 = choose_chunk(auto, hosts, link_rates=[1, fast, slow], item_sizes=[4, 4, 2])
+    assert bf16.chunk_bytes == 256 * kib
     # One remote member that measured nothing (an older worker): the fixed remote size.
     assert choose_chunk(auto, hosts, link_rates=[1, 0, slow]).chunk_bytes == REMOTE
     assert choose_chunk(auto, hosts[:2]).chunk_bytes == REMOTE
@@ -170,10 +175,12 @@ def test_remote_jobs_get_what_the_slowest_measured_link_carries_in_10_ms() -> No
 
 def test_every_worker_measures_its_link_before_joining(coordinator) -> None:
     server = coordinator(world_size=2)
-    clients = connect_all(server.address, 2, TEST_TIMEOUTS, transport="grpc")
+    clients = connect_all(server.address, 2, TEST_TIMEOUTS, transport="grpc", wire_dtype="bfloat16")
     try:
-        rates = server.call(lambda s: [m.link_elements_per_s for m in s._membership.members()])
-        assert len(rates) == 2 and all(r > 0 for r in rates), rates
+        links = server.call(
+            lambda s: [(m.link_bytes_per_s, m.wire_item_size) for m in s._membership.members()]
+        )
+        assert len(links) == 2 and all(rate > 0 and size == 2 for rate, size in links), links
         # Over loopback the rates do not matter: the same-host size.
         assert [c.chunk_bytes for c in clients] == [LOCAL] * 2
     finally:

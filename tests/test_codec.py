@@ -284,15 +284,20 @@ def test_a_join_request_carries_the_measured_link_and_partition_0s_chunk_size() 
         codec.PROTOCOL_VERSION,
         rank=1,
         partition_index=2,
-        link_elements_per_s=6_250_000,
+        link_bytes_per_s=25_000_000,
         job_chunk_bytes=1 << 17,
+        wire_dtype=DType.BFLOAT16,
     )
     assert codec.decode_join_request(codec.encode_join_request(request)) == request
     # An older worker's request: nothing measured, nothing brought.
     old = codec.decode_join_request(
         pb.JoinRequest(node_id="node", protocol_version=codec.PROTOCOL_VERSION).SerializeToString()
     )
-    assert (old.link_elements_per_s, old.job_chunk_bytes) == (0, 0)
+    assert (old.link_bytes_per_s, old.job_chunk_bytes, old.wire_dtype) == (0, 0, DType.FLOAT32)
+    for bad, why in ((pb.DTYPE_BYTES, "BYTES is not a gradient wire dtype"), (9, "9 is unknown")):
+        raw = pb.JoinRequest(node_id="n", protocol_version=codec.PROTOCOL_VERSION, wire_dtype=bad)
+        with pytest.raises(InvalidArgumentError, match=f"node 'n': wire_dtype {why}"):
+            codec.decode_join_request(raw.SerializeToString())
 
 
 def test_a_link_probe_says_its_size_and_one_above_the_limit_is_refused() -> None:

@@ -217,8 +217,9 @@ def test_auth_refusals_are_logged_with_peer_and_check_and_counted(coordinator) -
             WorkerClient.connect(server.address, timeout=quick)
         with pytest.raises(Exception, match="UNAUTHENTICATED"):
             WorkerClient.connect(server.address, timeout=quick, auth_token="wrong")
-        missing = logs.wait_for(r"refused a call from ipv4:127\.0\.0\.1:\d+: .*Join: missing auth token")
-        wrong = logs.wait_for(r"refused a call from ipv4:127\.0\.0\.1:\d+: .*Join: wrong auth token")
+        # A worker's first call is the link probe before its Join.
+        missing = logs.wait_for(r"refused a call from ipv4:127\.0\.0\.1:\d+: .*/Probe: missing auth token")
+        wrong = logs.wait_for(r"refused a call from ipv4:127\.0\.0\.1:\d+: .*/Probe: wrong auth token")
         messages = logs.messages()
     assert missing.levelno == wrong.levelno == logging.WARNING
     assert not any(token in m for m in messages)

@@ -43,7 +43,6 @@ from gradserver.common.errors import (
 )
 from gradserver.common.messages import (
     BYTE_KINDS,
-    ITEM_SIZE,
     ChunkHeader,
     CollectiveKind,
     DType,
@@ -176,10 +175,11 @@ class WorkerClient:
             dict(fingerprint or {}),
             rank=rank,
             shared_memory=transports.shm_intended(choice, encoder.dtype),
+            wire_dtype=encoder.dtype,
         )
 
         def join(at: str, request: JoinRequestIn) -> tuple[grpc.Channel, JoinAccepted]:
-            return join_at(at, request, timeouts, tls, server_name, metadata, ITEM_SIZE[encoder.dtype])
+            return join_at(at, request, timeouts, tls, server_name, metadata)
 
         def join_partition(index: int, at: str) -> tuple[grpc.Channel, JoinAccepted]:
             # Every other coordinator partition is joined as the worker id partition 0 gave, with

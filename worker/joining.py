@@ -72,11 +72,9 @@ def join_at(
     tls: TlsFiles | None,
     server_name: str,
     metadata: tuple[tuple[str, str], ...],
-    wire_item_size: int = 4,
 ) -> tuple[grpc.Channel, JoinAccepted]:
     """Reaches the coordinator (or partition) at `address` and joins; the channel stays open.
-    Partition 0 (or the one coordinator) first gets a link probe, reported in elements of
-    `wire_item_size` bytes (the worker's wire dtype) per second."""
+    Partition 0 (or the one coordinator) first gets a link probe, whose rate the Join reports."""
     options: list[tuple[str, int | str]] = list(worker_channel_options())
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
@@ -92,7 +90,7 @@ def join_at(
         _wait_until_reachable(channel, address, timeouts.connect, hint)
         if request.partition_index is None:  # partitions 1..K-1 adopt partition 0's chunk size
             rate = measure_link(channel, timeouts.connect, metadata)
-            request = dataclasses.replace(request, link_elements_per_s=rate // wire_item_size)
+            request = dataclasses.replace(request, link_bytes_per_s=rate)
         join = channel.unary_unary(JOIN_METHOD)
         try:
             raw = join(codec.encode_join_request(request), timeout=timeouts.join, metadata=metadata)

@@ -71,7 +71,7 @@ COLLECTIVE_KIND_REDUCE_SCATTER: CollectiveKind
 COLLECTIVE_KIND_ALL_TO_ALL: CollectiveKind
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "gpu_count", "device_type", "protocol_version", "committed_step", "job_fingerprint", "rank", "shared_memory", "link_elements_per_s", "partition_index", "job_chunk_bytes")
+    __slots__ = ("node_id", "gpu_count", "device_type", "protocol_version", "committed_step", "job_fingerprint", "rank", "shared_memory", "link_bytes_per_s", "wire_dtype", "partition_index", "job_chunk_bytes")
     class JobFingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,7 +87,8 @@ class JoinRequest(_message.Message):
     JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
-    LINK_ELEMENTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     JOB_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
@@ -98,10 +99,11 @@ class JoinRequest(_message.Message):
     job_fingerprint: _containers.ScalarMap[str, str]
     rank: int
     shared_memory: bool
-    link_elements_per_s: int
+    link_bytes_per_s: int
+    wire_dtype: DType
     partition_index: int
     job_chunk_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., device_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., link_elements_per_s: _Optional[int] = ..., partition_index: _Optional[int] = ..., job_chunk_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., device_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., link_bytes_per_s: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., partition_index: _Optional[int] = ..., job_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class LinkProbe(_message.Message):
     __slots__ = ("payload",)
