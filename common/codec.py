@@ -54,7 +54,7 @@ from .messages import (
 PROTOCOL_VERSION = 1
 MAX_NAME_LENGTH = 256
 MAX_FINGERPRINT_FIELDS = 64
-# The largest link probe a coordinator answers (workers send 512 KiB).
+# The largest link probe a coordinator answers (workers send 1 MiB).
 MAX_PROBE_BYTES = 4 * 2**20
 
 

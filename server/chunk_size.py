@@ -9,10 +9,10 @@ large: largest when every member uses shared memory (no payload in any message, 
 in place, nothing to pipeline), smaller over loopback gRPC (whose messages carry the bytes and
 pipeline). When any member is remote, chunks are what the slowest member's link carries in
 about 10 ms, from the rate each measured just before joining (JoinRequest.link_bytes_per_s; a
-16-bit wire's chunks hold twice the elements): small
-on slow links, to keep both directions busy (a coordinator averages a chunk only once every copy
-arrived, then sends it whole), larger on fast ones, where the work per chunk would otherwise cap
-the rate (docs/PERFORMANCE.md, "Across machines"). Partitioned coordinators must cut keys alike:
+16-bit wire's chunks hold twice the elements): small on slow links, to keep both directions busy
+(a coordinator averages a chunk only once every copy arrived, then sends it whole), larger on
+fast ones, where the work per chunk would otherwise cap the rate (docs/PERFORMANCE.md, "Across
+machines: chunks sized from measured links"). Partitioned coordinators must cut keys alike:
 partition 0 chooses for its members, and each worker brings that choice to the other partitions
 in its Join (JoinRequest.job_chunk_bytes), which they adopt. Pure: no I/O.
 """

@@ -317,7 +317,8 @@ class CoordinatorConfig:
     def lane_chunk_bytes(self) -> int:
         """What the collective lane's slots are sized from (`common.lane.slot_bytes_for`): the
         chunk given, else the same-host gRPC size (measured for the lane; gradient jobs' larger
-        shared-memory chunks do not concern it)."""
+        shared-memory chunks do not concern it), or for partitioned coordinators, whose jobs are
+        across links, the fixed remote size."""
         fixed = self.fixed_chunk_bytes
         if fixed is not None:
             return fixed

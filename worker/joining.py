@@ -110,7 +110,7 @@ def join_at(
 def measure_link(channel: grpc.Channel, timeout: float, metadata: tuple[tuple[str, str], ...]) -> int:
     """Bytes per second this worker's link to the coordinator carried during a probe; 0 when
     unknown (a coordinator without the Probe call, or a probe slower than `timeout`). The
-    coordinator sizes a job's chunks from its members' rates (docs/PROTOCOL.md, "Probe"). Workers
+    coordinator sizes a job's chunks from its members' rates (docs/PROTOCOL.md, "Services"). Workers
     joining at once share the coordinator's link, so each measures about its share of it: the
     share a step's chunks get too."""
     probe = channel.unary_unary(PROBE_METHOD)
