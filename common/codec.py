@@ -279,17 +279,11 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
 
 
 def _join_wire_dtype(msg: pb.JoinRequest) -> DType:
-    """The joiner's wire dtype: unset (older workers) is float32; a byte or unknown dtype is refused."""
+    """The joiner's wire dtype: unset (older workers) is float32; else a reduction dtype, checked
+    as a chunk's is."""
     if msg.wire_dtype == pb.DTYPE_UNSPECIFIED:
         return DType.FLOAT32
-    context = f"JoinRequest from node {msg.node_id!r}: wire_dtype"
-    try:
-        dtype = DType(msg.wire_dtype)
-    except ValueError:
-        raise InvalidArgumentError(f"{context} {msg.wire_dtype} is unknown") from None
-    if dtype not in (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16):
-        raise InvalidArgumentError(f"{context} {dtype.name} is not a gradient wire dtype")
-    return dtype
+    return _dtype_from_pb(msg.wire_dtype, context=f"JoinRequest from node {msg.node_id!r}: wire_dtype")
 
 
 def encode_link_probe(payload_bytes: int) -> bytes:

@@ -294,9 +294,9 @@ def test_a_join_request_carries_the_measured_link_and_partition_0s_chunk_size() 
         pb.JoinRequest(node_id="node", protocol_version=codec.PROTOCOL_VERSION).SerializeToString()
     )
     assert (old.link_bytes_per_s, old.job_chunk_bytes, old.wire_dtype) == (0, 0, DType.FLOAT32)
-    for bad, why in ((pb.DTYPE_BYTES, "BYTES is not a gradient wire dtype"), (9, "9 is unknown")):
+    for bad, why in ((pb.DTYPE_BYTES, "dtype BYTES is never reduced"), (9, "unknown dtype 9")):
         raw = pb.JoinRequest(node_id="n", protocol_version=codec.PROTOCOL_VERSION, wire_dtype=bad)
-        with pytest.raises(InvalidArgumentError, match=f"node 'n': wire_dtype {why}"):
+        with pytest.raises(InvalidArgumentError, match=f"node 'n': wire_dtype: {why}"):
             codec.decode_join_request(raw.SerializeToString())
 
 
