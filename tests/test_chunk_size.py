@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ import pytest
 
 from gradserver.common.config import MIB
 from gradserver.common.errors import UnauthenticatedError, UnavailableError
+from gradserver.common.rpc import SERVICE_NAME
 from gradserver.common.security import bearer_metadata
 from gradserver.server import GradientServer
 from gradserver.server.chunk_size import choose_chunk, chunk_for_rate, is_local_peer
@@ -198,6 +200,35 @@ def test_a_coordinator_without_the_probe_leaves_the_rate_unknown() -> None:
             assert measure_link(channel, 5.0, ()) == 0
     finally:
         bare.stop(None)
+
+
+def test_a_probe_slower_than_its_deadline_leaves_the_rate_unknown() -> None:
+    """A coordinator that does not answer the probe within the connect timeout: no rate (0), so the
+    job falls back to the fixed remote size instead of the worker waiting on."""
+    release = threading.Event()
+
+    def stalled(_request: bytes, _context: grpc.ServicerContext) -> bytes:
+        release.wait(30.0)
+        return b""
+
+    stalling = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    stalling.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE_NAME, {"Probe": grpc.unary_unary_rpc_method_handler(stalled)}
+            ),
+        )
+    )
+    port = stalling.add_insecure_port("127.0.0.1:0")
+    stalling.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            started = time.monotonic()
+            assert measure_link(channel, 0.3, ()) == 0
+            assert time.monotonic() - started < 10.0
+    finally:
+        release.set()
+        stalling.stop(None)
 
 
 def test_a_probe_without_the_auth_token_is_refused(coordinator) -> None:
