@@ -15,7 +15,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from _result import print_result
+from _result import end_process_group, print_result
 from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -48,7 +48,7 @@ def main() -> None:
         optimizer.step()
         losses.append(loss.item())
     print_result(accelerator.process_index, args.backend, losses, model.named_parameters())
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from _result import print_result
+from _result import end_process_group, print_result
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -73,7 +73,7 @@ def main() -> None:
         for name, p in model.named_parameters()
     ]
     print_result(rank, args.backend, losses, full)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from _result import print_result
+from _result import end_process_group, print_result
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -90,7 +90,7 @@ def main() -> None:
         data = TokenIds(args.steps * args.batch_size * world, 16, config.vocab_size)
         Trainer(model=model, args=training, train_dataset=data, callbacks=[log]).train()
     print_result(rank, args.backend, log.losses, model.named_parameters())
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

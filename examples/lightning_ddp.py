@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from _result import print_result
+from _result import end_process_group, print_result
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -74,6 +74,7 @@ def main() -> None:
         )
         trainer.fit(model, data)
     print_result(trainer.global_rank, args.backend, model.losses, model.named_parameters())
+    end_process_group()  # Lightning leaves the group to the script
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def train_loop(config: dict[str, Any]) -> None:
         optimizer.step()
         losses.append(loss.item())
     print_result(rank, config["backend"], losses, model.module.named_parameters())
+    dist.barrier()  # see examples/_result.py, end_process_group: Ray destroys the group itself
 
 
 def main() -> None:

@@ -2,7 +2,10 @@
 
 Each rank runs `target(*args)` in a fresh interpreter (the "spawn" start method: no state is
 inherited from the test process) and writes its results (or `rankN.error`) to a directory the
-test reads afterwards.
+test reads afterwards. A rank that returned ends at once, without the interpreter's shutdown:
+gloo's worker threads may still be releasing the tensors of its last collectives, and one that
+does so while Python shuts down aborts the process (examples/_result.py, `end_process_group`).
+Every rank must exit 0; one that crashed fails the test even if it wrote its results first.
 """
 
 from __future__ import annotations
@@ -11,19 +14,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import os
+import sys
+
 import torch
 import torch.multiprocessing as mp
 
 RANK_TIMEOUT_S = 240.0
 
 
+def _rank_main(target: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """Runs one rank; once it returned, flushes its output and exits without interpreter shutdown
+    (an exception still ends the process through multiprocessing, with exit code 1)."""
+    target(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_and_join(
-    target: Callable[..., None], argss: list[tuple[Any, ...]], timeout_s: float = RANK_TIMEOUT_S
+    target: Callable[..., None],
+    argss: list[tuple[Any, ...]],
+    timeout_s: float = RANK_TIMEOUT_S,
+    *,
+    check_exits: bool = True,
 ) -> list[mp.process.BaseProcess]:
     """One spawned process per argument tuple, joined within `timeout_s` each; any still alive
-    then is killed, and the test fails."""
+    then is killed, and the test fails, as it does when any exits non-zero (unless `check_exits`
+    is False: a test that kills a rank looks at the exit codes itself)."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args) for args in argss]
+    procs = [ctx.Process(target=_rank_main, args=(target, args)) for args in argss]
     try:
         for p in procs:
             p.start()
@@ -35,6 +55,9 @@ def spawn_and_join(
                 p.kill()
                 p.join(10)
     assert not any(p.is_alive() for p in procs)
+    codes = [p.exitcode for p in procs]
+    if check_exits:
+        assert all(code == 0 for code in codes), f"rank exit codes {codes} (negative: killed by that signal)"
     return procs
 
 
