@@ -10,12 +10,11 @@ Every rank must exit 0; one that crashed fails the test even if it wrote its res
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import os
-import sys
 
 import torch
 import torch.multiprocessing as mp
