@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _result import end_process_group
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -89,7 +90,7 @@ def main() -> None:
         measured = step_times[WARMUP_STEPS:] or step_times
         samples_per_s = args.batch_size * world / statistics.median(measured)
         print(f"backend {args.backend} world {world}: {samples_per_s:.1f} samples/s (median)", flush=True)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

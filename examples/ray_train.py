@@ -46,7 +46,8 @@ def train_loop(config: dict[str, Any]) -> None:
         optimizer.step()
         losses.append(loss.item())
     print_result(rank, config["backend"], losses, model.module.named_parameters())
-    dist.barrier()  # see examples/_result.py, end_process_group: Ray destroys the group itself
+    # Leave together (examples/_result.py, end_process_group); Ray ends the group and the process.
+    dist.barrier()
 
 
 def main() -> None:

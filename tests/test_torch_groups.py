@@ -56,6 +56,9 @@ dist.barrier()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(results, f)
 dist.destroy_process_group()
+# Without the interpreter's shutdown, which gloo's worker threads may trip over (examples/_result.py).
+sys.stdout.flush()
+os._exit(0)
 """
 
 
