@@ -115,15 +115,17 @@ class Averager:
         *,
         divide: bool = True,
         finite_only: bool = True,
+        count: int | None = None,
     ) -> Output | None:
         """Where `output_buffers` has the average of `contributions` written, when they offer a
         place (float32 averages of several contributions only: one is returned as is): over the
         contributions themselves when each asked for that (means of finite values only, so that
-        a failure still finds its culprit), else a buffer."""
+        a failure still finds its culprit; not when partial sums stand for more contributors
+        than there are contributions), else a buffer."""
         buffers = self.output_buffers
         if buffers is None or dtype is not DType.FLOAT32 or len(contributions) < 2:
             return None
-        if divide and finite_only:
+        if divide and finite_only and count in (None, len(contributions)):
             in_place = buffers.in_place(contributions)
             if in_place is not None:
                 return in_place
@@ -141,14 +143,17 @@ class Averager:
         divide: bool = True,
         dtype: DType = DType.FLOAT32,
         finite_only: bool = True,
+        count: int | None = None,
     ) -> bytes | memoryview:
         """`average`, written into a buffer from `output_buffers` when one is offered (and given
         back when the average fails)."""
         out = None
         if self.output_buffers is not None:
-            out = self.take_output(contributions, dtype, divide=divide, finite_only=finite_only)
+            out = self.take_output(contributions, dtype, divide=divide, finite_only=finite_only, count=count)
         try:
-            return self.average(contributions, divide=divide, dtype=dtype, out=out, finite_only=finite_only)
+            return self.average(
+                contributions, divide=divide, dtype=dtype, out=out, finite_only=finite_only, count=count
+            )
         except (SumOverflow, NonFiniteContribution):
             self.give_back(out)
             raise
@@ -161,35 +166,45 @@ class Averager:
         dtype: DType = DType.FLOAT32,
         out: Output | None = None,
         finite_only: bool = True,
+        count: int | None = None,
     ) -> bytes | memoryview:
         """Mean of little-endian float32 buffers, given in worker-id order; with `divide` False
-        their sum (collective SUM keys), rounded once the same way. A sum of finite values that
+        their sum (collective SUM keys), rounded once the same way. `count`: how many contributors
+        the buffers stand for when some are host groups' partial sums (default: one each); the
+        sum is divided by it. A sum of finite values that
         overflows float32 raises `SumOverflow`, a non-finite input `NonFiniteContribution`;
         without `finite_only` both are results (the float64 sum rounded once: Inf, NaN), as
         torch.distributed gives them. 16-bit `dtype` payloads: see `_average_16`.
         A writable float32-sized `out` receives the result and is returned itself (one input
         is returned as is, without touching `out`); an `InPlace` `out` gets it over every one of
         its targets, and the first is returned."""
+        n = len(contributions) if count is None else count
         if isinstance(out, InPlace):
-            if dtype is not DType.FLOAT32 or not divide or not finite_only or len(contributions) < 2:
+            if (
+                dtype is not DType.FLOAT32
+                or not divide
+                or not finite_only
+                or len(contributions) < 2
+                or n != len(contributions)
+            ):
                 raise ValueError("averages in place are float32 means of several finite contributions")
             return self._average_in_place(contributions, out)
         if dtype is not DType.FLOAT32:
-            return self._average_16(contributions, dtype, divide, finite_only)
+            return self._average_16(contributions, dtype, divide, finite_only, n)
         arrays = [np.frombuffer(c, dtype=_F32) for c in contributions]
-        if len(arrays) == 1:
+        if len(arrays) == 1 and (not divide or n == 1):
             if finite_only and not np.isfinite(arrays[0]).all():
                 raise _locate_non_finite(arrays)
             return contributions[0]
         size = arrays[0].size
         result = np.empty(size, dtype=_F32) if out is None else np.frombuffer(out, dtype=_F32)
         if size <= _SMALL:
-            finite = _sum_small(arrays, result, divide)
+            finite = _sum_small(arrays, result, divide, n)
             if not finite and finite_only:
                 raise _locate_non_finite(arrays, overflow_possible=not divide)
             return result.data if out is None else out
         finite = self._over_ranges(
-            size, self._threads, lambda begin, end: self._sum_range(arrays, result, begin, end, divide)
+            size, self._threads, lambda begin, end: self._sum_range(arrays, result, begin, end, divide, n)
         )
         if not finite and finite_only:
             raise _locate_non_finite(arrays, overflow_possible=not divide)
@@ -270,9 +285,11 @@ class Averager:
         begin: int,
         end: int,
         divide: bool,
+        count: int | None = None,
         scratch: np.ndarray | None = None,
     ) -> bool:
-        """Writes the mean (or sum) of elements [begin, end) into `out`; False if any is not finite.
+        """Writes the mean (or sum; divided by `count`, default the number of arrays) of
+        elements [begin, end) into `out`; False if any is not finite.
         Each block is checked for finite values while it is in the cache (a check of the whole
         range afterwards read it all again from memory, into a new array of flags, and cost as
         much as the sum)."""
@@ -281,8 +298,9 @@ class Averager:
         flags = self._thread_flags()
         finite = True
         # inf - inf is expected input here (reported below), not a numerical accident to warn about.
+        count = len(arrays) if count is None else count
         with np.errstate(invalid="ignore", over="ignore"):
-            if len(arrays) == 2:
+            if len(arrays) == 2 and (not divide or count == 2):
                 a, b = arrays
                 starts = []
                 for start in range(begin, end, _BLOCK):
@@ -309,7 +327,7 @@ class Averager:
                     np.copyto(wide, array[start:stop])
                     np.add(acc, wide, out=acc)
                 if divide:
-                    _divide(acc, len(arrays))
+                    _divide(acc, count)
                 block = out[start:stop]
                 np.copyto(block, acc, casting="same_kind")
                 finite = finite and bool(np.isfinite(block, out=flags[: block.size]).all())
@@ -321,11 +339,14 @@ class Averager:
         dtype: DType,
         divide: bool,
         finite_only: bool = True,
+        count: int | None = None,
     ) -> bytes | memoryview:
         """The same float64 mean of 16-bit payloads, rounded once to `dtype` (not float32), so
         the bytes returned are what every worker gets. A finite sum beyond the dtype's range (a
         SUM key, or a mean rounding past the largest value) raises `SumOverflow`."""
-        out, finite = reduce_16(contributions, dtype, divide=divide, scratch=self._thread_scratch())
+        out, finite = reduce_16(
+            contributions, dtype, divide=divide, scratch=self._thread_scratch(), count=count
+        )
         if finite_only and not finite.all():
             bad = first_non_finite(contributions, dtype)
             if bad is not None:
@@ -334,12 +355,13 @@ class Averager:
         return out.data
 
 
-def _sum_small(arrays: list[np.ndarray], out: np.ndarray, divide: bool) -> bool:
+def _sum_small(arrays: list[np.ndarray], out: np.ndarray, divide: bool, count: int | None = None) -> bool:
     """`Averager._sum_range` for a chunk of at most one block (a small collective), without its
     per-block bookkeeping: the same operations in the same order, so the same bytes (checked by
     tests/test_averaging.py against the float64 path); False if the result is not finite."""
+    count = len(arrays) if count is None else count
     with np.errstate(invalid="ignore", over="ignore"):
-        if len(arrays) == 2:
+        if len(arrays) == 2 and (not divide or count == 2):
             np.add(arrays[0], arrays[1], out=out)
             if divide:
                 np.multiply(out, np.float32(0.5), out=out)
@@ -349,7 +371,7 @@ def _sum_small(arrays: list[np.ndarray], out: np.ndarray, divide: bool) -> bool:
         for array in arrays[1:]:
             np.add(acc, array.astype(np.float64), out=acc)
         if divide:
-            _divide(acc, len(arrays))
+            _divide(acc, count)
         np.copyto(out, acc, casting="same_kind")
         return bool(np.isfinite(out).all())
 

@@ -11,6 +11,7 @@ coordinator's reduction table.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import TypeVar
 
@@ -20,7 +21,13 @@ from ._pb import gradient_server_pb2 as pb
 from ._wire import split_payload, with_payload
 from .chunking import check_chunk_length
 from .components import BLOCK_GRAD_COMPONENTS, NonBlockComponent
-from .errors import GradServerError, InternalError, InvalidArgumentError, ResourceExhaustedError
+from .errors import (
+    GradServerError,
+    InternalError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    Status,
+)
 from .messages import (
     ALLOWED_DTYPES,
     BYTE_KINDS,
@@ -39,6 +46,7 @@ from .messages import (
     JoinRequestIn,
     KeyKind,
     LeaveIn,
+    MemberLeftOut,
     ReduceOp,
     SampleRange,
     SampleRangeAssignmentOut,
@@ -47,6 +55,7 @@ from .messages import (
     ServerEvent,
     ShmRef,
     ShutdownOut,
+    StepFailureIn,
     TensorKey,
     WorkerEvent,
 )
@@ -56,6 +65,8 @@ MAX_NAME_LENGTH = 256
 MAX_FINGERPRINT_FIELDS = 64
 # The largest link probe a coordinator answers (workers send 1 MiB).
 MAX_PROBE_BYTES = 4 * 2**20
+# The most workers one host group (and so one partial sum) may cover.
+MAX_HOST_GROUP = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +245,8 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
         link_bytes_per_s=request.link_bytes_per_s,
         job_chunk_bytes=request.job_chunk_bytes,
         wire_dtype=int(request.wire_dtype),  # type: ignore[arg-type]
+        host_id=request.host_id,
+        job_host_group=request.job_host_group,
     )
     if request.committed_step is not None:
         msg.committed_step = request.committed_step
@@ -262,6 +275,11 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         )
     rank = msg.rank if msg.HasField("rank") else None
     partition_index = msg.partition_index if msg.HasField("partition_index") else None
+    if len(msg.host_id) > MAX_NAME_LENGTH or len(msg.job_host_group) > MAX_HOST_GROUP:
+        raise InvalidArgumentError(
+            f"JoinRequest from node {msg.node_id!r}: host_id is limited to {MAX_NAME_LENGTH} characters "
+            f"and job_host_group to {MAX_HOST_GROUP} workers"
+        )
     return JoinRequestIn(
         msg.node_id,
         msg.gpu_count,
@@ -275,6 +293,8 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         link_bytes_per_s=msg.link_bytes_per_s,
         job_chunk_bytes=msg.job_chunk_bytes,
         wire_dtype=_join_wire_dtype(msg),
+        host_id=msg.host_id,
+        job_host_group=tuple(msg.job_host_group),
     )
 
 
@@ -319,6 +339,8 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         partition_index=accepted.partition_index,
         shm_socket=accepted.shm_socket,
         shm_nonce=accepted.shm_nonce,
+        host_group=accepted.host_group,
+        host_key=accepted.host_key,
     ).SerializeToString()
 
 
@@ -328,7 +350,13 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         raise InternalError(
             f"coordinator speaks protocol version {msg.protocol_version}, this worker {PROTOCOL_VERSION}"
         )
-    if msg.chunk_bytes < 4 or msg.total_workers == 0 or msg.worker_id >= msg.total_workers:
+    group = tuple(msg.host_group)
+    if (
+        msg.chunk_bytes < 4
+        or msg.total_workers == 0
+        or msg.worker_id >= msg.total_workers
+        or (group and (msg.worker_id not in group or not _ascending(group, msg.total_workers)))
+    ):
         raise InternalError(f"coordinator sent an inconsistent JoinResponse: {msg}")
     return JoinAccepted(
         worker_id=msg.worker_id,
@@ -349,7 +377,14 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         partition_index=msg.partition_index,
         shm_socket=msg.shm_socket,
         shm_nonce=msg.shm_nonce,
+        host_group=group,
+        host_key=msg.host_key,
     )
+
+
+def _ascending(ids: tuple[int, ...], world: int) -> bool:
+    """Whether `ids` are distinct worker ids below `world`, in increasing order."""
+    return all(a < b for a, b in itertools.pairwise(ids)) and ids[-1] < world
 
 
 # --- worker to coordinator ----------------------------------------------------------------------
@@ -364,6 +399,7 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
             total_elements=event.header.total_elements,
             component_sizes=event.header.component_sizes,
             offset=event.offset,
+            covers=event.covers,
         )
         if event.stats is not None:
             chunk.stats.CopyFrom(_stats_to_pb(event.stats))
@@ -386,6 +422,13 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
         )
     elif isinstance(event, HeartbeatIn):
         msg = pb.WorkerMessage(heartbeat=pb.Heartbeat(worker_id=event.worker_id, sequence=event.sequence))
+    elif isinstance(event, StepFailureIn):
+        failure = pb.Error(code=event.code, message=event.message, step=event.step, step_failed=True)
+        if event.key is not None:
+            failure.key.CopyFrom(_key_to_pb(event.key))
+        if event.culprit is not None:
+            failure.culprit_worker_id = event.culprit
+        msg = pb.WorkerMessage(step_failure=failure)
     else:
         msg = pb.WorkerMessage(shutdown=pb.Shutdown(reason=event.reason))
     return msg.SerializeToString()
@@ -424,7 +467,35 @@ def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
         return HeartbeatIn(msg.heartbeat.worker_id, msg.heartbeat.sequence)
     if kind == "shutdown":
         return LeaveIn(msg.shutdown.reason[:MAX_NAME_LENGTH])
+    if kind == "step_failure":
+        return _decode_step_failure(msg.step_failure, limits)
     raise InvalidArgumentError("WorkerMessage carries no message kind")
+
+
+_MAX_FAILURE_MESSAGE = 4096
+
+
+def _decode_step_failure(failure: pb.Error, limits: WireLimits) -> StepFailureIn:
+    """A host group member's report of a failed step; its message is cut to a sane length. The
+    sender is the stream's member (the message does not name it): `worker_id` is -1 until the
+    coordinator sets it."""
+    who = "host group member"
+    key = _key_from_pb(failure.key, who=who, limits=limits) if failure.HasField("key") else None
+    try:
+        Status(failure.code)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{who}, step {failure.step}: step failure with unknown status code {failure.code}",
+            step=failure.step,
+        ) from None
+    return StepFailureIn(
+        worker_id=-1,
+        code=failure.code,
+        message=failure.message[:_MAX_FAILURE_MESSAGE],
+        step=failure.step,
+        key=key,
+        culprit=failure.culprit_worker_id if failure.HasField("culprit_worker_id") else None,
+    )
 
 
 def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview | None) -> ChunkIn:
@@ -536,7 +607,40 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
         data=data,
         stats=stats,
         shm=shm,
+        covers=_covers(chunk, key, limits, context),
     )
+
+
+def _covers(chunk: pb.GradientChunk, key: TensorKey, limits: WireLimits, context: str) -> tuple[int, ...]:
+    """The workers a partial sum covers: distinct ids in increasing order, the sender among them,
+    and only for keys that are summed (whether they are the sender's host group is the
+    coordinator's to judge)."""
+    covers = tuple(chunk.covers)
+    if not covers:
+        return covers
+    problem = None
+    if len(covers) > MAX_HOST_GROUP:
+        problem = f"a partial sum covers {len(covers)} workers, above the limit of {MAX_HOST_GROUP}"
+    elif not _ascending(covers, limits.world_size or 2**32) or chunk.worker_id not in covers:
+        problem = (
+            f"covers {list(covers)} must be distinct worker ids in increasing order, the sender among them"
+        )
+    elif not summed_on_hosts(key):
+        problem = f"{key.describe()} is not summed on hosts: only block, non-block and REDUCE keys are"
+    if problem is not None:
+        raise InvalidArgumentError(
+            f"{context}: {problem}", step=key.step, key=str(key), worker_id=chunk.worker_id
+        )
+    return covers
+
+
+def summed_on_hosts(key: TensorKey) -> bool:
+    """Whether a host group sums `key`'s contributions before they cross its link: every
+    reduction but whole-model keys (whose sample stats are per worker): block and non-block
+    gradients, REDUCE and REDUCE_SCATTER collectives."""
+    if key.kind is KeyKind.WHOLE_MODEL:
+        return False
+    return key.kind is not KeyKind.COLLECTIVE or key.collective_kind not in BYTE_KINDS
 
 
 def _header_only(key: TensorKey, worker_id: int) -> bool:
@@ -623,6 +727,8 @@ def encode_server_event(event: ServerEvent) -> bytes:
         msg = pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(sequence=event.sequence))
     elif isinstance(event, ShutdownOut):
         msg = pb.ServerMessage(shutdown=pb.Shutdown(reason=event.reason))
+    elif isinstance(event, MemberLeftOut):
+        msg = pb.ServerMessage(member_left=pb.MemberLeft(worker_id=event.worker_id, reason=event.reason))
     else:
         err = pb.Error(code=event.code, message=event.message, step=event.step, step_failed=event.step_failed)
         if event.key is not None:
@@ -682,6 +788,8 @@ def decode_server_message(raw: bytes) -> ServerEvent:
             return HeartbeatAckOut(msg.heartbeat_ack.sequence)
         if kind == "shutdown":
             return ShutdownOut(msg.shutdown.reason)
+        if kind == "member_left":
+            return MemberLeftOut(msg.member_left.worker_id, msg.member_left.reason)
         if kind == "error":
             e = msg.error
             subject = e.WhichOneof("subject")

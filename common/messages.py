@@ -183,6 +183,9 @@ class ChunkIn:
     data: bytes | memoryview
     stats: SampleStats | None = None
     shm: ShmRef | None = None
+    # A host group's partial sum: the workers whose contributions `data` sums, in order, the
+    # sender among them (docs/PROTOCOL.md "Host groups"); empty: the sender's own contribution.
+    covers: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +214,21 @@ class LeaveIn:
     reason: str
 
 
-WorkerEvent = ChunkIn | BarrierIn | SampleRangeRequestIn | HeartbeatIn | LeaveIn
+@dataclasses.dataclass(frozen=True)
+class StepFailureIn:
+    """A host group member found what fails `step` on its host (a member's non-finite value, a
+    host sum beyond its dtype): the coordinator fails the step for everyone, naming `culprit`.
+    `worker_id` is the sender: the stream it came on says (it does not travel)."""
+
+    worker_id: int
+    code: int
+    message: str
+    step: int
+    key: TensorKey | None = None
+    culprit: int | None = None
+
+
+WorkerEvent = ChunkIn | BarrierIn | SampleRangeRequestIn | HeartbeatIn | LeaveIn | StepFailureIn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +291,23 @@ class ErrorOut:
     step_failed: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class MemberLeftOut:
+    """A member of the recipient's host group left or was lost: the group stops summing on its
+    host."""
+
+    worker_id: int
+    reason: str
+
+
 ServerEvent = (
-    AveragedChunkOut | BarrierReleaseOut | SampleRangeAssignmentOut | HeartbeatAckOut | ShutdownOut | ErrorOut
+    AveragedChunkOut
+    | BarrierReleaseOut
+    | SampleRangeAssignmentOut
+    | HeartbeatAckOut
+    | ShutdownOut
+    | ErrorOut
+    | MemberLeftOut
 )
 
 
@@ -300,6 +332,10 @@ class JoinRequestIn:
     wire_dtype: DType = DType.FLOAT32
     # Partitions 1..K-1: the chunk size partition 0 gave this worker; 0: none.
     job_chunk_bytes: int = 0
+    # What the worker shares a host with (machine, network namespace, user; "": it cannot sum
+    # with others on its host), and for partitions 1..K-1 the host group partition 0 gave it.
+    host_id: str = ""
+    job_host_group: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,3 +363,6 @@ class JoinAccepted:
     # Same-host fast path: the coordinator's Unix socket and its nonce ("" and b"" when off).
     shm_socket: str = ""
     shm_nonce: bytes = b""
+    # Host groups: this worker's group in order (empty: none) and the key naming its shared memory.
+    host_group: tuple[int, ...] = ()
+    host_key: bytes = b""

@@ -43,6 +43,22 @@ def supported() -> bool:
     return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED")
 
 
+def host_id() -> str:
+    """What processes that can share memory through this module have in common: the machine (its
+    boot id), the network namespace (abstract Unix sockets are per namespace) and the user (SO_PEERCRED
+    checks hand memory only to the same user). Two processes with equal ids reach each other's
+    abstract sockets and may pass arenas; "" where this platform cannot."""
+    if not supported():
+        return ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
+            machine = boot.read().strip()
+        namespace = os.readlink("/proc/self/ns/net")
+    except OSError:
+        return ""
+    return f"{machine} {namespace} uid={os.getuid()}"
+
+
 def socket_dir_prefix(pid: int) -> str:
     """The name prefix of the socket directory of the coordinator with process id `pid`."""
     return f"{SOCKET_DIR_PREFIX}{pid}-"

@@ -190,12 +190,14 @@ def reduce_16(
     *,
     divide: bool,
     scratch: np.ndarray | None = None,
+    count: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The mean (or with `divide` False the sum) of 16-bit payloads given in worker-id order:
-    widened to float64, summed in that order, divided, rounded once to `dtype`. Returns the
-    payload and a boolean mask of its finite elements (the caller names what is not)."""
+    widened to float64, summed in that order, divided (by `count`, default one per payload),
+    rounded once to `dtype`. Returns the payload and a boolean mask of its finite elements (the
+    caller names what is not)."""
     size = len(contributions[0]) // numpy_dtype(dtype).itemsize
-    count = len(contributions)
+    count = len(contributions) if count is None else count
     if scratch is None or scratch.size < _BLOCK:
         scratch = np.empty(_BLOCK, dtype=np.float64)
     out = np.empty(size, dtype=numpy_dtype(dtype))

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from gradserver.common import codec
+from gradserver.common import codec, shm
 from gradserver.common.averaging import Averager
 from gradserver.common.config import parse_address
 from gradserver.common.errors import (
@@ -39,6 +39,7 @@ from gradserver.common.messages import (
     ChunkIn,
     SampleRangeRequestIn,
     ShutdownOut,
+    StepFailureIn,
 )
 from gradserver.common.rpc import SERVICE_NAME, to_grpc
 
@@ -48,6 +49,7 @@ from .binding import bind_port, grpc_server, publish_endpoints
 from .chunk_size import ChunkChoice, choose_chunk
 from .config import CoordinatorConfig
 from .events import EventLog
+from .host_groups import HostGroups
 from .job import (
     ArmTimer,
     CancelTimer,
@@ -95,6 +97,7 @@ def _new_table(
     partition: PartitionRole | None,
     averager: Averager,
     chunk_bytes: int,
+    host_groups: HostGroups,
 ) -> ReductionTable:
     """A fresh job's reduction table (this partition's chunks only, with --partition-map)."""
     return ReductionTable(
@@ -107,6 +110,7 @@ def _new_table(
         partition=(partition.partition_map, partition.own_index) if partition is not None else None,
         averager=averager,
         defer_reductions=True,  # averaged by the `Reducer`, off the event loop
+        host_groups=host_groups,
     )
 
 
@@ -158,8 +162,11 @@ class GradientServer:
         # The job's chunk size: fixed by the configuration, or chosen as its world completes
         # (`_choose_chunk`); until then buffers and the table are sized for the largest it can be.
         self._chunk: ChunkChoice | None = None
+        # The members on another host than this one that sum there (formed with the chunk size).
+        self._host_id = shm.host_id()
+        self._groups = self._new_groups()
         self._new_table = functools.partial(_new_table, config, self.metrics, self._partition, self._averager)
-        self._table = self._new_table(self.chunk_bytes)
+        self._table = self._new_table(self.chunk_bytes, self._groups)
         self._cores = usable_cores()
         self._reducer = Reducer(self._averager, self._reduced, self._average_on_loop)
         self._job = _new_job(config)
@@ -303,8 +310,9 @@ class GradientServer:
             elif isinstance(effect, CancelTimer):
                 self._rejoin_timer.cancel()
             elif isinstance(effect, ResetJob):
-                self._chunk = None  # the next job's world chooses again
-                self._table = self._new_table(self.chunk_bytes)
+                self._chunk = None  # the next job's world chooses again, and forms its host groups
+                self._groups = self._new_groups()
+                self._table = self._new_table(self.chunk_bytes, self._groups)
                 self.metrics.new_table()
                 self._outboxes.reset()
                 log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
@@ -361,12 +369,25 @@ class GradientServer:
         finally:
             self.metrics.workers_joined.set(self._membership.joined)
         if self._chunk is None:
+            self._form_host_groups()
             self._choose_chunk()
         self._table.worker_joined(member.worker_id)
         self._apply(self._job.world_complete())
-        return join.accepted(
-            member, self._membership, self.config, self.session_id, self.chunk_bytes, self._outboxes.offer()
-        )
+        offers = self._outboxes.offer() | self._groups.offer(member.worker_id)
+        return join.accepted(member, self._membership, self.config, self.session_id, self.chunk_bytes, offers)
+
+    def _new_groups(self) -> HostGroups:
+        # A job that goes on without a lost worker would have to change a group mid-step.
+        return HostGroups(self._host_id, enabled=self.config.on_worker_loss == "abort")
+
+    def _form_host_groups(self) -> None:
+        """The job's host groups, as its world completes: partition 0 (or the one coordinator)
+        forms them from where its members are; partitions 1..K-1 adopt partition 0's."""
+        members = self._membership.members()
+        if self._partition is not None and self._partition.own_index > 0:
+            self._groups.adopt({m.worker_id: m.job_host_group for m in members})
+        else:
+            self._groups.form([(m.worker_id, m.host_id) for m in members])
 
     def _choose_chunk(self) -> None:
         """The job's chunk size, chosen once its world is complete (the first Join to return
@@ -374,17 +395,18 @@ class GradientServer:
         by it: the reduction table (still untouched: no stream opens before the world is
         complete), the streams' chunk checks and the output arena's slots."""
         members = self._membership.members()
+        rates = self._groups.link_rates({m.worker_id: m.link_bytes_per_s for m in members})
         choice = choose_chunk(
             self.config,
             [m.host for m in members],
             shared_memory=self.shm is not None and all(m.shared_memory for m in members),
-            link_rates=[m.link_bytes_per_s for m in members],
+            link_rates=[rates[m.worker_id] for m in members],
             item_sizes=[m.wire_item_size for m in members],
             brought=[m.job_chunk_bytes for m in members],
         )
         self._chunk = choice
         if self._table.chunk_elements != choice.chunk_bytes // 4:
-            self._table = self._new_table(choice.chunk_bytes)
+            self._table = self._new_table(choice.chunk_bytes, self._groups)
         self._streams.chunk_elements = choice.chunk_bytes // 4
         if self.shm is not None:
             self.shm.reslot(choice.chunk_bytes)
@@ -417,14 +439,18 @@ class GradientServer:
         self._outboxes.streaming(member.worker_id)
         await self._streams.serve(member, context)
 
-    def _handle(self, stream: WorkerStream, event: ChunkIn | BarrierIn | SampleRangeRequestIn) -> None:
-        """Hands one contribution, barrier arrival or request to the table."""
+    def _handle(
+        self, stream: WorkerStream, event: ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn
+    ) -> None:
+        """Hands one contribution, barrier arrival, request or host group's report to the table."""
         if isinstance(event, ChunkIn):
             chunk = self._outboxes.resolve(event, stream.member)
             self.metrics.payload_received(chunk.worker_id, len(chunk.data))
             self._deliver(self._table.contribute(chunk, borrowed=event.shm is not None))
         elif isinstance(event, BarrierIn):
             self._deliver(self._table.barrier(event))
+        elif isinstance(event, StepFailureIn):
+            self._deliver(self._table.step_failure_reported(event))
         else:
             self._deliver(self._table.sample_ranges(event))
 

@@ -44,7 +44,8 @@ def accepted(
     offers: dict[str, Any],
 ) -> bytes:
     """The encoded JoinAccepted for `member`: `chunk_bytes` is the job's chunk size (chosen as
-    its world completed, or --chunk-mib), `offers` are the transports' fields."""
+    its world completed, or --chunk-mib), `offers` are the transports' fields and the member's
+    host group."""
     return codec.encode_join_accepted(
         JoinAccepted(
             worker_id=member.worker_id,

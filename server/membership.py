@@ -48,6 +48,10 @@ class Member:
     link_bytes_per_s: int = 0
     wire_item_size: int = 4
     job_chunk_bytes: int = 0
+    # What it shares a host with ("": it cannot sum with others there) and, joining partitions
+    # 1..K-1, the host group partition 0 gave it.
+    host_id: str = ""
+    job_host_group: tuple[int, ...] = ()
 
 
 class Membership:
@@ -105,6 +109,8 @@ class Membership:
             link_bytes_per_s=request.link_bytes_per_s,
             wire_item_size=ITEM_SIZE[request.wire_dtype],
             job_chunk_bytes=request.job_chunk_bytes,
+            host_id=request.host_id,
+            job_host_group=request.job_host_group,
         )
         if self._fingerprint is None:
             self._fingerprint = dict(request.fingerprint)

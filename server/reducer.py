@@ -84,7 +84,11 @@ class Reducer:
             None
             if request.scattered
             else self._averager.take_output(
-                request.data, request.dtype, divide=request.divide, finite_only=request.finite_only
+                request.data,
+                request.dtype,
+                divide=request.divide,
+                finite_only=request.finite_only,
+                count=request.count,
             )
         )
         loop = asyncio.get_running_loop()
@@ -140,6 +144,7 @@ class Reducer:
                 dtype=request.dtype,
                 out=out,
                 finite_only=request.finite_only,
+                count=request.count,
             )
         except (SumOverflow, NonFiniteContribution) as exc:
             return None, exc

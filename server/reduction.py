@@ -36,7 +36,8 @@ from collections.abc import Callable
 
 from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
 from gradserver.common.chunking import chunk_count, payload_nbytes
-from gradserver.common.errors import Status
+from gradserver.common.codec import summed_on_hosts
+from gradserver.common.errors import Status, status_code_from_value
 from gradserver.common.messages import (
     BYTE_KINDS,
     ITEM_SIZE,
@@ -49,14 +50,17 @@ from gradserver.common.messages import (
     DType,
     ErrorOut,
     KeyKind,
+    MemberLeftOut,
     ReduceOp,
     SampleRangeRequestIn,
     SampleStats,
+    StepFailureIn,
     TensorKey,
 )
 from gradserver.common.partition_map import PartitionMap
 
 from .collectives import ByteCollective, Piece, ScatterParts
+from .host_groups import HostGroups
 from .outgoing import Outgoing, error_to
 from .participation import Participation
 from .sample_ranges import SampleRangeAssigner
@@ -93,6 +97,12 @@ class _Slot:
     collective: ByteCollective | None = None
     # REDUCE_SCATTER: cuts the reduced chunks into the ranks' parts.
     scattered: ScatterParts | None = None
+    # Host groups' partial sums, per chunk index: the workers a partial covers besides the one
+    # whose place holds it (its lowest id), and who sent it, by that place.
+    covered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    partial_senders: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)
+    # ...and the workers that get the chunk's average from the member that sent the partial.
+    forwarded: dict[int, set[int]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.received = [set() for _ in range(self.world_size)]
@@ -107,7 +117,8 @@ class _Slot:
 
     def chunk_complete(self, index: int) -> bool:
         parts = self.chunks.get(index)
-        return parts is not None and all(parts[w] is not None for w in self.expected)
+        covered = self.covered.get(index, ())
+        return parts is not None and all(parts[w] is not None or w in covered for w in self.expected)
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,7 +133,9 @@ class Reduce:
     dtype: DType
     divide: bool
     finite_only: bool
-    to: tuple[int, ...]  # the live workers when it completed
+    to: tuple[int, ...]  # the live workers when it completed (less those a partial sum covers)
+    # Who sent each of `data` (a host group's partial sum covers several contributors).
+    senders: tuple[int, ...] = ()
 
     @property
     def scattered(self) -> bool:
@@ -132,6 +145,12 @@ class Reduce:
     @property
     def nbytes(self) -> int:
         return sum(payload_nbytes(d) for d in self.data)
+
+    @property
+    def count(self) -> int:
+        """How many workers' contributions the average stands for (a partial sum stands for its
+        host group)."""
+        return len(self.contributors)
 
 
 @dataclasses.dataclass
@@ -172,13 +191,16 @@ class ReductionTable:
         partition: tuple[PartitionMap, int] | None = None,
         averager: Averager | None = None,
         defer_reductions: bool = False,
+        host_groups: HostGroups | None = None,
     ) -> None:
         """`on_key_reduced` and `on_barrier_released` receive the seconds from the first
         contribution or arrival to completion (for metrics). `partition` (map, own index): this
         table expects and averages only the chunks the map assigns to that partition. `averager`
         (one thread by default) computes the averages; the coordinator shares one across jobs.
         With `defer_reductions`, complete chunks are not averaged here but queued as `Reduce`
-        requests (`take_reductions`) whose results come back through `reduced`."""
+        requests (`take_reductions`) whose results come back through `reduced`. `host_groups`:
+        the job's host groups (formed later, when its world completes), whose members' partial
+        sums this table takes."""
         if on_worker_loss not in ("abort", "continue"):
             raise ValueError(f"on_worker_loss must be abort or continue, got {on_worker_loss!r}")
         self.world_size = world_size
@@ -207,6 +229,7 @@ class ReductionTable:
         self.contributions_counted = 0
         self._last_completed_step: int | None = None
         self._partition = partition
+        self.host_groups = host_groups if host_groups is not None else HostGroups("", enabled=False)
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -258,16 +281,22 @@ class ReductionTable:
         continue: keys go on with the survivors (see `_continue_without`)."""
         self._roster.lost(worker_id, reason)
         self._worker_step[worker_id] = None
+        out = self._leave_host_group(worker_id, reason)
         if self.on_worker_loss == "continue":
-            out = self._continue_without(worker_id, reason)
+            out += self._continue_without(worker_id, reason)
         else:
-            out = []
             for step in sorted(self.pending_steps()):
                 out += self._fail_step(
                     step, f"step {step} aborted: worker {worker_id} {reason}", culprit=worker_id
                 )
         self._settle_steps()
         return out
+
+    def _leave_host_group(self, worker_id: int, reason: str) -> list[Outgoing]:
+        """`worker_id` left: its host group (if any) ends, and its other members are told first."""
+        live = self.live_workers()
+        others = tuple(w for w in self.host_groups.dissolve(worker_id) if w in live)
+        return [Outgoing(others, MemberLeftOut(worker_id, reason))] if others else []
 
     def copy_held_data(self, worker_id: int) -> None:
         """Replaces the views of `worker_id`'s contributions still held by private copies, so
@@ -341,9 +370,13 @@ class ReductionTable:
 
     def _contribute(self, chunk: ChunkIn, borrowed: bool = False) -> list[Outgoing]:
         w, key = chunk.worker_id, chunk.key
-        rejected = self._admit(w, key.step, key, what=str(key))
+        # A partial sum is sent when its host summed it, not in the order of the sender's own
+        # steps: "steps only move forward" holds for what a worker sends of its own.
+        rejected = self._admit(w, key.step, key, what=str(key), in_order=not chunk.covers)
         if rejected is not None:
             return rejected
+        if chunk.covers and (problem := self.host_groups.covers_problem(w, chunk.covers)) is not None:
+            return self._reject(w, key.step, _INVALID, key, problem)
         if (
             self._partition is not None
             and key.kind is KeyKind.COLLECTIVE
@@ -386,7 +419,10 @@ class ReductionTable:
                     key,
                     f"worker {w} sent {key}, which is stale: {key.describe()} was reduced at step {last}",
                 )
-        out = self._advance_worker(w, key.step)
+        covers = chunk.covers or (w,)
+        out: list[Outgoing] = []
+        for v in covers:
+            out += self._advance_worker(v, key.step)
         if (native := self._native_problem(chunk, slot)) is not None:
             code, problem = native
             return out + self._fail_step(key.step, problem, culprit=w, culprit_code=code, key=key)
@@ -397,23 +433,27 @@ class ReductionTable:
                 return out + behind
         elif (mismatch := self._header_mismatch(slot, chunk)) is not None:
             return out + self._fail_step(key.step, mismatch, culprit=w, culprit_code=_INVALID, key=key)
-        if w not in slot.expected:
-            return out + self._reject(
-                w,
-                key.step,
-                _PRECONDITION,
-                key,
-                f"worker {w} is not a contributor of {key}; it (re)joined later",
-            )
+        for v in covers:
+            if v not in slot.expected:
+                return out + self._reject(
+                    w,
+                    key.step,
+                    _PRECONDITION,
+                    key,
+                    f"worker {v} is not a contributor of {key}; it (re)joined later",
+                )
         index = chunk.offset // self.chunk_elements
-        if index in slot.received[w]:
-            return out + self._reject(
-                w,
-                key.step,
-                _INVALID,
-                key,
-                f"worker {w} sent the chunk at offset {chunk.offset} of {key} twice; the first copy counts",
-            )
+        for v in covers:
+            if index in slot.received[v]:
+                by = "" if v == w else f" (in a partial sum from worker {w})"
+                return out + self._reject(
+                    w,
+                    key.step,
+                    _INVALID,
+                    key,
+                    f"worker {v} sent the chunk at offset {chunk.offset} of {key} twice{by}; the first "
+                    "copy counts",
+                )
         if key.kind is KeyKind.WHOLE_MODEL:
             known = slot.stats[w]
             if known is not None and known != chunk.stats:
@@ -426,11 +466,18 @@ class ReductionTable:
                     f"{known} in another",
                 )
             slot.stats[w] = chunk.stats
-        slot.received[w].add(index)
+        for v in covers:
+            slot.received[v].add(index)
         if slot.collective is not None:
             return out + self._route(slot, chunk, index)
         parts = slot.chunks.setdefault(index, [None] * self.world_size)
-        parts[w] = chunk.data
+        # A partial sum takes its group's first place, whoever of the group sent it, so the sum
+        # runs in the same order whichever member summed this chunk.
+        parts[covers[0]] = chunk.data
+        if chunk.covers:
+            slot.covered.setdefault(index, set()).update(covers[1:])
+            slot.partial_senders.setdefault(index, {})[covers[0]] = w
+            slot.forwarded.setdefault(index, set()).update(v for v in covers if v != w)
         charged = 0 if borrowed else payload_nbytes(chunk.data)
         slot.charged.setdefault(index, [0] * self.world_size)[w] = charged
         self._buffered[w] += charged
@@ -515,6 +562,37 @@ class ReductionTable:
                 )
         return out
 
+    def step_failure_reported(self, report: StepFailureIn) -> list[Outgoing]:
+        """A host group member found what fails a step on its host (a member's non-finite value,
+        a host sum beyond its dtype): the step fails for everyone, naming the culprit."""
+        w, step = report.worker_id, report.step
+        group = self.host_groups.group_of(w)
+        subject: TensorKey | str = report.key if report.key is not None else "step failure"
+        if group is None:
+            return self._reject(
+                w,
+                step,
+                _INVALID,
+                subject,
+                f"worker {w} reported a failure of step {step}, but only a host group's members report "
+                "what they find summing their host's contributions",
+            )
+        if report.culprit is not None and report.culprit not in group.workers:
+            return self._reject(
+                w,
+                step,
+                _INVALID,
+                subject,
+                f"worker {w} blamed worker {report.culprit} for step {step}, which is not in its host group "
+                f"{list(group.workers)}",
+            )
+        culprit_code = status_code_from_value(report.code)
+        out = self._fail_step(
+            step, report.message, culprit=report.culprit, culprit_code=culprit_code, key=report.key
+        )
+        self._settle_steps()
+        return out
+
     def fail_all(self, code: Status, reason: str) -> list[Outgoing]:
         """Fails every step in flight (used by a shutdown that cannot wait any longer)."""
         out: list[Outgoing] = []
@@ -531,8 +609,11 @@ class ReductionTable:
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _admit(self, w: int, step: int, subject: TensorKey | str, *, what: str) -> list[Outgoing] | None:
-        """Checks that apply to every message of a step; returns the answer when it is refused."""
+    def _admit(
+        self, w: int, step: int, subject: TensorKey | str, *, what: str, in_order: bool = True
+    ) -> list[Outgoing] | None:
+        """Checks that apply to every message of a step; returns the answer when it is refused.
+        `in_order`: the message must not be older than the worker's newest step."""
         failure = self._failed.get(step)
         if failure is not None:
             if (w, subject) in failure.answered:
@@ -565,7 +646,7 @@ class ReductionTable:
                 )
             ]
         known = self._worker_step[w]
-        if known is not None and step < known:
+        if in_order and known is not None and step < known:
             return [
                 error_to(
                     w,
@@ -587,7 +668,7 @@ class ReductionTable:
         abandoned = [
             (slot.key.step, str(slot.key))
             for slot in self._pending.values()
-            if slot.key.step < step and w in slot.missing_workers()
+            if slot.key.step < step and w in slot.missing_workers() and not self._summed_on_host(w, slot.key)
         ]
         abandoned += [
             (bar.step, f"step {bar.step} barrier {bar.name!r}")
@@ -651,6 +732,8 @@ class ReductionTable:
         """Fails `step` at once when a worker expected at a key or barrier that just opened has
         already moved to a later step: steps only move forward, so it will never send it."""
         for w in sorted(expected):
+            if key is not None and self._summed_on_host(w, key):
+                continue
             if self._moved_past(w, step):
                 return self._fail_step(
                     step,
@@ -660,6 +743,11 @@ class ReductionTable:
                     key=key,
                 )
         return []
+
+    def _summed_on_host(self, w: int, key: TensorKey) -> bool:
+        """Whether `w`'s part of `key` comes in its host group's partial sum, sent whenever its
+        host summed it: then `w` moving on to a later step says nothing of it."""
+        return self.host_groups.group_of(w) is not None and summed_on_hosts(key)
 
     def _moved_past(self, w: int, step: int) -> bool:
         known = self._worker_step[w]
@@ -785,15 +873,24 @@ class ReductionTable:
     def _reduce(self, slot: _Slot, index: int) -> list[Outgoing]:
         parts = slot.inflight[index] = slot.chunks.pop(index)
         contributors = tuple(sorted(slot.expected))
+        placed = [w for w in contributors if parts[w] is not None]
+        partial_senders = slot.partial_senders.pop(index, {})
+        slot.covered.pop(index, None)
+        forwarded = slot.forwarded.pop(index, set())
+        live = self.live_workers()
+        # An average a partial sum went into goes to the member that sent it, which hands it to
+        # the rest of its group on their host; a reduce-scatter's parts go to every rank.
+        to = live if slot.scattered is not None else tuple(v for v in live if v not in forwarded)
         request = Reduce(
             key=slot.key,
             index=index,
             contributors=contributors,
-            data=[d for d in (parts[w] for w in contributors) if d is not None],
+            data=[d for d in (parts[w] for w in placed) if d is not None],
             dtype=slot.header.dtype,
             divide=slot.key.op is not ReduceOp.SUM,
             finite_only=not slot.key.propagate_non_finite,
-            to=self.live_workers(),
+            to=to,
+            senders=tuple(partial_senders.get(w, w) for w in placed),
         )
         if self._defer:
             self._reductions.append(request)
@@ -803,7 +900,11 @@ class ReductionTable:
             # output buffer (the shared-memory arena) is worth taking for them.
             average = self._averager.average if request.scattered else self._averager.reduce
             averaged = average(
-                request.data, divide=request.divide, dtype=request.dtype, finite_only=request.finite_only
+                request.data,
+                divide=request.divide,
+                dtype=request.dtype,
+                finite_only=request.finite_only,
+                count=request.count,
             )
         except (SumOverflow, NonFiniteContribution) as exc:
             return self._reduced(request, None, exc)
@@ -831,7 +932,7 @@ class ReductionTable:
                 key=slot.key,
             )
         if isinstance(error, NonFiniteContribution):
-            culprit = contributors[error.position]
+            culprit = (request.senders or contributors)[error.position]
             element = index * self.chunk_elements + error.element
             return self._fail_step(
                 slot.key.step,

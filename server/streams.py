@@ -31,6 +31,7 @@ from gradserver.common.messages import (
     HeartbeatIn,
     LeaveIn,
     SampleRangeRequestIn,
+    StepFailureIn,
     TensorKey,
 )
 from gradserver.common.rpc import to_grpc
@@ -84,7 +85,7 @@ class WorkerStream:
 
 
 # What the coordinator does with one decoded contribution, barrier arrival or request.
-Handle = Callable[[WorkerStream, ChunkIn | BarrierIn | SampleRangeRequestIn], None]
+Handle = Callable[[WorkerStream, ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn], None]
 # Frees the member's place: (stream, why it ended, whether that was expected).
 Ended = Callable[[WorkerStream, str, bool], None]
 
@@ -320,6 +321,10 @@ class Streams:
             log.info("worker %d is leaving: %s", w, event.reason or "no reason given", extra={"worker_id": w})
             stream.said_goodbye = True
             return True
+        if isinstance(event, StepFailureIn):
+            # It names no sender: the stream's member sent it.
+            self._handle(stream, dataclasses.replace(event, worker_id=w))
+            return False
         assert isinstance(event, HeartbeatIn | ChunkIn | BarrierIn | SampleRangeRequestIn)
         if event.worker_id != w:
             raise FailedPreconditionError(

@@ -727,3 +727,28 @@ def test_a_stopped_partition_process_fails_the_step_for_every_worker_naming_the_
         partitions[1].resume()
         for proxy in proxies:
             proxy.stop()
+
+
+def test_host_groups_sum_across_partitioned_coordinators_as_they_do_with_one(
+    partitioned: Callable[..., Partitions], clients: list[WorkerClient]
+) -> None:
+    from .test_host_groups import HOSTS, join
+
+    one = ServerThread(_config(world_size=len(HOSTS)))
+    try:
+        one.start()
+        grouped = join(one.address, HOSTS)
+        clients.extend(grouped)
+        expected = run_each(grouped, lambda c: _one_step(c, 0))
+    finally:
+        for client in clients:
+            client.close()
+        clients.clear()
+        one.stop()
+    partitions = partitioned(2, world_size=len(HOSTS))
+    made = join(partitions.address, HOSTS)
+    clients.extend(made)
+    assert [c.host_group for c in made] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    # Partition 1 adopted partition 0's groups: it takes their partial sums too (else it would
+    # refuse them and fail the step).
+    assert run_each(made, lambda c: _one_step(c, 0)) == expected

@@ -128,6 +128,8 @@ class WorkerClient:
         error_feedback: bool = False,
         transport: str | None = None,
         shm_arena_mib: float = DEFAULT_SHM_ARENA_MIB,
+        host_groups: bool | None = None,
+        host_id: str | None = None,
     ) -> Self:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
@@ -146,7 +148,11 @@ class WorkerClient:
         `transport` is "auto" (default, or $GRADSERVER_TRANSPORT): shared memory when the
         coordinator proves it is on this host, else gRPC; "grpc"; or "shm", which raises when
         shared memory is not available (also with a 16-bit wire or partitioned coordinators, which
-        are for networks). `shm_arena_mib` bounds this worker's input arena. `device_type` ("cpu",
+        are for networks). `shm_arena_mib` bounds this worker's input arena. `host_groups` (default
+        on, or $GRADSERVER_HOST_GROUPS): workers that share a host other than the coordinator's
+        sum their gradients there, so each chunk crosses that host's link once
+        (docs/PROTOCOL.md "Host groups"); `host_id` overrides what this worker says it shares a
+        host with (tests emulate hosts so). `device_type` ("cpu",
         "cuda") is what the coordinator logs; `backend` is its deprecated name (a
         DeprecationWarning), from when "backend" also meant the torch.distributed backend."""
         if backend is not None:
@@ -176,6 +182,7 @@ class WorkerClient:
             rank=rank,
             shared_memory=transports.shm_intended(choice, encoder.dtype),
             wire_dtype=encoder.dtype,
+            host_id=transports.host_identity(host_groups, host_id),
         )
 
         def join(at: str, request: JoinRequestIn) -> tuple[grpc.Channel, JoinAccepted]:
@@ -185,7 +192,11 @@ class WorkerClient:
             # Every other coordinator partition is joined as the worker id partition 0 gave, with
             # the chunk size partition 0 chose, which the others adopt.
             again = dataclasses.replace(
-                request, rank=accepted.worker_id, partition_index=index, job_chunk_bytes=accepted.chunk_bytes
+                request,
+                rank=accepted.worker_id,
+                partition_index=index,
+                job_chunk_bytes=accepted.chunk_bytes,
+                job_host_group=accepted.host_group,
             )
             return join(at, again)
 
@@ -248,6 +259,12 @@ class WorkerClient:
     @property
     def heartbeat_timeout(self) -> float:
         return self._accepted.heartbeat_timeout_s
+
+    @property
+    def host_group(self) -> tuple[int, ...]:
+        """The worker ids of the host group this worker sums with (empty: none)."""
+        group = getattr(self._link, "group", ())
+        return tuple(group)
 
     @property
     def transport(self) -> str:

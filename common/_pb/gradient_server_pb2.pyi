@@ -71,7 +71,7 @@ COLLECTIVE_KIND_REDUCE_SCATTER: CollectiveKind
 COLLECTIVE_KIND_ALL_TO_ALL: CollectiveKind
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "gpu_count", "device_type", "protocol_version", "committed_step", "job_fingerprint", "rank", "shared_memory", "link_bytes_per_s", "wire_dtype", "partition_index", "job_chunk_bytes")
+    __slots__ = ("node_id", "gpu_count", "device_type", "protocol_version", "committed_step", "job_fingerprint", "rank", "shared_memory", "link_bytes_per_s", "wire_dtype", "host_id", "partition_index", "job_chunk_bytes", "job_host_group")
     class JobFingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -89,8 +89,10 @@ class JoinRequest(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     JOB_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOB_HOST_GROUP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu_count: int
     device_type: str
@@ -101,9 +103,11 @@ class JoinRequest(_message.Message):
     shared_memory: bool
     link_bytes_per_s: int
     wire_dtype: DType
+    host_id: str
     partition_index: int
     job_chunk_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., device_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., link_bytes_per_s: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., partition_index: _Optional[int] = ..., job_chunk_bytes: _Optional[int] = ...) -> None: ...
+    job_host_group: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., device_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., link_bytes_per_s: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., host_id: _Optional[str] = ..., partition_index: _Optional[int] = ..., job_chunk_bytes: _Optional[int] = ..., job_host_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LinkProbe(_message.Message):
     __slots__ = ("payload",)
@@ -116,7 +120,7 @@ class LinkProbeAck(_message.Message):
     def __init__(self) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce")
+    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce", "host_group", "host_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +139,8 @@ class JoinResponse(_message.Message):
     PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    HOST_GROUP_FIELD_NUMBER: _ClassVar[int]
+    HOST_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     total_workers: int
     session_id: int
@@ -153,7 +159,9 @@ class JoinResponse(_message.Message):
     partition_index: int
     shm_socket: str
     shm_nonce: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., partition_map: _Optional[_Iterable[str]] = ..., partition_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    host_group: _containers.RepeatedScalarFieldContainer[int]
+    host_key: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., partition_map: _Optional[_Iterable[str]] = ..., partition_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., host_group: _Optional[_Iterable[int]] = ..., host_key: _Optional[bytes] = ...) -> None: ...
 
 class TensorKey(_message.Message):
     __slots__ = ("step", "block", "non_block", "whole_model", "collective")
@@ -218,7 +226,7 @@ class SampleStats(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., correct: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("worker_id", "key", "dtype", "total_elements", "component_sizes", "offset", "data", "shm", "stats")
+    __slots__ = ("worker_id", "key", "dtype", "total_elements", "component_sizes", "offset", "data", "shm", "stats", "covers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +236,7 @@ class GradientChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    COVERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     key: TensorKey
     dtype: DType
@@ -237,7 +246,8 @@ class GradientChunk(_message.Message):
     data: bytes
     shm: SharedMemoryRef
     stats: SampleStats
-    def __init__(self, worker_id: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_elements: _Optional[int] = ..., component_sizes: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., stats: _Optional[_Union[SampleStats, _Mapping]] = ...) -> None: ...
+    covers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_elements: _Optional[int] = ..., component_sizes: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., stats: _Optional[_Union[SampleStats, _Mapping]] = ..., covers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AveragedChunk(_message.Message):
     __slots__ = ("key", "dtype", "total_elements", "component_sizes", "offset", "data", "shm", "num_contributors", "global_loss", "correct", "total")
@@ -356,34 +366,46 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown")
+    __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown", "step_failure")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FAILURE_FIELD_NUMBER: _ClassVar[int]
     chunk: GradientChunk
     barrier: Barrier
     sample_range_request: SampleRangeRequest
     heartbeat: Heartbeat
     shutdown: Shutdown
-    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    step_failure: Error
+    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_failure: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class MemberLeft(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    reason: str
+    def __init__(self, worker_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error")
+    __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error", "member_left")
     AVERAGED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_RELEASE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RANGE_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_LEFT_FIELD_NUMBER: _ClassVar[int]
     averaged_chunk: AveragedChunk
     barrier_release: BarrierRelease
     sample_range_assignment: SampleRangeAssignment
     heartbeat_ack: HeartbeatAck
     shutdown: Shutdown
     error: Error
-    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    member_left: MemberLeft
+    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., member_left: _Optional[_Union[MemberLeft, _Mapping]] = ...) -> None: ...
 
 class PartitionNotice(_message.Message):
     __slots__ = ("from_partition", "partition_count", "step", "code", "message", "culprit_worker_id", "worker_lost")

@@ -4,6 +4,9 @@ which picks one for a joined worker.
 - `grpc_link.GrpcLink`: every payload inline in the Exchange stream's gRPC messages.
 - `shm_link.ShmLink`: the same stream for control, payloads through shared memory (same host).
 - `partitioned_link.PartitionedLink`: one `GrpcLink` per coordinator partition (partitioned coordinators).
+- `host_link.HostLink`: a host group member's (the workers of one host other than the
+  coordinator's, summing there): wraps a `GrpcLink` or `PartitionedLink`, with the group's
+  shared memory (`host_arena`).
 
 Only this package names the concrete classes; the rest of the worker sees a `Link`. A new
 transport is one module here implementing `base.Link`, one branch in `open_link`, and one outbox
@@ -14,17 +17,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
 from gradserver.common import shm
 from gradserver.common.config import env_name, environment_value
 from gradserver.common.errors import FailedPreconditionError, GradServerError, InvalidArgumentError
+from gradserver.common.lane import supported as futexes_supported
 from gradserver.common.messages import DType, JoinAccepted
 from gradserver.common.timeouts import Timeouts
 
 from .base import ErrorRecord, Link, PendingResult
 from .grpc_link import GrpcLink
+from .host_arena import form
+from .host_link import HostLink
 from .lane import LaneClient
 from .partitioned_link import JoinPartition, PartitionedLink, join_other_partitions
 from .shm_channel import ShmChannel
@@ -35,10 +42,12 @@ __all__ = [
     "TRANSPORTS",
     "TRANSPORT_ENV",
     "ErrorRecord",
+    "HostLink",
     "JoinPartition",
     "LaneClient",
     "Link",
     "PendingResult",
+    "host_identity",
     "open_link",
     "shm_intended",
     "transport_choice",
@@ -60,6 +69,24 @@ def transport_choice(transport: str | None) -> str:
         source = "transport" if transport is not None else TRANSPORT_ENV
         raise InvalidArgumentError(f"{source}={choice!r}: choose one of {', '.join(TRANSPORTS)}")
     return choice
+
+
+_ON, _OFF = ("", "1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def host_identity(host_groups: bool | None, host_id: str | None) -> str:
+    """What this worker tells the coordinator it shares a host with (JoinRequest.host_id): `host_id`
+    when given (tests emulate hosts so), else this machine's (`gradserver.common.shm.host_id`);
+    "" when host groups are off (`host_groups` False, or $GRADSERVER_HOST_GROUPS off) or this
+    platform cannot share memory and futexes between processes."""
+    if host_groups is None:
+        value = environment_value("host_groups").strip().lower()
+        if value not in _ON + _OFF:
+            raise InvalidArgumentError(f"{env_name('host_groups')}={value!r}: use on or off")
+        host_groups = value in _ON
+    if not host_groups or not futexes_supported() or not shm.supported():
+        return ""
+    return shm.host_id() if host_id is None else host_id
 
 
 def shm_intended(choice: str, wire_dtype: DType) -> bool:
@@ -88,11 +115,18 @@ def open_link(
     try:
         if len(accepted.partition_map) > 1:
             others = join_other_partitions(accepted, join_partition)
-        why_not = _why_not_shm(wire_dtype, partitioned=others is not None)
+        why_not = _why_not_shm(wire_dtype, partitioned=others is not None, grouped=bool(accepted.host_group))
         arenas = _open_shm(accepted, choice, shm_arena_mib, timeouts.connect, why_not)
     except BaseException:
         channel.close()
         raise
+    if accepted.host_group:
+        inner: PartitionedLink | GrpcLink
+        if others is not None:
+            inner = PartitionedLink((channel, accepted), others, timeouts, metadata)
+        else:
+            inner = _constructed(lambda: GrpcLink(channel, accepted, timeouts, metadata), channel)
+        return _in_host_group(inner, accepted, timeouts)
     if others is not None:
         return PartitionedLink((channel, accepted), others, timeouts, metadata)
     if arenas is None:
@@ -105,7 +139,10 @@ def open_link(
         raise
 
 
-def _constructed(make: Callable[[], Link], channel: grpc.Channel) -> Link:
+_L = TypeVar("_L", bound=Link)
+
+
+def _constructed(make: Callable[[], _L], channel: grpc.Channel) -> _L:
     """`make()`, closing `channel` when it raises (a link owns its channel once it exists)."""
     try:
         return make()
@@ -114,8 +151,28 @@ def _constructed(make: Callable[[], Link], channel: grpc.Channel) -> Link:
         raise
 
 
-def _why_not_shm(wire_dtype: DType, *, partitioned: bool) -> str | None:
+def _in_host_group(inner: PartitionedLink | GrpcLink, accepted: JoinAccepted, timeouts: Timeouts) -> Link:
+    """The link of a host group member: `inner` with the group's shared memory, or `inner` alone
+    when the group could not form it (every member then sends its own contributions)."""
+    try:
+        arena = form(
+            accepted.host_group, accepted.worker_id, accepted.host_key, accepted.chunk_bytes, timeouts.connect
+        )
+    except BaseException:
+        inner.close()
+        raise
+    if arena is None:
+        return inner
+    log.info(
+        "worker %d sums with host group %s before sending", accepted.worker_id, list(accepted.host_group)
+    )
+    return HostLink(inner, arena, timeouts)
+
+
+def _why_not_shm(wire_dtype: DType, *, partitioned: bool, grouped: bool = False) -> str | None:
     """Why this worker's settings rule shared memory out, or None."""
+    if grouped:
+        return "this worker sums in a host group (the coordinator is on another host)"
     if wire_dtype is not DType.FLOAT32:
         return f"the wire dtype is {wire_dtype.name.lower()} (shared memory carries float32)"
     if partitioned:

@@ -51,6 +51,7 @@ from gradserver.common.errors import (
     error_from_status,
 )
 from gradserver.common.messages import (
+    ITEM_SIZE,
     AveragedChunkOut,
     BarrierIn,
     BarrierReleaseOut,
@@ -64,6 +65,7 @@ from gradserver.common.messages import (
     JoinAccepted,
     KeyKind,
     LeaveIn,
+    MemberLeftOut,
     SampleRangeAssignmentOut,
     SampleStats,
     ServerEvent,
@@ -191,6 +193,7 @@ class GrpcLink:
         self.last_ack = time.monotonic()
         self._acks = 0
         self._stop_heartbeat = threading.Event()
+        self._news: Callable[[ServerEvent], bool] | None = None
         exchange = channel.stream_stream(EXCHANGE_METHOD)
         metadata = stream_metadata(accepted.worker_id, accepted.session_id, accepted.member_token)
         metadata += extra_metadata
@@ -213,6 +216,13 @@ class GrpcLink:
     def lane(self) -> LaneClient | None:
         return None
 
+    def observe(self, news: Callable[[ServerEvent], bool]) -> None:
+        """Has `news` see, on the receiver thread, every average first (it returns True for one it
+        took, which this link then only counts as answered), every error after this link handled
+        it, and what it does not handle itself (a host group member left): the host group's link
+        (`HostLink`) wraps this one. It must not block."""
+        self._news = news
+
     def allocate(self, num_elements: int) -> np.ndarray | None:
         """Inline payloads are copied into messages whatever array they come from."""
         return None
@@ -228,12 +238,15 @@ class GrpcLink:
         offset: int,
         piece: np.ndarray,
         stats: SampleStats | None,
+        *,
+        covers: tuple[int, ...] = (),
     ) -> None:
+        """`covers`: the host group whose partial sum `piece` is (see `HostLink`)."""
         # Paced: keys answered chunk for chunk (gradients, REDUCE collectives), which is what
         # the window counts; the other collective kinds are answered in pieces of their own.
         if self._window and not result_in_pieces(key):
             self._pace(key, piece.size)
-        self.send(ChunkIn(self.accepted.worker_id, key, header, offset, piece.data, stats))
+        self.send(ChunkIn(self.accepted.worker_id, key, header, offset, piece.data, stats, covers=covers))
 
     def _pacing_window(self) -> int:
         """Elements of chunks to be reduced this worker may have on the way without their
@@ -506,8 +519,12 @@ class GrpcLink:
         self._call.cancel()
 
     def _on_event(self, event: ServerEvent) -> None:
+        news = self._news
         if isinstance(event, AveragedChunkOut):
-            self._on_chunk(event)
+            if news is not None and news(event):
+                self._taken_elsewhere(event)
+            else:
+                self._on_chunk(event)
             return
         with self._cond:
             if isinstance(event, BarrierReleaseOut):
@@ -525,6 +542,17 @@ class GrpcLink:
             elif isinstance(event, ErrorOut):
                 self._on_error(event)
             self._cond.notify_all()
+        if news is not None and isinstance(event, ErrorOut | MemberLeftOut):
+            news(event)
+        elif isinstance(event, MemberLeftOut):
+            log.info("worker %d left this worker's host group: %s", event.worker_id, event.reason)
+
+    def _taken_elsewhere(self, event: AveragedChunkOut) -> None:
+        """An average the observer took: it still answers this stream's paced chunks."""
+        with self._cond:
+            if event.key in self._unanswered:
+                self._answered(event.key, len(event.data) // ITEM_SIZE[event.header.dtype])
+                self._cond.notify_all()
 
     def _on_chunk(self, event: AveragedChunkOut) -> None:
         """Hook: one averaged chunk arrived; fills its result."""

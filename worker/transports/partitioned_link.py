@@ -40,6 +40,7 @@ from gradserver.common.messages import (
     KeyKind,
     SampleRangeAssignmentOut,
     SampleStats,
+    ServerEvent,
     TensorKey,
     WorkerEvent,
 )
@@ -191,11 +192,13 @@ class PartitionedLink:
         offset: int,
         piece: np.ndarray,
         stats: SampleStats | None,
+        *,
+        covers: tuple[int, ...] = (),
     ) -> None:
         """To the partition that owns the chunk."""
         index = self.partition_map.owner(key, offset // self._chunk_elements)
         try:
-            self._links[index].send_chunk(key, header, offset, piece, stats)
+            self._links[index].send_chunk(key, header, offset, piece, stats, covers=covers)
         except GradServerError as exc:
             raise self._named(index, exc) from None
 
@@ -255,6 +258,19 @@ class PartitionedLink:
 
     def step_failed(self, step: int) -> bool:
         return any(link.step_failed(step) for link in self._links)
+
+    def observe(self, news: Callable[[ServerEvent], bool]) -> None:
+        """Every partition's news (see `GrpcLink.observe`)."""
+        for link in self._links:
+            link.observe(news)
+
+    def trouble(self, step: int) -> ErrorRecord | None:
+        """Why nothing of `step` can complete on any partition, naming that partition."""
+        found = self._trouble(step)
+        if found is None:
+            return None
+        index, record = found
+        return ErrorRecord.of(self._named(index, record))
 
     def _trouble(self, step: int) -> tuple[int, ErrorRecord] | None:
         """The first partition that broke or failed `step`, and why."""

@@ -82,6 +82,8 @@ class ShmLink(GrpcLink):
         offset: int,
         piece: np.ndarray,
         stats: SampleStats | None,
+        *,
+        covers: tuple[int, ...] = (),
     ) -> None:
         # An empty chunk (a broadcast's non-root rank, a zero-size tensor) has nothing to stage.
         # The collective kinds other than REDUCE hold their slots until the whole result is in,
@@ -93,9 +95,9 @@ class ShmLink(GrpcLink):
         else:
             ref = self._in_place(key, header, offset, piece) or self.arenas.stage(key, offset, piece)
         if ref is None:
-            super().send_chunk(key, header, offset, piece, stats)
+            super().send_chunk(key, header, offset, piece, stats, covers=covers)
         else:
-            self.send(ChunkIn(self.accepted.worker_id, key, header, offset, b"", stats, ref))
+            self.send(ChunkIn(self.accepted.worker_id, key, header, offset, b"", stats, ref, covers))
 
     def _in_place(self, key: TensorKey, header: ChunkHeader, offset: int, piece: np.ndarray) -> ShmRef | None:
         """An "inout" reference when this chunk's average is to land in the input arena: in the
