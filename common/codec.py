@@ -634,6 +634,19 @@ def _covers(chunk: pb.GradientChunk, key: TensorKey, limits: WireLimits, context
     return covers
 
 
+def handed_on_hosts(key: TensorKey) -> bool:
+    """Whether a host group gets `key`'s result once, through one of its members, who hands it to
+    the others on their host: what is the same for every rank (a REDUCE's or a gradient's
+    average, an ALL_GATHER's or a BROADCAST's bytes), unlike a REDUCE_SCATTER's or an
+    ALL_TO_ALL's parts."""
+    if key.kind is KeyKind.WHOLE_MODEL:
+        return False
+    return key.kind is not KeyKind.COLLECTIVE or key.collective_kind in _HANDED_KINDS
+
+
+_HANDED_KINDS = (CollectiveKind.REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.BROADCAST)
+
+
 def summed_on_hosts(key: TensorKey) -> bool:
     """Whether a host group sums `key`'s contributions before they cross its link: every
     reduction but whole-model keys (whose sample stats are per worker): block and non-block

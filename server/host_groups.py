@@ -131,6 +131,18 @@ class HostGroups:
         )
         return tuple(w for w in group.workers if w != worker)
 
+    def one_per_group(self, to: tuple[int, ...], turn: int) -> tuple[int, ...]:
+        """`to` with each active group that it holds whole replaced by one of its members (its
+        member number `turn`, modulo its size, so that successive pieces spread over the group's
+        links): that member hands the piece on to the rest of its group on their host."""
+        keep = set(to)
+        for worker in to:
+            group = self._groups.get(worker)
+            if group is not None and worker == group.workers[0] and keep.issuperset(group.workers):
+                keep.difference_update(group.workers)
+                keep.add(group.workers[turn % len(group.workers)])
+        return tuple(sorted(keep))
+
     def link_rates(self, rates: Mapping[int, int]) -> dict[int, int]:
         """Each member's link rate as its chunk size should see it: a group's members measured
         their host's link at the same time, each a share of it, and together they send what one

@@ -57,7 +57,7 @@ from gradserver.common.messages import (
     StepFailureIn,
     TensorKey,
 )
-from gradserver.common.partition_map import PartitionMap
+from gradserver.common.partition_map import PartitionMap, key_hash
 
 from .collectives import ByteCollective, Piece, ScatterParts
 from .host_groups import HostGroups
@@ -69,6 +69,8 @@ from .step_stats import StepStatistics
 log = logging.getLogger("gradserver.server.reduction")
 
 _FAILED_STEPS_KEPT = 64
+# Collective kinds whose result pieces are the same for every rank: a host group gets each once.
+_FANNED_OUT = (CollectiveKind.ALL_GATHER, CollectiveKind.BROADCAST)
 _ABORTED = Status.ABORTED
 _INVALID = Status.INVALID_ARGUMENT
 _PRECONDITION = Status.FAILED_PRECONDITION
@@ -842,8 +844,12 @@ class ReductionTable:
         return [o for o in out if o.to]
 
     def _piece_out(self, slot: _Slot, piece: Piece, live: tuple[int, ...]) -> Outgoing:
+        to = tuple(w for w in piece.to if w in live)
+        if slot.key.collective_kind in _FANNED_OUT:
+            # Every rank gets the same bytes: a host group's member gets them for its group.
+            to = self.host_groups.one_per_group(to, piece.offset // self.chunk_elements + key_hash(slot.key))
         return Outgoing(
-            tuple(w for w in piece.to if w in live),
+            to,
             AveragedChunkOut(
                 key=slot.key,
                 header=ChunkHeader(slot.header.dtype, piece.total),

@@ -257,3 +257,13 @@ def test_a_partial_sum_that_cannot_be_right_is_refused_on_the_wire(
     raw = codec.encode_worker_event(bad)
     with pytest.raises(InvalidArgumentError, match=problem):
         codec.decode_worker_message(raw, limits)
+
+
+def test_bytes_every_rank_gets_go_to_one_member_of_each_whole_group_in_turn() -> None:
+    groups = HostGroups("here")
+    groups.form([*GROUPED, (4, "here")])
+    assert groups.one_per_group((0, 1, 2, 3, 4), 0) == (0, 2, 4)
+    assert groups.one_per_group((0, 1, 2, 3, 4), 1) == (1, 3, 4)
+    assert groups.one_per_group((0, 2, 3), 1) == (0, 3)  # group a not whole: each gets its own
+    groups.dissolve(3)
+    assert groups.one_per_group((0, 1, 2, 3), 1) == (1, 2, 3)

@@ -14,6 +14,7 @@ chunk per group each way.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -24,9 +25,10 @@ import pytest
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import GradServerError, InvalidArgumentError
 from gradserver.common.messages import CollectiveKind, ReduceOp, TensorKey
+from gradserver.common.partition_map import key_hash
 from gradserver.worker import WorkerClient
 
-from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each, run_each_outcome
+from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each, run_each_outcome, wait_pending
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -251,3 +253,90 @@ def test_host_groups_setting_is_checked_by_name(monkeypatch: pytest.MonkeyPatch)
     assert host_identity(None, "host-a") == ""
     monkeypatch.setenv("GRADSERVER_HOST_GROUPS", "on")
     assert host_identity(None, "host-a") == "host-a"
+
+
+def test_an_all_gather_and_a_broadcast_cross_each_hosts_link_once(grouped: Grouped) -> None:
+    server, clients = grouped()
+    size = 200_000  # bytes per rank: several chunks of bytes each
+    pieces = [np.random.default_rng(w).integers(0, 255, size, dtype=np.uint8) for w in range(4)]
+    before = [server.server.traffic(w) for w in range(4)]  # type: ignore[union-attr]
+
+    def run(client: WorkerClient) -> tuple[np.ndarray, np.ndarray]:
+        gather = TensorKey.collective(0, 0, kind=CollectiveKind.ALL_GATHER)
+        gathered = client.collective(gather, pieces[client.worker_id]).copy()
+        cast = TensorKey.collective(1, 0, kind=CollectiveKind.BROADCAST, root=2)
+        return gathered, client.collective(cast, pieces[client.worker_id]).copy()
+
+    got = run_each(clients, run)
+    for gathered, cast in got:
+        np.testing.assert_array_equal(gathered, np.concatenate(pieces))
+        np.testing.assert_array_equal(cast, pieces[2])
+    after = [server.server.traffic(w) for w in range(4)]  # type: ignore[union-attr]
+    for group in ((0, 1), (2, 3)):
+        sent = sum(after[w].sent_bytes - before[w].sent_bytes for w in group)
+        assert sent == 4 * size + size, (group, sent)  # the gathered bytes and the root's, once
+
+
+def test_an_empty_all_reduce_holds_every_member_until_every_rank_arrived(grouped: Grouped) -> None:
+    # torch's barrier: an empty SUM all_reduce. No member may return before the last rank sent.
+    server, clients = grouped()
+    returned: list[int] = []
+
+    def barrier(client: WorkerClient) -> None:
+        if client.worker_id == 0:
+            wait_pending(server, 0)  # host b's sum is in: its members are waiting by now
+            assert returned == [], returned
+        client.collective(TensorKey.collective(0, 0, ReduceOp.SUM), np.zeros(0, np.float32))
+        returned.append(client.worker_id)
+
+    run_each(clients, barrier)
+    assert sorted(returned) == [0, 1, 2, 3]
+
+
+def test_a_group_whose_member_never_attaches_does_not_form_and_every_member_sends_its_own() -> None:
+    from gradserver.worker.transports.host_arena import form
+
+    key = os.urandom(16)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # Worker 12 never comes: the first member gives up after its connect timeout.
+        futures = [pool.submit(form, (10, 11, 12), worker, key, 1 << 20, 1.0) for worker in (10, 11)]
+        assert [f.result(timeout=30) for f in futures] == [None, None]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # A member with another key (not a member) is refused; the first member gives up too.
+        first = pool.submit(form, (20, 21), 20, key, 1 << 20, 1.0)
+        stranger = pool.submit(form, (20, 21), 21, os.urandom(16), 1 << 20, 1.0)
+        assert first.result(timeout=30) is None and stranger.result(timeout=30) is None
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(form, (30, 31), worker, key, 1 << 20, 5.0) for worker in (30, 31)]
+        arenas = [f.result(timeout=30) for f in futures]
+    assert all(arena is not None for arena in arenas)
+    for arena in arenas:
+        assert arena is not None
+        arena.close()
+
+
+def test_a_result_the_group_got_before_the_coordinator_stopped_still_reaches_every_member(
+    grouped: Grouped, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's last barrier: rank 0 stops its embedded coordinator as soon as it has the result,
+    # while a group member's copy is still on its way through the arena.
+    server, clients = grouped(hosts=["host-a", "host-a", "alone"])
+    key = TensorKey.collective(0, 0, ReduceOp.SUM)
+    summer = clients[key_hash(key) % 2]
+    arena = summer._link._arena  # type: ignore[attr-defined]
+    publish = arena.publish
+    held = threading.Event()
+
+    def slow_publish(*args: Any) -> None:
+        held.wait(10)  # until the coordinator is gone
+        publish(*args)
+
+    monkeypatch.setattr(arena, "publish", slow_publish)
+
+    def barrier(client: WorkerClient) -> None:
+        client.collective(key, np.zeros(0, np.float32))
+        if client.worker_id == 2:
+            server.stop()
+            held.set()
+
+    run_each(clients, barrier)

@@ -10,6 +10,7 @@ skipped otherwise); every rank is a real process under a real torchrun per host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -35,6 +36,7 @@ WORLD = 2 * PER_HOST
 ELEMENTS = 8 * 2**20  # 32 MiB per operation: the Join's link probes (3 MiB a rank) stay small beside it
 OPERATIONS = 3
 _TIMEOUT_S = 200.0
+_GRACE_S = 30.0  # for the other torchrun to end by itself after one failed
 
 # One rank: OPERATIONS all_reduces of its own seeded input (then, with DIE_AT, a rank that kills
 # itself inside the all_reduce of that index), a line per result, and an ERROR line for what failed.
@@ -82,8 +84,9 @@ def cluster() -> Iterator[Cluster]:
         yield built
 
 
-def _launch(cluster: Cluster, tmp: Path, **env: str) -> list[subprocess.Popen[str]]:
-    """A torchrun on each host (static rendezvous on host 0), ranks running RANK_SCRIPT."""
+def _launch(cluster: Cluster, tmp: Path, **env: str) -> list[tuple[subprocess.Popen[str], Path]]:
+    """A torchrun on each host (static rendezvous on host 0), ranks running RANK_SCRIPT; each
+    host's output goes to a file."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     port = random.randrange(20000, 30000)  # a fresh namespace: nothing else listens there
     procs = []
@@ -91,7 +94,12 @@ def _launch(cluster: Cluster, tmp: Path, **env: str) -> list[subprocess.Popen[st
         argv = [torchrun, "--nnodes", "2", "--nproc-per-node", str(PER_HOST), "--node-rank", str(host.index)]
         argv += ["--master-addr", cluster.hosts[0].ip, "--master-port", str(port)]
         argv += ["--no-python", sys.executable, "-c", RANK_SCRIPT]
-        procs.append(cluster.spawn(host, argv, env=_env(host, tmp, env), cwd=ROOT, stderr=subprocess.STDOUT))
+        log = tmp / f"host{host.index}.log"
+        with log.open("w") as out:
+            proc = cluster.spawn(
+                host, argv, env=_env(host, tmp, env), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+            )
+        procs.append((proc, log))
     return procs
 
 
@@ -107,12 +115,24 @@ def _env(host: Host, tmp: Path, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _outputs(procs: list[subprocess.Popen[str]]) -> list[str]:
-    outs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=_TIMEOUT_S)
-        outs.append(out)
-    return outs
+def _outputs(procs: list[tuple[subprocess.Popen[str], Path]]) -> list[str]:
+    """Every host's output once every torchrun ended; a torchrun still running `_GRACE_S` after
+    another failed, or any past `_TIMEOUT_S`, is killed (the output says what happened)."""
+    deadline = time.monotonic() + _TIMEOUT_S
+    failed_at: float | None = None
+    while any(proc.poll() is None for proc, _ in procs):
+        now = time.monotonic()
+        if failed_at is None and any(proc.poll() not in (None, 0) for proc, _ in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + _GRACE_S):
+            for proc, _ in procs:
+                proc.kill()
+                proc.wait(30)
+            break
+        running = next(proc for proc, _ in procs if proc.poll() is None)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            running.wait(0.2)
+    return [log.read_text() for _, log in procs]
 
 
 def _host_reference(op: int) -> np.ndarray:
@@ -134,8 +154,8 @@ def test_two_hosts_of_two_ranks_send_each_tensor_across_a_link_once_and_agree(
     procs = _launch(cluster, tmp_path)
     outs = _outputs(procs)
     moved = cluster.link_bytes() - before
-    for proc, out in zip(procs, outs, strict=True):
-        assert proc.returncode == 0, out[-4000:]
+    shown = "\n".join(f"--- host {h}:\n{out[-20000:]}" for h, out in enumerate(outs))
+    assert [proc.returncode for proc, _ in procs] == [0, 0], shown
     text = "\n".join(outs)
     for op in range(OPERATIONS):
         digests = set(re.findall(rf"RANK \d OP {op} (\w+)", text))
@@ -169,5 +189,5 @@ def test_a_rank_or_host_lost_inside_an_all_reduce_fails_every_survivor_naming_it
         assert errors or rank >= PER_HOST, f"rank {rank} reported no error:\n{text[-4000:]}"
         for message in map(json.loads, errors):
             assert any(f"worker {w}" in message for w in named), message
-    assert all(proc.returncode != 0 for proc in procs)
+    assert all(proc.returncode != 0 for proc, _ in procs)
     assert time.monotonic() - started < _TIMEOUT_S

@@ -31,6 +31,7 @@ other member took it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -398,7 +399,9 @@ class HostArena:
         self.words = np.zeros(0, np.uint32)
         self._wide = np.zeros(0, np.uint64)
         self.bytes = np.zeros(0, np.uint8)
-        self.mapping.close()
+        # A view of it still held (a payload being read) keeps it mapped until that view goes.
+        with contextlib.suppress(BufferError):
+            self.mapping.close()
 
 
 def _next(seq: int) -> int:
@@ -440,10 +443,9 @@ def _create(
     except OSError as exc:
         raise FormingError(f"cannot create its shared memory: {exc}") from None
     arena = HostArena(mapping, layout, 0)
-    words = arena.words
-    words[_W_MAGIC], words[_W_VERSION], words[_W_MEMBERS] = MAGIC, VERSION, layout.members
-    words[_W_SLOT], words[_W_IN], words[_W_OUT] = layout.slot_bytes, layout.in_slots, layout.out_slots
-    words[arena._w(layout.control(0)) + _C_ATTACHED] = 1
+    header = (MAGIC, VERSION, layout.members, layout.slot_bytes, layout.in_slots, layout.out_slots)
+    arena.words[: len(header)] = header
+    arena.words[arena._w(layout.control(0)) + _C_ATTACHED] = 1
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         try:

@@ -1,6 +1,6 @@
 """`HostLink`: a host group member's link (docs/PROTOCOL.md "Host groups"). The workers of one
-host other than the coordinator's sum their contributions there, so that each chunk crosses the
-host's link once each way instead of once per worker.
+host other than the coordinator's sum their contributions there and share what they all get, so
+that each chunk crosses the host's link once each way instead of once per worker.
 
 It wraps the member's own link to the coordinator (a `GrpcLink`, or a `PartitionedLink`), which
 keeps carrying everything of its own: barriers, sample ranges, heartbeats, the collectives that
@@ -15,10 +15,12 @@ REDUCE_SCATTER collectives) goes through the group's arena (`host_arena`) instea
   own stream naming the workers it covers (`ChunkIn.covers`); a non-finite value (unless the key
   propagates them) or a sum beyond the dtype is reported instead (`StepFailureIn`), naming the
   member, and the coordinator fails the step for everyone;
-- the coordinator sends the average of a REDUCE chunk only to the member whose partial went into
-  it; that member fills its own result and publishes the average in its output slots, where the
-  others' reader threads copy it into theirs (a REDUCE_SCATTER's parts come to every rank on its
-  own stream, as always).
+- the coordinator sends what every rank gets alike (the average of a REDUCE chunk, a piece of an
+  ALL_GATHER's or a BROADCAST's bytes) to one member of the group only: for an average, the
+  member whose partial sum went into it; for bytes, the members in turn. That member fills its
+  own result and publishes the piece in its output slots, where the others' reader threads copy
+  it into theirs (a REDUCE_SCATTER's and an ALL_TO_ALL's parts differ per rank: they come to
+  every rank on its own stream, as always).
 
 A failed step (every member hears it on its own stream) drops what the group holds of it; a member
 that leaves or is lost dissolves the group (the coordinator says so, `MemberLeftOut`): what is
@@ -43,7 +45,7 @@ import numpy as np
 
 from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
 from gradserver.common.chunking import chunk_count
-from gradserver.common.codec import summed_on_hosts
+from gradserver.common.codec import handed_on_hosts, summed_on_hosts
 from gradserver.common.errors import (
     DeadlineExceededError,
     GradServerError,
@@ -55,11 +57,9 @@ from gradserver.common.errors import (
 from gradserver.common.messages import (
     AveragedChunkOut,
     ChunkHeader,
-    CollectiveKind,
     DType,
     ErrorOut,
     JoinAccepted,
-    KeyKind,
     MemberLeftOut,
     SampleRangeAssignmentOut,
     SampleStats,
@@ -82,6 +82,9 @@ log = logging.getLogger("gradserver.worker")
 _LOOK_S = 0.05
 # How often the reducer looks for chunks of failed steps it must let go.
 _SWEEP_S = 0.2
+# After this member's stream ended, how long a result the group already got may take to come
+# through the arena (it is there within milliseconds: the member that got it publishes at once).
+_BROKEN_GRACE_S = 2.0
 _F32 = np.dtype("<f4")
 
 
@@ -107,8 +110,10 @@ class InnerLink(Link, Protocol):
 
 @dataclasses.dataclass
 class _Result:
-    """A summed REDUCE key's average, filled from this member's own stream (the chunks it summed)
-    and from the group's arena (the others')."""
+    """A result the group gets once (an average, an ALL_GATHER's or BROADCAST's bytes), filled
+    from this member's own stream (the pieces that came to it) and from the group's arena (the
+    pieces that came to the others), whole once every element is there (and, for an empty one,
+    its empty piece)."""
 
     key: TensorKey
     component_sizes: tuple[int, ...]
@@ -116,12 +121,14 @@ class _Result:
     dtype: DType
     num_chunks: int
     offsets: set[int] = dataclasses.field(default_factory=set)
+    elements: int = 0
     num_contributors: int = 0
     error: ErrorRecord | None = None
 
     @property
     def done(self) -> bool:
-        return len(self.offsets) == self.num_chunks
+        # At least one piece: an empty result (a barrier's) still waits for the coordinator's.
+        return bool(self.offsets) and self.elements == self.array.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,35 +212,31 @@ class HostLink:
         array: np.ndarray | None = None,
     ) -> None:
         with self._cond:
-            summed = self._dissolved is None and total is not None and summed_on_hosts(key)
-            if not summed:
-                self._summed.discard(key)
-            elif key in self._summed:
+            grouped = self._dissolved is None and total is not None
+            summed, handed = grouped and summed_on_hosts(key), grouped and handed_on_hosts(key)
+            if key in self._summed or key in self._results:
                 raise InvalidArgumentError(
                     f"{key} was already sent by this worker and is still awaiting its average",
                     step=key.step,
                     key=str(key),
                 )
-        if not summed or _scattered(key):
+        if not handed:
             self._inner.expect(key, component_sizes, total, dtype, array=array)
             if summed:
                 with self._cond:
                     self._summed.add(key)
             return
         assert total is not None
-        result = _Result(
-            key,
-            component_sizes,
-            np.empty(total, dtype=np.float32) if array is None else array,
-            dtype,
-            chunk_count(total, self._chunk_elements),
-        )
+        if array is None:
+            array = np.empty(total, dtype=np.uint8 if dtype is DType.BYTES else np.float32)
+        result = _Result(key, component_sizes, array, dtype, chunk_count(total, self._chunk_elements))
         failed = self._inner.trouble(key.step)
         with self._cond:
             result.error = failed
             self._results[key] = result
             self._by_ident[identity(key)] = key
-            self._summed.add(key)
+            if summed:
+                self._summed.add(key)
 
     def send_chunk(
         self,
@@ -428,8 +431,8 @@ class HostLink:
 
     def _averaged(self, event: AveragedChunkOut) -> bool:
         key = event.key
-        if not summed_on_hosts(key) or _scattered(key) or self._inner.awaiting(key):
-            return False  # not a group's average (or one sent over this member's own link)
+        if not handed_on_hosts(key) or self._inner.awaiting(key):
+            return False  # not the group's (or sent over this member's own link)
         with self._cond:
             result = self._results.get(key)
             if result is not None:
@@ -446,7 +449,12 @@ class HostLink:
         """One chunk's average into `result` (lock held)."""
         if offset in result.offsets or result.error is not None:
             return
-        values = np.frombuffer(data, dtype=_F32) if dtype is DType.FLOAT32 else widen(data, dtype)
+        if dtype is DType.FLOAT32:
+            values = np.frombuffer(data, dtype=_F32)
+        elif dtype is DType.BYTES:
+            values = np.frombuffer(data, dtype=np.uint8)
+        else:
+            values = widen(data, dtype)
         end = offset + values.size
         if dtype is not result.dtype or end > result.array.size:
             result.error = ErrorRecord(
@@ -459,13 +467,14 @@ class HostLink:
         else:
             result.array[offset:end] = values
             result.offsets.add(offset)
+            result.elements += values.size
             result.num_contributors = contributors
         self._cond.notify_all()
 
     def _exchange_loop(self) -> None:
         """Publishes the averages this member got for the group and reads the others': never
         blocks on anything but its bell, so no member waits on another in a circle."""
-        while not self._stopped():
+        while not self._stopped(dissolved_too=False):
             seen = self._arena.bell()
             busy = self._publish() | self._read()
             if not busy:
@@ -513,9 +522,18 @@ class HostLink:
             return self._inner.wait_result(key, timeout)
         limit = self.timeouts.receive if timeout is None else timeout
         deadline = time.monotonic() + limit
+        broken_at: float | None = None
         with self._cond:
             while not result.done and result.error is None:
                 trouble = self._trouble(key)
+                if trouble is not None and not self._inner.step_failed(key.step) and self._failed is None:
+                    # This member's stream ended, or its group did (the coordinator stopped after
+                    # the last result, say): what the group already got still comes through the
+                    # arena, a moment after the end, where this member's own result would have
+                    # come before it. A step that failed, a helper that failed: at once.
+                    now = time.monotonic()
+                    broken_at = now if broken_at is None else broken_at
+                    trouble = trouble if now - broken_at >= _BROKEN_GRACE_S else None
                 if trouble is not None:
                     result.error = trouble
                     break
@@ -524,8 +542,10 @@ class HostLink:
                     raise DeadlineExceededError(f"no average for {key} within {limit:g} s", step=key.step)
                 self._cond.wait(min(remaining, _LOOK_S))
             self._forget(key)
-            # An average that arrived before its step failed is void too (as on any link).
-            error = self._inner.trouble(key.step) or result.error
+            # An average that arrived before its step failed is void too (as on any link); one
+            # that arrived whole before the stream ended is not.
+            failed = self._inner.trouble(key.step) if self._inner.step_failed(key.step) else None
+            error = failed or result.error
         if error is not None:
             raise error.exception()
         return PendingResult(
@@ -581,16 +601,19 @@ class HostLink:
                 "the group's keys in flight are lost, later ones go over this worker's own link",
                 worker_id=worker,
             )
-            for result in self._results.values():
-                if not result.done and result.error is None:
-                    result.error = self._dissolved
+            # What waits fails only if the group's copy does not come through the arena soon
+            # (`wait_result`): a member that left after publishing what it got (the coordinator
+            # stopping after the last result) leaves nothing missing.
             self._cond.notify_all()
         log.info("host group %s dissolved: worker %d left (%s)", list(self._group), worker, reason)
         self._arena.ring(self._position)
 
-    def _stopped(self) -> bool:
+    def _stopped(self, *, dissolved_too: bool = True) -> bool:
+        """Whether a helper thread should end: the link closed or a helper failed, or (unless
+        `dissolved_too` is False: what the group already got is still handed on) the group ended."""
         with self._cond:
-            return self._closing or self._dissolved is not None or self._failed is not None
+            dissolved = dissolved_too and self._dissolved is not None
+            return self._closing or dissolved or self._failed is not None
 
     def _guarded(self, loop: Callable[[], None]) -> Callable[[], None]:
         """A helper thread's loop; a failure of its own is kept, fails what waits, and is logged."""
@@ -659,11 +682,6 @@ class HostLink:
             self._inner.close()
         finally:
             self._arena.close()
-
-
-def _scattered(key: TensorKey) -> bool:
-    """A REDUCE_SCATTER: summed on the host, but its parts come to every rank on its own stream."""
-    return key.kind is KeyKind.COLLECTIVE and key.collective_kind is CollectiveKind.REDUCE_SCATTER
 
 
 def _error_of(event: ErrorOut) -> GradServerError:
