@@ -340,3 +340,30 @@ def test_a_result_the_group_got_before_the_coordinator_stopped_still_reaches_eve
             held.set()
 
     run_each(clients, barrier)
+
+
+def test_a_member_that_closes_right_after_its_result_hands_on_what_it_got_first(
+    grouped: Grouped, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The member that got the group's copy of the last result closes at once (the job is over).
+    _, clients = grouped(hosts=["host-a", "host-a", "alone"])
+    key = TensorKey.collective(0, 0, ReduceOp.SUM)
+    summer = clients[key_hash(key) % 2]
+    other = clients[1 - key_hash(key) % 2]
+    arena = summer._link._arena  # type: ignore[attr-defined]
+    free_output = arena.free_output
+    closing = threading.Event()
+    # Its output slots look busy until it closes: what it owes is still queued then.
+    monkeypatch.setattr(arena, "free_output", lambda: free_output() if closing.is_set() else None)
+
+    def run(client: WorkerClient) -> np.ndarray:
+        result = client.collective(key, np.full(4, float(client.worker_id + 1), np.float32)).copy()
+        if client is summer:
+            closing.set()
+            client.close()
+        return result
+
+    results = run_each(clients, run)
+    for result in results:
+        np.testing.assert_array_equal(result, np.full(4, 6.0, np.float32))
+    del other

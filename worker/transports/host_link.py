@@ -179,14 +179,13 @@ class HostLink:
         self._closing = False
         self._averager = Averager()
         inner.observe(self._news)
-        self._threads = [
-            threading.Thread(
-                target=self._guarded(self._reduce_loop), name="gradserver-host-sum", daemon=True
-            ),
-            threading.Thread(
-                target=self._guarded(self._exchange_loop), name="gradserver-host-io", daemon=True
-            ),
-        ]
+        self._summer = threading.Thread(
+            target=self._guarded(self._reduce_loop), name="gradserver-host-sum", daemon=True
+        )
+        self._exchanger = threading.Thread(
+            target=self._guarded(self._exchange_loop), name="gradserver-host-io", daemon=True
+        )
+        self._threads = [self._summer, self._exchanger]
         for thread in self._threads:
             thread.start()
 
@@ -495,6 +494,7 @@ class HostLink:
             )
             with self._cond:
                 self._outbox.popleft()
+                self._cond.notify_all()  # `close` waits for the outbox to empty
             published = True
 
     def _read(self) -> bool:
@@ -668,11 +668,19 @@ class HostLink:
         return self._inner.wait_samples(timeout)
 
     def close(self) -> None:
-        """Leaves the group's arena (the others stop waiting for this member's reads) and then
-        the job; stops the helper threads."""
+        """Hands on what it still owes the group (what came to it for the others: a member that
+        got the last result of a job closes right after), then leaves the group's arena (the
+        others stop waiting for this member's reads) and the job; stops the helper threads."""
+        deadline = time.monotonic() + self.timeouts.close
         with self._cond:
             if self._closing:
                 return
+            while self._outbox and self._failed is None and self._exchanger.is_alive():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.info("host group: closing with %d piece(s) not handed on", len(self._outbox))
+                    break
+                self._cond.wait(min(remaining, _LOOK_S))
             self._closing = True
             self._cond.notify_all()
         self._arena.mark_closed()
