@@ -105,6 +105,8 @@ class InnerLink(Link, Protocol):
 
     def observe(self, news: Callable[[ServerEvent], bool]) -> None: ...
 
+    def pace_as_one_of(self, members: int) -> None: ...
+
     def trouble(self, step: int) -> ErrorRecord | None: ...
 
 
@@ -179,6 +181,8 @@ class HostLink:
         self._closing = False
         self._averager = Averager()
         inner.observe(self._news)
+        # The group's members send its sums over one link: one stream's worth of chunks in flight.
+        inner.pace_as_one_of(len(self._group))
         self._summer = threading.Thread(
             target=self._guarded(self._reduce_loop), name="gradserver-host-sum", daemon=True
         )

@@ -259,6 +259,12 @@ class PartitionedLink:
     def step_failed(self, step: int) -> bool:
         return any(link.step_failed(step) for link in self._links)
 
+    def pace_as_one_of(self, members: int) -> None:
+        """Every partition's stream shares its window with the host's other members (see
+        `GrpcLink.pace_as_one_of`)."""
+        for link in self._links:
+            link.pace_as_one_of(members)
+
     def observe(self, news: Callable[[ServerEvent], bool]) -> None:
         """Every partition's news (see `GrpcLink.observe`)."""
         for link in self._links:
