@@ -245,7 +245,7 @@ class Bench:
 
     def measure(self, config: Config) -> Row:
         row = Row(config, len(self.workers))
-        sampler = _Timeline(self.cluster)
+        sampler = Timeline(self.cluster)
         try:
             results = self._gloo(config.wire_dtype) if config.name == "gloo" else self._gradserver(config)
         finally:
@@ -306,7 +306,7 @@ class Bench:
             return _collect(procs, self.args.timeout, f"gradserver {config.placement}")
 
 
-class _Timeline:
+class Timeline:
     """Samples every link's counters while one configuration runs: the bytes of its timed steps
     (`between`) and, with --timeline, when each direction of each link idled: what the single
     utilization figure sums up."""

@@ -38,7 +38,6 @@ import dataclasses
 import datetime
 import hashlib
 import importlib
-import itertools
 import json
 import os
 import signal
@@ -46,13 +45,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from ._netns import Cluster, Interrupted, LinkBytes, available, install_signal_handlers
+from ._netns import Cluster, Interrupted, available, install_signal_handlers
 from ._netns import run as run_command
+from .cluster import Timeline
 
 BACKENDS = ("gloo", "gradserver")
 RESULT_PREFIX = "HOSTS_RESULT "
@@ -163,46 +162,6 @@ class Row:
         }
 
 
-class _Sampler:
-    """Samples every link's counters while one run goes on, so the bytes between two wall-clock
-    times (the timed steps' window the ranks report) can be read afterwards."""
-
-    PERIOD_S = 0.02
-
-    def __init__(self, cluster: Cluster) -> None:
-        self._cluster = cluster
-        self._samples: list[tuple[float, LinkBytes]] = [(time.time(), cluster.link_bytes())]
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._done.wait(self.PERIOD_S):
-            self._samples.append((time.time(), self._cluster.link_bytes()))
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join(5.0)
-        self._samples.append((time.time(), self._cluster.link_bytes()))
-
-    def between(self, first: float, last: float) -> LinkBytes:
-        return self._at(last) - self._at(first)
-
-    def _at(self, when: float) -> LinkBytes:
-        """The counters at wall-clock `when`, linear between the samples around it."""
-        samples = self._samples
-        if when <= samples[0][0]:
-            return samples[0][1]
-        for (t0, a), (t1, b) in itertools.pairwise(samples):
-            if when <= t1:
-                share = (when - t0) / (t1 - t0) if t1 > t0 else 1.0
-                return LinkBytes(
-                    tuple(round(x + (y - x) * share) for x, y in zip(a.to_host, b.to_host, strict=True)),
-                    tuple(round(x + (y - x) * share) for x, y in zip(a.from_host, b.from_host, strict=True)),
-                )
-        return samples[-1][1]
-
-
 def _rank_env(host_if: str) -> dict[str, str]:
     """The environment of a host's torchrun: this one without any gradserver or rendezvous
     setting, one OpenMP thread per rank (two cores for every host), gloo on the host's link."""
@@ -303,7 +262,7 @@ def _launch(cluster: Cluster, args: argparse.Namespace, backend: str, per_host: 
 
 def measure(cluster: Cluster, args: argparse.Namespace, backend: str, per_host: int, port: int) -> Row:
     row = Row(backend, per_host, len(cluster.hosts) * per_host)
-    sampler = _Sampler(cluster)
+    sampler = Timeline(cluster)
     try:
         results = _launch(cluster, args, backend, per_host, port)
     finally:

@@ -325,8 +325,7 @@ def test_a_result_the_group_got_before_the_coordinator_stopped_still_reaches_eve
     # while a group member's copy is still on its way through the arena.
     server, clients = grouped(hosts=["host-a", "host-a", "alone"])
     key = TensorKey.collective(0, 0, ReduceOp.SUM)
-    summer = clients[key_hash(key) % 2]
-    arena = summer._link._arena  # type: ignore[attr-defined]
+    _, arena = _summer_of(clients, key)
     publish = arena.publish
     held = threading.Event()
 
@@ -351,9 +350,7 @@ def test_a_member_that_closes_right_after_its_result_hands_on_what_it_got_first(
     # The member that got the group's copy of the last result closes at once (the job is over).
     _, clients = grouped(hosts=["host-a", "host-a", "alone"])
     key = TensorKey.collective(0, 0, ReduceOp.SUM)
-    summer = clients[key_hash(key) % 2]
-    other = clients[1 - key_hash(key) % 2]
-    arena = summer._link._arena  # type: ignore[attr-defined]
+    summer, arena = _summer_of(clients, key)
     free_output = arena.free_output
     closing = threading.Event()
     # Its output slots look busy until it closes: what it owes is still queued then.
@@ -369,4 +366,9 @@ def test_a_member_that_closes_right_after_its_result_hands_on_what_it_got_first(
     results = run_each(clients, run)
     for result in results:
         np.testing.assert_array_equal(result, np.full(4, 6.0, np.float32))
-    del other
+
+
+def _summer_of(clients: list[WorkerClient], key: TensorKey) -> tuple[WorkerClient, Any]:
+    """The member of group (0, 1) that sums `key`'s only chunk, and its arena (to slow it)."""
+    summer = clients[key_hash(key) % 2]
+    return summer, summer._link._arena  # type: ignore[attr-defined]
