@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import trustme
 
 from gradserver.common.errors import InvalidArgumentError, UnauthenticatedError, UnavailableError
+from gradserver.common.messages import ReduceOp, TensorKey
 from gradserver.common.rpc import EXCHANGE_METHOD, stream_metadata
 from gradserver.common.security import TlsFiles, bearer_metadata, is_loopback, token_matches
 from gradserver.server.config import CoordinatorConfig
@@ -246,3 +248,33 @@ def test_a_stream_with_a_wrong_member_token_is_logged(coordinator) -> None:
             logs.wait_for(r"refused an Exchange from ipv4:127\.0\.0\.1:\d+: worker 0 is not a member")
         finally:
             channel.close()
+
+
+def test_host_groups_sum_under_mutual_tls_and_a_token(coordinator, pki: Pki) -> None:
+    """Each member keeps its own authenticated stream; the group's memory goes only to members
+    that learned its key over that TLS Join (and are this user)."""
+    server = _tls_server(coordinator, pki, mutual=True, world_size=4, auth_token=TOKEN)
+    hosts = ("host-a", "host-a", "host-b", "host-b")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [
+            pool.submit(
+                WorkerClient.connect,
+                server.address,
+                timeout=QUICK,
+                tls=pki.client(f"worker-{rank}"),
+                auth_token=TOKEN,
+                rank=rank,
+                host_id=host,
+            )
+            for rank, host in enumerate(hosts)
+        ]
+        clients = [f.result(30) for f in futures]
+    try:
+        assert [c.host_group for c in clients] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+        key = TensorKey.collective(0, 0, ReduceOp.SUM)
+        got = run_each(clients, lambda c: c.collective(key, np.full(8, c.worker_id + 1.0, np.float32)).copy())
+        for result in got:
+            np.testing.assert_array_equal(result, np.full(8, 10.0, np.float32))
+    finally:
+        for client in clients:
+            client.close()
