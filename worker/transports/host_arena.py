@@ -39,6 +39,7 @@ import mmap
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 
@@ -183,6 +184,7 @@ class HostArena:
         self._in_seq = 0
         self._out_seq = 0
         self._rings = 0
+        self._ring_lock = threading.Lock()  # this process's threads ring with distinct values
 
     # --- words ---------------------------------------------------------------------------------
 
@@ -216,8 +218,9 @@ class HostArena:
     def ring(self, member: int) -> None:
         """Tells `member` that something it may wait for changed: a value no one else writes
         (this member's position and count), so its sleep on the old value always returns."""
-        self._rings = (self._rings + 1) & 0xFFFFFF
-        self.words[self._bell_index(member)] = (self.position + 1) << 24 | self._rings
+        with self._ring_lock:
+            self._rings = (self._rings + 1) & 0xFFFFFF
+            self.words[self._bell_index(member)] = (self.position + 1) << 24 | self._rings
         futex_wake(self._bell_address(member))
 
     def ring_all(self) -> None:

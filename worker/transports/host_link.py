@@ -170,6 +170,7 @@ class HostLink:
         self._position = arena.position
         self._chunk_elements = self.accepted.chunk_bytes // 4
         self._cond = threading.Condition()
+        self._posting = threading.Lock()
         self._summed: set[TensorKey] = set()  # keys this member's copy of goes through the arena
         self._results: dict[TensorKey, _Result] = {}
         self._by_ident: dict[tuple[int, int, int], TensorKey] = {}
@@ -255,8 +256,9 @@ class HostLink:
             self._inner.send_chunk(key, header, offset, piece, stats)
             return
         check = header_check(key, header)
-        slot = self._free_input(key)
-        self._arena.post(slot, identity(key), offset, piece, header.dtype, check)
+        with self._posting:  # a slot found free is this thread's until it is posted
+            slot = self._free_input(key)
+            self._arena.post(slot, identity(key), offset, piece, header.dtype, check)
         owner = self._owner(key, offset)
         if owner == self._position:
             with self._cond:
