@@ -14,16 +14,18 @@ from typing import Protocol
 
 import numpy as np
 
-from gradserver.common.errors import GradServerError
+from gradserver.common.errors import GradServerError, error_from_status
 from gradserver.common.messages import (
     ChunkHeader,
     DType,
+    ErrorOut,
     JoinAccepted,
     SampleRangeAssignmentOut,
     SampleStats,
     TensorKey,
     WorkerEvent,
 )
+from gradserver.common.wire_dtype import widen
 
 from .lane import LaneClient
 
@@ -44,6 +46,27 @@ class ErrorRecord:
 
     def exception(self) -> GradServerError:
         return self.kind(self.message, step=self.step, key=self.key, worker_id=self.worker_id)
+
+
+def payload_values(data: bytes | memoryview, dtype: DType) -> np.ndarray:
+    """An average's payload as the result array holds it: float32 as is, bytes as uint8, a
+    16-bit wire dtype widened to float32."""
+    if dtype is DType.FLOAT32:
+        return np.frombuffer(data, dtype="<f4")
+    if dtype is DType.BYTES:
+        return np.frombuffer(data, dtype=np.uint8)
+    return widen(data, dtype)
+
+
+def error_of(event: ErrorOut) -> GradServerError:
+    """The exception an in-stream error stands for (its class by status code)."""
+    return error_from_status(
+        event.code,
+        event.message,
+        step=event.step,
+        key=str(event.key) if event.key is not None else None,
+        worker_id=event.culprit_worker_id,
+    )
 
 
 @dataclasses.dataclass

@@ -75,10 +75,9 @@ from gradserver.common.messages import (
 )
 from gradserver.common.rpc import EXCHANGE_METHOD, from_grpc, stream_metadata
 from gradserver.common.timeouts import Timeouts
-from gradserver.common.wire_dtype import widen
 
 from ..tensors import same_memory
-from .base import ErrorRecord, PendingResult
+from .base import ErrorRecord, PendingResult, error_of, payload_values
 from .lane import LaneClient
 
 log = logging.getLogger("gradserver.worker")
@@ -568,12 +567,7 @@ class GrpcLink:
             raise InternalError(
                 f"coordinator sent {event.key} through shared memory this worker has not mapped"
             )
-        if event.header.dtype is DType.FLOAT32:
-            self._fill(event, np.frombuffer(event.data, dtype="<f4"))
-        elif event.header.dtype is DType.BYTES:
-            self._fill(event, np.frombuffer(event.data, dtype=np.uint8))
-        else:
-            self._fill(event, widen(event.data, event.header.dtype))
+        self._fill(event, payload_values(event.data, event.header.dtype))
 
     def _fill(self, event: AveragedChunkOut, data: np.ndarray) -> None:
         with self._cond:
@@ -636,13 +630,7 @@ class GrpcLink:
 
     def _on_error(self, event: ErrorOut) -> None:
         """Routes an in-stream error to what it is about (called with the lock held)."""
-        exc = error_from_status(
-            event.code,
-            event.message,
-            step=event.step,
-            key=str(event.key) if event.key is not None else None,
-            worker_id=event.culprit_worker_id,
-        )
+        exc = error_of(event)
         log.warning("coordinator: %s", exc)
         error = ErrorRecord.of(exc)
         self._coordinator_dropped(event)

@@ -52,7 +52,6 @@ from gradserver.common.errors import (
     InvalidArgumentError,
     Status,
     UnavailableError,
-    error_from_status,
 )
 from gradserver.common.messages import (
     AveragedChunkOut,
@@ -70,9 +69,8 @@ from gradserver.common.messages import (
 )
 from gradserver.common.partition_map import key_hash
 from gradserver.common.timeouts import Timeouts
-from gradserver.common.wire_dtype import widen
 
-from .base import ErrorRecord, Link, PendingResult
+from .base import ErrorRecord, Link, PendingResult, error_of, payload_values
 from .host_arena import HostArena, Post, Published, identity, key_of
 from .lane import LaneClient
 
@@ -429,7 +427,7 @@ class HostLink:
             with self._cond:
                 target = self._results.get(event.key) if event.key is not None else None
                 if target is not None and not event.step_failed and not target.done:
-                    target.error = ErrorRecord.of(_error_of(event))
+                    target.error = ErrorRecord.of(error_of(event))
                 self._cond.notify_all()
             self._arena.ring(self._position)
         return False
@@ -454,12 +452,7 @@ class HostLink:
         """One chunk's average into `result` (lock held)."""
         if offset in result.offsets or result.error is not None:
             return
-        if dtype is DType.FLOAT32:
-            values = np.frombuffer(data, dtype=_F32)
-        elif dtype is DType.BYTES:
-            values = np.frombuffer(data, dtype=np.uint8)
-        else:
-            values = widen(data, dtype)
+        values = payload_values(data, dtype)
         end = offset + values.size
         if dtype is not result.dtype or end > result.array.size:
             result.error = ErrorRecord(
@@ -696,13 +689,3 @@ class HostLink:
             self._inner.close()
         finally:
             self._arena.close()
-
-
-def _error_of(event: ErrorOut) -> GradServerError:
-    return error_from_status(
-        event.code,
-        event.message,
-        step=event.step,
-        key=str(event.key) if event.key is not None else None,
-        worker_id=event.culprit_worker_id,
-    )
