@@ -50,11 +50,9 @@ class HostGroups:
         self._own = own_host_id
         self._enabled = enabled
         self._groups: dict[int, HostGroup] = {}  # worker id -> its active group
-        self.formed = False
 
     def form(self, members: Sequence[tuple[int, str]]) -> list[HostGroup]:
         """Groups the members (worker id, host_id) that share a host other than this one."""
-        self.formed = True
         if not self._enabled:
             return []
         by_host: dict[str, list[int]] = {}
@@ -73,7 +71,6 @@ class HostGroups:
         """Partitions 1..K-1: the groups partition 0 formed, as the workers brought them. A group
         that its members do not all bring alike (or that names a worker who did not bring it) is
         not adopted: its partial sums are then refused here, which fails their steps by name."""
-        self.formed = True
         if not self._enabled:
             return []
         groups: list[HostGroup] = []

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
 from gradserver.common.chunking import chunk_count, payload_nbytes
-from gradserver.common.codec import summed_on_hosts
+from gradserver.common.codec import handed_on_hosts, summed_on_hosts
 from gradserver.common.errors import Status, status_code_from_value
 from gradserver.common.messages import (
     BYTE_KINDS,
@@ -69,8 +69,6 @@ from .step_stats import StepStatistics
 log = logging.getLogger("gradserver.server.reduction")
 
 _FAILED_STEPS_KEPT = 64
-# Collective kinds whose result pieces are the same for every rank: a host group gets each once.
-_FANNED_OUT = (CollectiveKind.ALL_GATHER, CollectiveKind.BROADCAST)
 _ABORTED = Status.ABORTED
 _INVALID = Status.INVALID_ARGUMENT
 _PRECONDITION = Status.FAILED_PRECONDITION
@@ -99,12 +97,9 @@ class _Slot:
     collective: ByteCollective | None = None
     # REDUCE_SCATTER: cuts the reduced chunks into the ranks' parts.
     scattered: ScatterParts | None = None
-    # Host groups' partial sums, per chunk index: the workers a partial covers besides the one
-    # whose place holds it (its lowest id), and who sent it, by that place.
-    covered: dict[int, set[int]] = dataclasses.field(default_factory=dict)
-    partial_senders: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)
-    # ...and the workers that get the chunk's average from the member that sent the partial.
-    forwarded: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    # Host groups' partial sums, per chunk index: the workers each covers (its place is the
+    # first's) and the member that sent it.
+    partials: dict[int, list[tuple[tuple[int, ...], int]]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.received = [set() for _ in range(self.world_size)]
@@ -119,7 +114,7 @@ class _Slot:
 
     def chunk_complete(self, index: int) -> bool:
         parts = self.chunks.get(index)
-        covered = self.covered.get(index, ())
+        covered = {w for covers, _ in self.partials.get(index, ()) for w in covers}
         return parts is not None and all(parts[w] is not None or w in covered for w in self.expected)
 
 
@@ -477,9 +472,7 @@ class ReductionTable:
         # runs in the same order whichever member summed this chunk.
         parts[covers[0]] = chunk.data
         if chunk.covers:
-            slot.covered.setdefault(index, set()).update(covers[1:])
-            slot.partial_senders.setdefault(index, {})[covers[0]] = w
-            slot.forwarded.setdefault(index, set()).update(v for v in covers if v != w)
+            slot.partials.setdefault(index, []).append((covers, w))
         charged = 0 if borrowed else payload_nbytes(chunk.data)
         slot.charged.setdefault(index, [0] * self.world_size)[w] = charged
         self._buffered[w] += charged
@@ -845,7 +838,7 @@ class ReductionTable:
 
     def _piece_out(self, slot: _Slot, piece: Piece, live: tuple[int, ...]) -> Outgoing:
         to = tuple(w for w in piece.to if w in live)
-        if slot.key.collective_kind in _FANNED_OUT:
+        if handed_on_hosts(slot.key):
             # Every rank gets the same bytes: a host group's member gets them for its group.
             to = self.host_groups.one_per_group(to, piece.offset // self.chunk_elements + key_hash(slot.key))
         return Outgoing(
@@ -879,10 +872,10 @@ class ReductionTable:
     def _reduce(self, slot: _Slot, index: int) -> list[Outgoing]:
         parts = slot.inflight[index] = slot.chunks.pop(index)
         contributors = tuple(sorted(slot.expected))
-        placed = [w for w in contributors if parts[w] is not None]
-        partial_senders = slot.partial_senders.pop(index, {})
-        slot.covered.pop(index, None)
-        forwarded = slot.forwarded.pop(index, set())
+        placed = [(w, d) for w in contributors if (d := parts[w]) is not None]
+        partials = slot.partials.pop(index, [])
+        senders = {covers[0]: sender for covers, sender in partials}
+        forwarded = {v for covers, sender in partials for v in covers if v != sender}
         live = self.live_workers()
         # An average a partial sum went into goes to the member that sent it, which hands it to
         # the rest of its group on their host; a reduce-scatter's parts go to every rank.
@@ -891,12 +884,12 @@ class ReductionTable:
             key=slot.key,
             index=index,
             contributors=contributors,
-            data=[d for d in (parts[w] for w in placed) if d is not None],
+            data=[d for _, d in placed],
             dtype=slot.header.dtype,
             divide=slot.key.op is not ReduceOp.SUM,
             finite_only=not slot.key.propagate_non_finite,
             to=to,
-            senders=tuple(partial_senders.get(w, w) for w in placed),
+            senders=tuple(senders.get(w, w) for w, _ in placed),
         )
         if self._defer:
             self._reductions.append(request)

@@ -138,7 +138,6 @@ class _Chunk:
     key: TensorKey
     header: ChunkHeader
     offset: int
-    check: int
 
 
 def header_check(key: TensorKey, header: ChunkHeader) -> int:
@@ -174,7 +173,6 @@ class HostLink:
         self._by_ident: dict[tuple[int, int, int], TensorKey] = {}
         self._work: collections.deque[_Chunk] = collections.deque()
         self._outbox: collections.deque[tuple[AveragedChunkOut, tuple[int, int, int]]] = collections.deque()
-        self._dropped: set[tuple[tuple[int, int, int], int]] = set()
         self._dissolved: ErrorRecord | None = None
         self._failed: ErrorRecord | None = None  # a helper thread's own failure
         self._closing = False
@@ -260,7 +258,7 @@ class HostLink:
         owner = self._owner(key, offset)
         if owner == self._position:
             with self._cond:
-                self._work.append(_Chunk(key, header, offset, check))
+                self._work.append(_Chunk(key, header, offset))
         self._arena.ring(owner)
 
     def _free_input(self, key: TensorKey) -> int:
@@ -284,15 +282,12 @@ class HostLink:
             self._arena.sleep(seen, min(remaining, _LOOK_S))
 
     def _raise_trouble(self, key: TensorKey) -> None:
-        trouble = self._inner.trouble(key.step)
+        with self._cond:
+            trouble = self._trouble(key)
+            if trouble is None and self._closing:
+                raise UnavailableError("the client was closed")
         if trouble is not None:
             raise trouble.exception()
-        with self._cond:
-            for record in (self._dissolved, self._failed):
-                if record is not None:
-                    raise dataclasses.replace(record, step=key.step, key=str(key)).exception()
-            if self._closing:
-                raise UnavailableError("the client was closed")
 
     # --- summing (the reducer thread) ----------------------------------------------------------
 
@@ -316,7 +311,7 @@ class HostLink:
         """Sums `chunk` if every member's copy is there (True: done with it, summed or dropped)."""
         key, ident = chunk.key, identity(chunk.key)
         if self._inner.trouble(key.step) is not None or self._stopped():
-            self._drop(ident, chunk.offset)
+            self._sweep()  # its step failed: the copies there are let go (or the link is gone)
             return True
         posts: list[Post] = []
         for member in range(len(self._group)):
@@ -392,26 +387,13 @@ class HostLink:
         except GradServerError as exc:
             log.info("host group: could not report %r: %s", message, exc.message)
 
-    def _drop(self, ident: tuple[int, int, int], offset: int) -> None:
-        """A chunk this member sums whose step failed: its copies are let go, now and on arrival."""
-        with self._cond:
-            self._dropped.add((ident, offset))
-        self._sweep()
-
     def _sweep(self) -> None:
-        """Lets go of the copies of chunks this member sums whose step failed."""
-        with self._cond:
-            dropped = set(self._dropped)
+        """Lets go of the copies of chunks this member sums whose step failed, whenever they
+        were posted (a member may post one after the step failed, before it heard so)."""
         for member in range(len(self._group)):
             for post, ident, offset in self._arena.posts(member):
-                if (ident, offset) in dropped or (
-                    self._owner(key_of(ident), offset) == self._position and self._inner.step_failed(ident[0])
-                ):
+                if self._owner(key_of(ident), offset) == self._position and self._inner.step_failed(ident[0]):
                     self._arena.consume(post)
-        # What is dropped stays so for the step's lifetime; failed steps are few and keys small.
-        if len(dropped) > 4096:
-            with self._cond:
-                self._dropped.clear()
 
     # --- averages: published by the member that summed them, read by the others --------------
 
