@@ -29,6 +29,7 @@ from gradserver.common.partition_map import key_hash
 from gradserver.worker import WorkerClient
 
 from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each, run_each_outcome, wait_pending
+from .helpers.shm import assert_nothing_mapped
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -372,3 +373,27 @@ def _summer_of(clients: list[WorkerClient], key: TensorKey) -> tuple[WorkerClien
     """The member of group (0, 1) that sums `key`'s only chunk, and its arena (to slow it)."""
     summer = clients[key_hash(key) % 2]
     return summer, summer._link._arena  # type: ignore[attr-defined]
+
+
+def test_a_closed_group_leaves_no_helper_thread_and_no_mapping(
+    coordinator: Callable[..., ServerThread],
+) -> None:
+    from gradserver.worker.transports.host_arena import form
+
+    server = coordinator(world_size=4, chunk_mib=0.25)
+    clients = join(server.address, HOSTS)
+    try:
+        data = inputs(4)
+        run_each(clients, lambda c: c.collective(TensorKey.collective(0, 0), data[c.worker_id]))
+        assert _host_threads(), "the members' helper threads should be running"
+    finally:
+        for client in clients:
+            client.close()
+    # A group whose arena did not form gives back what its first member made, too.
+    assert form((40, 41), 40, os.urandom(16), 1 << 20, 0.5) is None
+    assert _host_threads() == []
+    assert_nothing_mapped(what="memfd:gradserver-host-group")
+
+
+def _host_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("gradserver-host-")]

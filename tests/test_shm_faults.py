@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import textwrap
@@ -17,7 +16,7 @@ from gradserver.server.shm import remove_stale_dirs
 from gradserver.worker import WorkerClient
 
 from .helpers.server import TEST_TIMEOUTS
-from .helpers.shm import dev_shm, memfd_mappings
+from .helpers.shm import assert_nothing_mapped, dev_shm
 
 pytestmark = [
     pytest.mark.processes,
@@ -50,20 +49,6 @@ _WRITER = textwrap.dedent(
         busy[:] = value
     """
 )
-
-
-def _assert_nothing_mapped(within: float = 10.0) -> None:
-    """No gradserver memory is mapped in this process once the clients' last references go: a
-    mapping is released when the last array viewing it is collected, which a helper thread of a
-    closed client may still hold for a moment on a loaded machine (bounded here)."""
-    deadline = time.monotonic() + within
-    while True:
-        gc.collect()
-        left = memfd_mappings()
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert left == [], f"still mapped after {within:g} s: {left}"
 
 
 def test_row_s1_a_worker_killed_while_writing_its_arena_fails_the_step_naming_it(
@@ -120,7 +105,7 @@ def test_row_s2_a_killed_coordinator_ends_shm_workers_without_a_hang(processes, 
     finally:
         client.close()
     del client
-    _assert_nothing_mapped()  # nothing of the dead coordinator's memory is held here
+    assert_nothing_mapped()  # nothing of the dead coordinator's memory is held here
     assert dev_shm() == before
     # SIGKILL left the socket directory; the worker, which saw the socket end, removed it.
     deadline = time.monotonic() + 10
