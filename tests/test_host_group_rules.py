@@ -14,7 +14,7 @@ import pytest
 from gradserver.common import codec
 from gradserver.common.averaging import Averager
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.errors import InvalidArgumentError, Status
+from gradserver.common.errors import InternalError, InvalidArgumentError, Status
 from gradserver.common.messages import (
     AveragedChunkOut,
     BarrierIn,
@@ -267,3 +267,35 @@ def test_bytes_every_rank_gets_go_to_one_member_of_each_whole_group_in_turn() ->
     assert groups.one_per_group((0, 2, 3), 1) == (0, 3)  # group a not whole: each gets its own
     groups.dissolve(3)
     assert groups.one_per_group((0, 1, 2, 3), 1) == (1, 2, 3)
+
+
+def test_host_group_fields_beyond_their_limits_are_refused_naming_them() -> None:
+    base = JoinRequestIn("n", 0, "cpu", codec.PROTOCOL_VERSION)
+    for wrong in (
+        dataclasses.replace(base, host_id="x" * (codec.MAX_NAME_LENGTH + 1)),
+        dataclasses.replace(base, job_host_group=tuple(range(codec.MAX_HOST_GROUP + 1))),
+    ):
+        with pytest.raises(
+            InvalidArgumentError, match="host_id is limited to 256 characters and job_host_group"
+        ):
+            codec.decode_join_request(codec.encode_join_request(wrong))
+    limits = codec.WireLimits(chunk_elements=CHUNK, max_tensor_elements=1 << 20, world_size=0)
+    huge = dataclasses.replace(
+        chunk(0, np.ones(CHUNK, np.float32)), covers=tuple(range(codec.MAX_HOST_GROUP + 1))
+    )
+    with pytest.raises(InvalidArgumentError, match="covers 1025 workers, above the limit of 1024"):
+        codec.decode_worker_message(codec.encode_worker_event(huge), limits)
+    unknown = StepFailureIn(0, 999, "why", 1)
+    with pytest.raises(InvalidArgumentError, match="step failure with unknown status code 999"):
+        codec.decode_worker_message(codec.encode_worker_event(unknown), limits)
+
+
+@pytest.mark.parametrize(
+    "group", [(0, 2), (1, 0), (1, 4)], ids=["without the worker", "unordered", "beyond the world"]
+)
+def test_a_join_answer_with_an_impossible_host_group_is_refused(group: tuple[int, ...]) -> None:
+    accepted = JoinAccepted(
+        1, 4, 7, 9, codec.PROTOCOL_VERSION, 16, 64, 64, 1.0, 5.0, 20.0, 0, host_group=group
+    )
+    with pytest.raises(InternalError, match="inconsistent JoinResponse"):
+        codec.decode_join_accepted(codec.encode_join_accepted(accepted))
