@@ -47,6 +47,8 @@ from .messages import (
     KeyKind,
     LeaveIn,
     MemberLeftOut,
+    PeerDeliveredOut,
+    PeerPiece,
     ReduceOp,
     SampleRange,
     SampleRangeAssignmentOut,
@@ -86,6 +88,11 @@ _WORKER_CHUNK_FIELD = pb.WorkerMessage.DESCRIPTOR.fields_by_name["chunk"].number
 _CHUNK_DATA_FIELD = pb.GradientChunk.DESCRIPTOR.fields_by_name["data"].number
 _SERVER_AVERAGED_FIELD = pb.ServerMessage.DESCRIPTOR.fields_by_name["averaged_chunk"].number
 _AVERAGED_DATA_FIELD = pb.AveragedChunk.DESCRIPTOR.fields_by_name["data"].number
+_WORKER_PEER_FIELD = pb.WorkerMessage.DESCRIPTOR.fields_by_name["peer_message"].number
+_SERVER_PEER_FIELD = pb.ServerMessage.DESCRIPTOR.fields_by_name["peer_message"].number
+_PEER_DATA_FIELD = pb.PeerMessage.DESCRIPTOR.fields_by_name["data"].number
+# The largest point-to-point message, in bytes per element of the largest tensor a job allows.
+PEER_BYTES_PER_ELEMENT = 8
 
 
 # --- keys -------------------------------------------------------------------------------------
@@ -247,6 +254,7 @@ def encode_join_request(request: JoinRequestIn) -> bytes:
         wire_dtype=int(request.wire_dtype),  # type: ignore[arg-type]
         host_id=request.host_id,
         job_host_group=request.job_host_group,
+        peer_host_id=request.peer_host_id,
     )
     if request.committed_step is not None:
         msg.committed_step = request.committed_step
@@ -275,10 +283,14 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         )
     rank = msg.rank if msg.HasField("rank") else None
     partition_index = msg.partition_index if msg.HasField("partition_index") else None
-    if len(msg.host_id) > MAX_NAME_LENGTH or len(msg.job_host_group) > MAX_HOST_GROUP:
+    if (
+        len(msg.host_id) > MAX_NAME_LENGTH
+        or len(msg.peer_host_id) > MAX_NAME_LENGTH
+        or len(msg.job_host_group) > MAX_HOST_GROUP
+    ):
         raise InvalidArgumentError(
-            f"JoinRequest from node {msg.node_id!r}: host_id is limited to {MAX_NAME_LENGTH} characters "
-            f"and job_host_group to {MAX_HOST_GROUP} workers"
+            f"JoinRequest from node {msg.node_id!r}: host_id and peer_host_id are limited to "
+            f"{MAX_NAME_LENGTH} characters and job_host_group to {MAX_HOST_GROUP} workers"
         )
     return JoinRequestIn(
         msg.node_id,
@@ -295,6 +307,7 @@ def decode_join_request(raw: bytes) -> JoinRequestIn:
         wire_dtype=_join_wire_dtype(msg),
         host_id=msg.host_id,
         job_host_group=tuple(msg.job_host_group),
+        peer_host_id=msg.peer_host_id,
     )
 
 
@@ -341,6 +354,8 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         shm_nonce=accepted.shm_nonce,
         host_group=accepted.host_group,
         host_key=accepted.host_key,
+        host_peers=accepted.host_peers,
+        peer_key=accepted.peer_key,
     ).SerializeToString()
 
 
@@ -350,12 +365,13 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         raise InternalError(
             f"coordinator speaks protocol version {msg.protocol_version}, this worker {PROTOCOL_VERSION}"
         )
-    group = tuple(msg.host_group)
+    group, peers = tuple(msg.host_group), tuple(msg.host_peers)
     if (
         msg.chunk_bytes < 4
         or msg.total_workers == 0
         or msg.worker_id >= msg.total_workers
         or (group and (msg.worker_id not in group or not _ascending(group, msg.total_workers)))
+        or (peers and (msg.worker_id not in peers or not _ascending(peers, msg.total_workers)))
     ):
         raise InternalError(f"coordinator sent an inconsistent JoinResponse: {msg}")
     return JoinAccepted(
@@ -379,6 +395,8 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         shm_nonce=msg.shm_nonce,
         host_group=group,
         host_key=msg.host_key,
+        host_peers=peers,
+        peer_key=msg.peer_key,
     )
 
 
@@ -407,6 +425,8 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
             chunk.shm.CopyFrom(_shm_to_pb(event.shm))
             return pb.WorkerMessage(chunk=chunk).SerializeToString()
         return with_payload(_WORKER_CHUNK_FIELD, chunk.SerializeToString(), _CHUNK_DATA_FIELD, event.data)
+    if isinstance(event, PeerPiece):
+        return with_payload(_WORKER_PEER_FIELD, _peer_header(event), _PEER_DATA_FIELD, event.data)
     if isinstance(event, BarrierIn):
         msg = pb.WorkerMessage(
             barrier=pb.Barrier(worker_id=event.worker_id, step=event.step, name=event.name)
@@ -440,6 +460,10 @@ def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
     if split is not None:
         header, data = split
         return _decode_chunk(_parse(pb.GradientChunk, header, "WorkerMessage"), limits, data)
+    split = split_payload(raw, _WORKER_PEER_FIELD, _PEER_DATA_FIELD)
+    if split is not None:
+        header, data = split
+        return _decode_peer_piece(_parse(pb.PeerMessage, header, "WorkerMessage"), limits, data)
     msg = _parse(pb.WorkerMessage, raw, "WorkerMessage")
     kind = msg.WhichOneof("kind")
     if kind == "chunk":
@@ -469,7 +493,37 @@ def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
         return LeaveIn(msg.shutdown.reason[:MAX_NAME_LENGTH])
     if kind == "step_failure":
         return _decode_step_failure(msg.step_failure, limits)
+    if kind == "peer_message":
+        return _decode_peer_piece(msg.peer_message, limits, None)
     raise InvalidArgumentError("WorkerMessage carries no message kind")
+
+
+def _peer_header(piece: PeerPiece) -> bytes:
+    """A PeerMessage without its data."""
+    return pb.PeerMessage(
+        peer=piece.peer,
+        tag=piece.tag,
+        sequence=piece.sequence,
+        total_bytes=piece.total_bytes,
+        offset=piece.offset,
+    ).SerializeToString()
+
+
+def _decode_peer_piece(msg: pb.PeerMessage, limits: WireLimits, data: memoryview | None) -> PeerPiece:
+    """A worker's point-to-point piece, its sizes checked against the job's limits (the receiver
+    is checked by the relay, which knows who is live)."""
+    payload = memoryview(msg.data) if data is None else data
+    what = f"point-to-point message {msg.sequence} for worker {msg.peer} (tag {msg.tag})"
+    largest = limits.max_tensor_elements * PEER_BYTES_PER_ELEMENT
+    if msg.total_bytes > largest:
+        problem = f"holds {msg.total_bytes} bytes, more than the largest message of {largest}"
+    elif len(payload) > limits.chunk_elements * 4:
+        problem = f"has a piece of {len(payload)} bytes, more than a chunk ({limits.chunk_elements * 4})"
+    elif msg.offset + len(payload) > msg.total_bytes or (msg.total_bytes and not len(payload)):
+        problem = f"has a piece of {len(payload)} bytes at offset {msg.offset} of {msg.total_bytes}"
+    else:
+        return PeerPiece(msg.peer, msg.tag, msg.sequence, msg.total_bytes, msg.offset, payload)
+    raise InvalidArgumentError(f"{what} {problem}")
 
 
 _MAX_FAILURE_MESSAGE = 4096
@@ -726,7 +780,11 @@ def encode_server_event(event: ServerEvent) -> bytes:
             avg.shm.CopyFrom(_shm_to_pb(event.shm))
             return pb.ServerMessage(averaged_chunk=avg).SerializeToString()
         return with_payload(_SERVER_AVERAGED_FIELD, avg.SerializeToString(), _AVERAGED_DATA_FIELD, event.data)
-    if isinstance(event, BarrierReleaseOut):
+    if isinstance(event, PeerPiece):
+        return with_payload(_SERVER_PEER_FIELD, _peer_header(event), _PEER_DATA_FIELD, event.data)
+    if isinstance(event, PeerDeliveredOut):
+        msg = pb.ServerMessage(peer_delivered=pb.PeerDelivered(peer=event.peer, sequence=event.sequence))
+    elif isinstance(event, BarrierReleaseOut):
         msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
     elif isinstance(event, SampleRangeAssignmentOut):
         msg = pb.ServerMessage(
@@ -752,6 +810,8 @@ def encode_server_event(event: ServerEvent) -> bytes:
             err.barrier.CopyFrom(pb.Barrier(step=event.step, name=event.barrier_name))
         if event.sample_range_step is not None:
             err.sample_range_request.CopyFrom(pb.SampleRangeRequest(step=event.sample_range_step))
+        if event.peer_message is not None:
+            err.peer_message.ParseFromString(_peer_header(event.peer_message))
         msg = pb.ServerMessage(error=err)
     return msg.SerializeToString()
 
@@ -761,9 +821,13 @@ def decode_server_message(raw: bytes) -> ServerEvent:
     data: memoryview | None = None
     try:
         split = split_payload(raw, _SERVER_AVERAGED_FIELD, _AVERAGED_DATA_FIELD)
+        peer_split = None if split is not None else split_payload(raw, _SERVER_PEER_FIELD, _PEER_DATA_FIELD)
         if split is not None:
             header, data = split
             msg = pb.ServerMessage(averaged_chunk=pb.AveragedChunk.FromString(header))
+        elif peer_split is not None:
+            header, data = peer_split
+            msg = pb.ServerMessage(peer_message=pb.PeerMessage.FromString(header))
         else:
             msg = pb.ServerMessage.FromString(raw)
     except DecodeError as exc:
@@ -803,6 +867,14 @@ def decode_server_message(raw: bytes) -> ServerEvent:
             return ShutdownOut(msg.shutdown.reason)
         if kind == "member_left":
             return MemberLeftOut(msg.member_left.worker_id, msg.member_left.reason)
+        if kind == "peer_message":
+            p = msg.peer_message
+            payload = memoryview(p.data) if data is None else data
+            if p.offset + len(payload) > p.total_bytes:
+                raise InternalError(f"coordinator sent a point-to-point piece beyond its message: {p}")
+            return PeerPiece(p.peer, p.tag, p.sequence, p.total_bytes, p.offset, payload)
+        if kind == "peer_delivered":
+            return PeerDeliveredOut(msg.peer_delivered.peer, msg.peer_delivered.sequence)
         if kind == "error":
             e = msg.error
             subject = e.WhichOneof("subject")
@@ -815,13 +887,20 @@ def decode_server_message(raw: bytes) -> ServerEvent:
                 barrier_name=e.barrier.name if subject == "barrier" else None,
                 sample_range_step=e.sample_range_request.step if subject == "sample_range_request" else None,
                 step_failed=e.step_failed,
+                peer_message=_refused_peer(e.peer_message) if subject == "peer_message" else None,
             )
     except (InvalidArgumentError, ValueError) as exc:
         raise InternalError(f"invalid message from the coordinator: {exc}") from exc
     raise InternalError("message from the coordinator carries no message kind")
 
 
-_M = TypeVar("_M", pb.WorkerMessage, pb.GradientChunk, pb.JoinRequest, pb.JoinResponse, pb.LinkProbe)
+def _refused_peer(p: pb.PeerMessage) -> PeerPiece:
+    return PeerPiece(p.peer, p.tag, p.sequence, p.total_bytes, p.offset)
+
+
+_M = TypeVar(
+    "_M", pb.WorkerMessage, pb.GradientChunk, pb.PeerMessage, pb.JoinRequest, pb.JoinResponse, pb.LinkProbe
+)
 
 
 def _parse(cls: type[_M], raw: bytes, what: str) -> _M:

@@ -228,7 +228,22 @@ class StepFailureIn:
     culprit: int | None = None
 
 
-WorkerEvent = ChunkIn | BarrierIn | SampleRangeRequestIn | HeartbeatIn | LeaveIn | StepFailureIn
+@dataclasses.dataclass(frozen=True)
+class PeerPiece:
+    """A point-to-point message, or one piece of it (docs/PROTOCOL.md "Point-to-point"): bytes
+    [offset, offset + len(data)) of message `sequence` (the sender's number) of `total_bytes`.
+    From a worker, `peer` is the receiver; from the coordinator, the sender. In an error that
+    refuses it, `data` is empty."""
+
+    peer: int
+    tag: int
+    sequence: int
+    total_bytes: int
+    offset: int
+    data: bytes | memoryview = b""
+
+
+WorkerEvent = ChunkIn | BarrierIn | SampleRangeRequestIn | HeartbeatIn | LeaveIn | StepFailureIn | PeerPiece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +304,8 @@ class ErrorOut:
     barrier_name: str | None = None
     sample_range_step: int | None = None
     step_failed: bool = False
+    # A refused point-to-point message (its data left out).
+    peer_message: PeerPiece | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +317,14 @@ class MemberLeftOut:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class PeerDeliveredOut:
+    """The last piece of message `sequence` was queued for its receiver `peer`: the send is done."""
+
+    peer: int
+    sequence: int
+
+
 ServerEvent = (
     AveragedChunkOut
     | BarrierReleaseOut
@@ -308,6 +333,8 @@ ServerEvent = (
     | ShutdownOut
     | ErrorOut
     | MemberLeftOut
+    | PeerPiece
+    | PeerDeliveredOut
 )
 
 
@@ -336,6 +363,8 @@ class JoinRequestIn:
     # with others on its host), and for partitions 1..K-1 the host group partition 0 gave it.
     host_id: str = ""
     job_host_group: tuple[int, ...] = ()
+    # What the worker shares memory with for point-to-point messages ("": nothing).
+    peer_host_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,3 +395,7 @@ class JoinAccepted:
     # Host groups: this worker's group in order (empty: none) and the key naming its shared memory.
     host_group: tuple[int, ...] = ()
     host_key: bytes = b""
+    # Point-to-point: the members sharing this worker's peer_host_id (itself included, in order)
+    # and the key naming that host's mailboxes (empty: none).
+    host_peers: tuple[int, ...] = ()
+    peer_key: bytes = b""

@@ -37,6 +37,7 @@ from gradserver.common.errors import (
 from gradserver.common.messages import (
     BarrierIn,
     ChunkIn,
+    PeerPiece,
     SampleRangeRequestIn,
     ShutdownOut,
     StepFailureIn,
@@ -69,6 +70,7 @@ from .outgoing import Outgoing
 from .peers import PartitionRole
 from .reducer import Reducer, Result, average_on_loop, usable_cores
 from .reduction import Reduce, ReductionTable
+from .relay import PeerRelay
 from .shm import ShmHub, ShmOutbox
 from .streams import Streams, WorkerStream
 
@@ -170,6 +172,12 @@ class GradientServer:
         self._cores = usable_cores()
         self._reducer = Reducer(self._averager, self._reduced, self._average_on_loop)
         self._job = _new_job(config)
+        # Point-to-point messages; memory shared between members only where no replacement joins.
+        self._relay = PeerRelay(
+            config.world_size,
+            host_peers=config.on_worker_loss == "abort",
+            streaming=lambda w: w in self._streams.by_worker,
+        )
         self._streams = Streams(
             config,
             self.metrics,
@@ -178,9 +186,11 @@ class GradientServer:
             buffered=lambda w: self._table.buffered_bytes(w),  # noqa: PLW0108 - a reset replaces the table
             stopping=lambda: self._stopping is not None,
             ended=self._stream_ended,
+            opened=lambda w: self._deliver(self._relay.opened(w)),
         )
         self._outboxes = Outboxes(self._streams, self.metrics)
         self._outboxes.add(self._partition)
+        self._outboxes.add(self._relay)
         watched = (self._job, self._membership, self._streams)
         interval = min(1.0, config.heartbeat_timeout / 4)
         expire = lambda: self._deliver(self._table.expire())  # noqa: E731 - a reset replaces the table
@@ -374,6 +384,7 @@ class GradientServer:
         self._table.worker_joined(member.worker_id)
         self._apply(self._job.world_complete())
         offers = self._outboxes.offer() | self._groups.offer(member.worker_id)
+        offers |= self._relay.offer_to(member, self._membership.members())
         return join.accepted(member, self._membership, self.config, self.session_id, self.chunk_bytes, offers)
 
     def _new_groups(self) -> HostGroups:
@@ -440,9 +451,12 @@ class GradientServer:
         await self._streams.serve(member, context)
 
     def _handle(
-        self, stream: WorkerStream, event: ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn
+        self,
+        stream: WorkerStream,
+        event: ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn | PeerPiece,
     ) -> None:
-        """Hands one contribution, barrier arrival, request or host group's report to the table."""
+        """Hands one contribution, barrier arrival, request or host group's report to the table,
+        and a point-to-point piece to the relay."""
         if isinstance(event, ChunkIn):
             chunk = self._outboxes.resolve(event, stream.member)
             self.metrics.payload_received(chunk.worker_id, len(chunk.data))
@@ -451,6 +465,8 @@ class GradientServer:
             self._deliver(self._table.barrier(event))
         elif isinstance(event, StepFailureIn):
             self._deliver(self._table.step_failure_reported(event))
+        elif isinstance(event, PeerPiece):
+            self._deliver(self._relay.forward(stream.member.worker_id, event))
         else:
             self._deliver(self._table.sample_ranges(event))
 

@@ -52,6 +52,8 @@ class Member:
     # 1..K-1, the host group partition 0 gave it.
     host_id: str = ""
     job_host_group: tuple[int, ...] = ()
+    # What it shares memory with for point-to-point messages ("": nothing).
+    peer_host_id: str = ""
 
 
 class Membership:
@@ -111,6 +113,7 @@ class Membership:
             job_chunk_bytes=request.job_chunk_bytes,
             host_id=request.host_id,
             job_host_group=request.job_host_group,
+            peer_host_id=request.peer_host_id,
         )
         if self._fingerprint is None:
             self._fingerprint = dict(request.fingerprint)

@@ -30,6 +30,7 @@ from gradserver.common.messages import (
     HeartbeatAckOut,
     HeartbeatIn,
     LeaveIn,
+    PeerPiece,
     SampleRangeRequestIn,
     StepFailureIn,
     TensorKey,
@@ -85,7 +86,8 @@ class WorkerStream:
 
 
 # What the coordinator does with one decoded contribution, barrier arrival or request.
-Handle = Callable[[WorkerStream, ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn], None]
+Handled = ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn | PeerPiece
+Handle = Callable[[WorkerStream, Handled], None]
 # Frees the member's place: (stream, why it ended, whether that was expected).
 Ended = Callable[[WorkerStream, str, bool], None]
 
@@ -103,7 +105,9 @@ class Streams:
         buffered: Callable[[int], int],
         stopping: Callable[[], bool],
         ended: Ended,
+        opened: Callable[[int], None] = lambda _w: None,
     ) -> None:
+        """`opened(w)`: member w's stream is open (messages queued for it from now on reach it)."""
         self._config = config
         self._metrics = metrics
         # Until the job's chunk size is chosen (`chunk_elements`), the largest it can be; no stream
@@ -116,6 +120,7 @@ class Streams:
         self._buffered = buffered
         self._stopping = stopping
         self._ended = ended
+        self._opened = opened
         self.by_worker: dict[int, WorkerStream] = {}
         self.progress = asyncio.Event()  # set whenever a stream closes (and by the coordinator)
 
@@ -216,6 +221,7 @@ class Streams:
         member.streaming = True
         member.last_seen = time.monotonic()
         self.by_worker[member.worker_id] = stream
+        self._opened(member.worker_id)
         writer = asyncio.create_task(self._write_loop(stream))
         reader = asyncio.create_task(self._read_loop(stream))
         reader.add_done_callback(lambda task: self._reader_done(stream, task))
@@ -324,6 +330,9 @@ class Streams:
         if isinstance(event, StepFailureIn):
             # It names no sender: the stream's member sent it.
             self._handle(stream, dataclasses.replace(event, worker_id=w))
+            return False
+        if isinstance(event, PeerPiece):
+            self._handle(stream, event)  # from the stream's member, for the worker it names
             return False
         assert isinstance(event, HeartbeatIn | ChunkIn | BarrierIn | SampleRangeRequestIn)
         if event.worker_id != w:

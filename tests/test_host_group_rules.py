@@ -274,9 +274,11 @@ def test_host_group_fields_beyond_their_limits_are_refused_naming_them() -> None
     for wrong in (
         dataclasses.replace(base, host_id="x" * (codec.MAX_NAME_LENGTH + 1)),
         dataclasses.replace(base, job_host_group=tuple(range(codec.MAX_HOST_GROUP + 1))),
+        dataclasses.replace(base, peer_host_id="x" * (codec.MAX_NAME_LENGTH + 1)),
     ):
         with pytest.raises(
-            InvalidArgumentError, match="host_id is limited to 256 characters and job_host_group"
+            InvalidArgumentError,
+            match="host_id and peer_host_id are limited to 256 characters and job_host_group",
         ):
             codec.decode_join_request(codec.encode_join_request(wrong))
     limits = codec.WireLimits(chunk_elements=CHUNK, max_tensor_elements=1 << 20, world_size=0)

@@ -404,13 +404,12 @@ def _collectives_rank(rank: int, store_path: str, out_dir: str) -> None:
         pieces = [torch.full((3,), 7.0 + r) for r in range(WORLD)] if rank == 1 else None
         dist.scatter(scattered_piece, pieces, src=1)
         results["scatter"] = scattered_piece
-        try:
-            if rank == 0:
-                dist.send(torch.ones(1), dst=1)
-            else:
-                dist.recv(torch.ones(1), src=0)
-        except NotImplementedError as exc:
-            results["p2p"] = str(exc)
+        if rank == 0:
+            dist.send(torch.tensor([1.5, -2.0]), dst=1, tag=4)
+        elif rank == 1:
+            received = torch.zeros(2)
+            results["p2p_from"] = dist.recv(received, src=None, tag=4)
+            results["p2p"] = received
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     except Exception as exc:
         (Path(out_dir) / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
@@ -447,7 +446,7 @@ def test_collectives_match_torch_semantics_in_rank_order_on_every_rank(tmp_path:
         if rank == 0:
             assert [t.tolist() for t in got["gather"]] == [[r, -r] for r in range(WORLD)]
         assert got["scatter"].tolist() == [7.0 + rank] * 3
-        assert "point-to-point" in got["p2p"], got.get("p2p")
+    assert results[1]["p2p"].tolist() == [1.5, -2.0] and results[1]["p2p_from"] == 0
 
 
 SINGLE_RANK_SCRIPT = """

@@ -10,10 +10,13 @@ refused, saying why and what to use instead.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
 from gradserver.torch._collective import CollectiveClient
 from gradserver.torch.backend import ProcessGroupGradServer
 
@@ -199,21 +203,29 @@ def test_premul_sum_multiplies_each_ranks_tensor_before_the_sum(tmp_path: Path) 
 
 
 @pytest.mark.timeout(120)
-def test_send_and_recv_are_refused_saying_why_and_what_to_use_instead(
+def test_a_rank_sends_to_itself_and_a_peer_out_of_range_is_refused_naming_it(
     coordinator: Callable[..., ServerThread],
 ) -> None:
     client = CollectiveClient.connect_as_rank(coordinator(world_size=1).address, 0, timeout=TEST_TIMEOUTS)
     group = ProcessGroupGradServer(client)
     try:
+        sent = group.send([torch.tensor([3.0, 4.0])], 0, 7)  # isend allows dst == self
+        received = torch.zeros(2)
+        work = group.recv([received], 0, 7)
+        assert work.wait() and sent.wait()
+        assert received.tolist() == [3.0, 4.0]
         for call, what in (
-            (lambda: group.send([torch.ones(1)], 1), "send"),
-            (lambda: group.recv([torch.ones(1)], 1), "recv"),
+            (lambda: group.send([torch.ones(1)], 1), "send to worker 1"),
+            (lambda: group.recv([torch.ones(1)], 1), "receive from worker 1"),
         ):
-            with pytest.raises(NotImplementedError) as refused:
+            with pytest.raises(InvalidArgumentError) as refused:
                 call()
-            message = str(refused.value)
-            assert message.startswith(f"gradserver {what} (rank 0, peer rank 1): point-to-point"), message
-            assert "involves all 1 ranks of its group" in message, message
-            assert "dist.broadcast" in message and "dist.new_group" in message, message
+            assert f"worker 0: {what}: the job has workers 0..0" in str(refused.value), refused.value
+        nothing = group.recv([torch.zeros(1)], 0, 8)
+        started = time.monotonic()
+        late = re.escape("recv from rank 0 (tag 8) did not complete within 0.3 s")
+        with pytest.raises(DeadlineExceededError, match=late):
+            nothing.wait(datetime.timedelta(seconds=0.3))
+        assert time.monotonic() - started < 5
     finally:
         group.shutdown()

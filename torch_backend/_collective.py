@@ -48,6 +48,7 @@ class CollectiveClient(WorkerClient):
             auth_token=auth_token,
             server_name=server_name,
             rank=rank,
+            peer_memory=True,  # send/recv between ranks of one host through shared memory
         )
 
     def send_collective(

@@ -54,6 +54,7 @@ from gradserver.common.errors import DeadlineExceededError, GradServerError, Inv
 from gradserver.common.messages import CollectiveKind, ReduceOp
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
+from gradserver.worker import PeerReceive, PeerSend
 
 from ._collective import CollectiveClient
 from ._coordinator import EmbeddedCoordinator, Store, coordinator_for
@@ -371,11 +372,39 @@ class ProcessGroupGradServer(dist.ProcessGroup):
 
         return self._submit("scatter", run, [output], [output, *pieces])
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
-        raise NotImplementedError(_point_to_point("send", self.rank(), dst, self.size()))
+    # --- point-to-point ---------------------------------------------------------------------
+    # Not operations of the group: only two ranks take part, so they take no sequence number and
+    # never wait for the group's queue (a rank may send while its collectives are under way).
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
-        raise NotImplementedError(_point_to_point("recv", self.rank(), src, self.size()))
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
+        """`isend`/`send`: this rank's bytes of the tensor to rank `dstRank` (the Work completes
+        once they are delivered: in its shared-memory ring, or queued for it by the coordinator)."""
+        tensor = _single("send", tensors)
+        name = f"rank {self.rank()}: gradserver send to rank {dstRank} (tag {tag})"
+        operation = self._client.send_to(dstRank, _bytes_of(tensor), tag=tag)
+        return _PeerWork(name, operation, [tensor], self._timeout_s, self._completions)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
+        """`irecv`/`recv` from rank `srcRank`: the next message with `tag` from it fills the tensor."""
+        return self._receive(tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        """`recv` with `src=None`: the next message with `tag` from any rank (`_source_rank()`)."""
+        return self._receive(tensors, None, tag)
+
+    def _receive(self, tensors: list[torch.Tensor], source: int | None, tag: int) -> dist.Work:
+        tensor = _single("recv", tensors)
+        who = "any rank" if source is None else f"rank {source}"
+        name = f"rank {self.rank()}: gradserver recv from {who} (tag {tag})"
+        into = _host_bytes(tensor)
+        staging = np.empty(_nbytes(tensor), np.uint8) if into is None else None
+        operation = self._client.receive_from(source, tag=tag, into=into if staging is None else staging)
+
+        def write_back() -> None:
+            if staging is not None:
+                _write_bytes_into([tensor], staging, what=name)
+
+        return _PeerWork(name, operation, [tensor], self._timeout_s, self._completions, write_back)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         def run(sequence: int) -> None:
@@ -689,6 +718,86 @@ class _CollectiveWork(dist.Work):
             return self._future
 
 
+class _PeerWork(dist.Work):
+    """The Work of a send or receive: `wait()` moves the bytes (a receive's waiter reads them
+    in) and raises the operation's error (naming the peer rank), bounded by the group's timeout
+    or the `timeout` given; `get_future()` completes on a completion thread that waits."""
+
+    def __init__(
+        self,
+        name: str,
+        operation: PeerSend | PeerReceive,
+        tensors: list[torch.Tensor],
+        timeout_s: float | None,
+        completions: concurrent.futures.ThreadPoolExecutor,
+        write_back: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self._operation = operation
+        self._tensors = tensors  # kept until complete: a send reads them, a receive writes them
+        self._timeout_s = timeout_s
+        self._completions = completions
+        self._write_back = write_back
+        self._finished = False
+        self._lock = threading.Lock()
+        self._future: torch.futures.Future[list[torch.Tensor]] | None = None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        bound = seconds if seconds > 0 else self._timeout_s
+        try:
+            self._operation.wait(bound)
+        except DeadlineExceededError:
+            raise DeadlineExceededError(f"{self.name} did not complete within {bound:g} s") from None
+        except GradServerError as exc:
+            raise type(exc)(f"{self.name} failed: {exc.message}", worker_id=exc.worker_id) from None
+        with self._lock:
+            if not self._finished:
+                self._finished = True
+                if self._write_back is not None:
+                    self._write_back()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._operation.done and (self._write_back is None or self._finished)
+
+    def is_success(self) -> bool:
+        return self._operation.done and self._operation.error is None
+
+    def _source_rank(self) -> int:
+        """The rank a receive's message came from (what `dist.recv(src=None)` returns)."""
+        assert isinstance(self._operation, PeerReceive)
+        return self._operation.sender
+
+    def source_rank(self) -> int:
+        return self._source_rank()
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+            self._future = future
+
+        def complete() -> None:
+            try:
+                self.wait()
+            except Exception as exc:  # noqa: BLE001 - the future carries any failure
+                future.set_exception(RuntimeError(str(exc)))  # type: ignore[arg-type]
+            else:
+                future.set_result(self._tensors)
+
+        self._completions.submit(complete)
+        return future
+
+
+def _single(what: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"gradserver {what}: expected one tensor, got {len(tensors)}")
+    return tensors[0]
+
+
 def _host_nbytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of the tensors; for a device tensor, more than `_EAGER_BYTES` (its copies to the
     host and back are worth overlapping with the caller's work)."""
@@ -896,17 +1005,6 @@ def _scatter_into(tensors: Sequence[torch.Tensor], result: torch.Tensor) -> None
         if not (tensor.is_contiguous() and n and tensor.data_ptr() == piece.data_ptr()):
             tensor.copy_(piece.reshape(tensor.shape))
         offset += n
-
-
-def _point_to_point(what: str, rank: int, peer: int, size: int) -> str:
-    """Why `what` (send or recv) between `rank` and `peer` is refused, and what to use instead."""
-    return (
-        f"gradserver {what} (rank {rank}, peer rank {peer}): point-to-point operations are not "
-        f"supported: every operation of a gradserver coordinator involves all {size} ranks of its "
-        "group, so it cannot relay a message between two of them; use dist.broadcast from the "
-        "sender (every rank of the group calls it), or a two-rank dist.new_group([sender, "
-        "receiver]) that both ranks create (every rank calls new_group) and broadcast in it"
-    )
 
 
 def create_process_group(

@@ -16,6 +16,7 @@ from .results import (
     AveragedTensor,
     SampleRangeAssignment,
 )
+from .transports import PeerReceive, PeerSend
 
 # The old name of SampleRangeAssignment ("shard" now names nothing); goes in the next release.
 ShardAssignment = SampleRangeAssignment
@@ -25,6 +26,8 @@ __all__ = [
     "AveragedGradients",
     "AveragedNonBlock",
     "AveragedTensor",
+    "PeerReceive",
+    "PeerSend",
     "SampleRangeAssignment",
     "ShardAssignment",
     "Timeouts",

@@ -69,7 +69,7 @@ from .results import (
     SampleRangeAssignment,
 )
 from .tensors import as_byte_array, as_byte_buffer, as_float32_array, as_result_buffer
-from .transports import DEFAULT_SHM_ARENA_MIB, TRANSPORTS, LaneClient, Link
+from .transports import DEFAULT_SHM_ARENA_MIB, TRANSPORTS, LaneClient, Link, Mailbox, PeerReceive, PeerSend
 
 # TRANSPORTS stays importable from here: `gradserver worker` offers them as --transport choices.
 __all__ = ["TRANSPORTS", "WorkerClient"]
@@ -93,8 +93,17 @@ class WorkerClient:
     raw pointer taken from it, such as `array.ctypes.data`, is not seen). At most one array per
     key slot is kept."""
 
-    def __init__(self, link: Link, encoder: WireEncoder, timeouts: Timeouts, address: str) -> None:
+    def __init__(
+        self,
+        link: Link,
+        encoder: WireEncoder,
+        timeouts: Timeouts,
+        address: str,
+        mailbox: Mailbox | None = None,
+    ) -> None:
         self._link = link
+        # Point-to-point messages; without shared rings (a client built around a link) all relayed.
+        self._mailbox = mailbox or Mailbox(link, link.accepted, timeouts.receive, None)
         self._encoder = encoder
         self._accepted = link.accepted
         self.timeouts = timeouts
@@ -130,6 +139,7 @@ class WorkerClient:
         shm_arena_mib: float = DEFAULT_SHM_ARENA_MIB,
         host_groups: bool | None = None,
         host_id: str | None = None,
+        peer_memory: bool = False,
     ) -> Self:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
@@ -152,7 +162,9 @@ class WorkerClient:
         on, or $GRADSERVER_HOST_GROUPS): workers that share a host other than the coordinator's
         sum their gradients there, so each chunk crosses that host's link once
         (docs/PROTOCOL.md "Host groups"); `host_id` overrides what this worker says it shares a
-        host with (tests emulate hosts so). `device_type` ("cpu",
+        host with (tests emulate hosts so). `peer_memory`: point-to-point messages (`send_to`,
+        `receive_from`) to workers on this host that asked for it too go through shared memory
+        instead of the coordinator. `device_type` ("cpu",
         "cuda") is what the coordinator logs; `backend` is its deprecated name (a
         DeprecationWarning), from when "backend" also meant the torch.distributed backend."""
         if backend is not None:
@@ -183,6 +195,7 @@ class WorkerClient:
             shared_memory=transports.shm_intended(choice, encoder.dtype),
             wire_dtype=encoder.dtype,
             host_id=transports.host_identity(host_groups, host_id),
+            peer_host_id=transports.peer_host_identity(peer_memory),
         )
 
         def join(at: str, request: JoinRequestIn) -> tuple[grpc.Channel, JoinAccepted]:
@@ -211,7 +224,12 @@ class WorkerClient:
             wire_dtype=encoder.dtype,
             shm_arena_mib=shm_arena_mib,
         )
-        client = cls(link, encoder, timeouts, address)
+        try:
+            mailbox = transports.open_mailbox(link, accepted, timeouts)
+        except BaseException:
+            link.close()
+            raise
+        client = cls(link, encoder, timeouts, address, mailbox)
         try:
             link.confirm_open(timeouts.connect)
         except BaseException:
@@ -491,11 +509,36 @@ class WorkerClient:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
+    # --- point-to-point -------------------------------------------------------------------------
+
+    def send_to(self, peer: int, data: np.ndarray, *, tag: int = 0) -> PeerSend:
+        """Starts sending `data` (its raw bytes, any dtype; read until the send is complete, so
+        keep it unchanged meanwhile) to worker `peer`, matched there by `tag`; returns at once.
+        `PeerSend.wait(timeout)` returns once it is delivered (in the receiver's shared-memory
+        ring, or queued for it by the coordinator) or raises why not (the receiver left, the job
+        failed). Messages to one worker with one tag arrive in the order sent (docs/PROTOCOL.md
+        "Point-to-point")."""
+        if self._closed:
+            raise UnavailableError("this WorkerClient is closed")
+        return self._mailbox.send(int(peer), int(tag), np.asarray(data))
+
+    def receive_from(
+        self, peer: int | None = None, *, tag: int = 0, into: np.ndarray | None = None
+    ) -> PeerReceive:
+        """Posts a receive of the next message with `tag` from worker `peer` (None: from any
+        worker); returns at once. `PeerReceive.wait(timeout)` returns its raw bytes (written
+        into `into` when given: the message must fill it exactly) and sets `sender`. Receives
+        are matched in the order they were posted."""
+        if self._closed:
+            raise UnavailableError("this WorkerClient is closed")
+        return self._mailbox.receive(None if peer is None else int(peer), int(tag), into)
+
     def close(self) -> None:
         """Leaves the job and closes the connection. Safe to call more than once."""
         if self._closed:
             return
         self._closed = True
+        self._mailbox.close()
         self._link.close()
         with self._pool_lock:
             self._pool.clear()

@@ -71,7 +71,7 @@ COLLECTIVE_KIND_REDUCE_SCATTER: CollectiveKind
 COLLECTIVE_KIND_ALL_TO_ALL: CollectiveKind
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "gpu_count", "device_type", "protocol_version", "committed_step", "job_fingerprint", "rank", "shared_memory", "link_bytes_per_s", "wire_dtype", "host_id", "partition_index", "job_chunk_bytes", "job_host_group")
+    __slots__ = ("node_id", "gpu_count", "device_type", "protocol_version", "committed_step", "job_fingerprint", "rank", "shared_memory", "link_bytes_per_s", "wire_dtype", "host_id", "peer_host_id", "partition_index", "job_chunk_bytes", "job_host_group")
     class JobFingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class JoinRequest(_message.Message):
     LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PARTITION_INDEX_FIELD_NUMBER: _ClassVar[int]
     JOB_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOB_HOST_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -104,10 +105,11 @@ class JoinRequest(_message.Message):
     link_bytes_per_s: int
     wire_dtype: DType
     host_id: str
+    peer_host_id: str
     partition_index: int
     job_chunk_bytes: int
     job_host_group: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., device_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., link_bytes_per_s: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., host_id: _Optional[str] = ..., partition_index: _Optional[int] = ..., job_chunk_bytes: _Optional[int] = ..., job_host_group: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., gpu_count: _Optional[int] = ..., device_type: _Optional[str] = ..., protocol_version: _Optional[int] = ..., committed_step: _Optional[int] = ..., job_fingerprint: _Optional[_Mapping[str, str]] = ..., rank: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., link_bytes_per_s: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., host_id: _Optional[str] = ..., peer_host_id: _Optional[str] = ..., partition_index: _Optional[int] = ..., job_chunk_bytes: _Optional[int] = ..., job_host_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LinkProbe(_message.Message):
     __slots__ = ("payload",)
@@ -120,7 +122,7 @@ class LinkProbeAck(_message.Message):
     def __init__(self) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce", "host_group", "host_key")
+    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce", "host_group", "host_key", "host_peers", "peer_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +143,8 @@ class JoinResponse(_message.Message):
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     HOST_GROUP_FIELD_NUMBER: _ClassVar[int]
     HOST_KEY_FIELD_NUMBER: _ClassVar[int]
+    HOST_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     total_workers: int
     session_id: int
@@ -161,7 +165,9 @@ class JoinResponse(_message.Message):
     shm_nonce: bytes
     host_group: _containers.RepeatedScalarFieldContainer[int]
     host_key: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., partition_map: _Optional[_Iterable[str]] = ..., partition_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., host_group: _Optional[_Iterable[int]] = ..., host_key: _Optional[bytes] = ...) -> None: ...
+    host_peers: _containers.RepeatedScalarFieldContainer[int]
+    peer_key: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., partition_map: _Optional[_Iterable[str]] = ..., partition_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., host_group: _Optional[_Iterable[int]] = ..., host_key: _Optional[bytes] = ..., host_peers: _Optional[_Iterable[int]] = ..., peer_key: _Optional[bytes] = ...) -> None: ...
 
 class TensorKey(_message.Message):
     __slots__ = ("step", "block", "non_block", "whole_model", "collective")
@@ -346,7 +352,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "sample_range_request", "step_failed")
+    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "sample_range_request", "peer_message", "step_failed")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +360,7 @@ class Error(_message.Message):
     CULPRIT_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PEER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FAILED_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
@@ -362,24 +369,51 @@ class Error(_message.Message):
     culprit_worker_id: int
     barrier: Barrier
     sample_range_request: SampleRangeRequest
+    peer_message: PeerMessage
     step_failed: bool
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown", "step_failure")
+    __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown", "step_failure", "peer_message")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     STEP_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    PEER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     chunk: GradientChunk
     barrier: Barrier
     sample_range_request: SampleRangeRequest
     heartbeat: Heartbeat
     shutdown: Shutdown
     step_failure: Error
-    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_failure: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    peer_message: PeerMessage
+    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_failure: _Optional[_Union[Error, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ...) -> None: ...
+
+class PeerMessage(_message.Message):
+    __slots__ = ("peer", "tag", "sequence", "total_bytes", "offset", "data")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    peer: int
+    tag: int
+    sequence: int
+    total_bytes: int
+    offset: int
+    data: bytes
+    def __init__(self, peer: _Optional[int] = ..., tag: _Optional[int] = ..., sequence: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PeerDelivered(_message.Message):
+    __slots__ = ("peer", "sequence")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    peer: int
+    sequence: int
+    def __init__(self, peer: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class MemberLeft(_message.Message):
     __slots__ = ("worker_id", "reason")
@@ -390,7 +424,7 @@ class MemberLeft(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error", "member_left")
+    __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error", "member_left", "peer_message", "peer_delivered")
     AVERAGED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_RELEASE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RANGE_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +432,8 @@ class ServerMessage(_message.Message):
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MEMBER_LEFT_FIELD_NUMBER: _ClassVar[int]
+    PEER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PEER_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     averaged_chunk: AveragedChunk
     barrier_release: BarrierRelease
     sample_range_assignment: SampleRangeAssignment
@@ -405,7 +441,9 @@ class ServerMessage(_message.Message):
     shutdown: Shutdown
     error: Error
     member_left: MemberLeft
-    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., member_left: _Optional[_Union[MemberLeft, _Mapping]] = ...) -> None: ...
+    peer_message: PeerMessage
+    peer_delivered: PeerDelivered
+    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., member_left: _Optional[_Union[MemberLeft, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., peer_delivered: _Optional[_Union[PeerDelivered, _Mapping]] = ...) -> None: ...
 
 class PartitionNotice(_message.Message):
     __slots__ = ("from_partition", "partition_count", "step", "code", "message", "culprit_worker_id", "worker_lost")

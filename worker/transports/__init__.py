@@ -28,11 +28,13 @@ from gradserver.common.lane import supported as futexes_supported
 from gradserver.common.messages import DType, JoinAccepted
 from gradserver.common.timeouts import Timeouts
 
+from . import peer_rings
 from .base import ErrorRecord, Link, PendingResult
 from .grpc_link import GrpcLink
 from .host_arena import form
 from .host_link import HostLink
 from .lane import LaneClient
+from .mailbox import Mailbox, PeerReceive, PeerSend
 from .partitioned_link import JoinPartition, PartitionedLink, join_other_partitions
 from .shm_channel import ShmChannel
 from .shm_link import ShmLink
@@ -46,9 +48,14 @@ __all__ = [
     "JoinPartition",
     "LaneClient",
     "Link",
+    "Mailbox",
+    "PeerReceive",
+    "PeerSend",
     "PendingResult",
     "host_identity",
     "open_link",
+    "open_mailbox",
+    "peer_host_identity",
     "shm_intended",
     "transport_choice",
 ]
@@ -87,6 +94,23 @@ def host_identity(host_groups: bool | None, host_id: str | None) -> str:
     if not host_groups or not futexes_supported() or not shm.supported():
         return ""
     return shm.host_id() if host_id is None else host_id
+
+
+def peer_host_identity(share_memory: bool) -> str:
+    """What this worker tells the coordinator it shares memory with for point-to-point messages
+    (JoinRequest.peer_host_id): this machine's host id, or "" when not asked or not possible."""
+    if not share_memory or not futexes_supported() or not shm.supported():
+        return ""
+    return shm.host_id()
+
+
+def open_mailbox(link: Link, accepted: JoinAccepted, timeouts: Timeouts) -> Mailbox:
+    """The worker's point-to-point mailbox: through its host's shared rings to the workers the
+    coordinator says share its memory (formed here, with them), through `link` to the others."""
+    rings = None
+    if accepted.host_peers:
+        rings = peer_rings.form(accepted.host_peers, accepted.worker_id, accepted.peer_key, timeouts.connect)
+    return Mailbox(link, accepted, timeouts.receive, rings)
 
 
 def shm_intended(choice: str, wire_dtype: DType) -> bool:

@@ -20,6 +20,8 @@ from gradserver.common.messages import (
     DType,
     ErrorOut,
     JoinAccepted,
+    PeerDeliveredOut,
+    PeerPiece,
     SampleRangeAssignmentOut,
     SampleStats,
     TensorKey,
@@ -95,6 +97,23 @@ class PendingResult:
         if self.by_elements:
             return self.sized and bool(self.offsets) and self.elements == self.array.size
         return len(self.offsets) == self.num_chunks
+
+
+class PeerSink(Protocol):
+    """What a link tells the worker's point-to-point mailbox (worker/transports/mailbox.py), from
+    its receiver thread; none of it may block."""
+
+    def peer_message(self, event: PeerPiece | PeerDeliveredOut) -> None:
+        """A piece of a message relayed to this worker, or a send of its delivered."""
+        ...
+
+    def peer_refused(self, piece: PeerPiece, error: GradServerError) -> None:
+        """The coordinator refused message `piece.sequence` of this worker."""
+        ...
+
+    def link_broken(self, error: GradServerError) -> None:
+        """The link broke (once): nothing more will be relayed."""
+        ...
 
 
 class Link(Protocol):
@@ -186,6 +205,11 @@ class Link(Protocol):
 
     def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
         """The answer to the oldest sample-range request sent with `send`."""
+        ...
+
+    def on_peer_messages(self, sink: PeerSink) -> None:
+        """Has `sink` hear the point-to-point messages relayed to this worker, its sends'
+        deliveries and refusals, and the link's end (`PeerPiece` messages go out with `send`)."""
         ...
 
     def close(self) -> None:

@@ -66,6 +66,8 @@ from gradserver.common.messages import (
     KeyKind,
     LeaveIn,
     MemberLeftOut,
+    PeerDeliveredOut,
+    PeerPiece,
     SampleRangeAssignmentOut,
     SampleStats,
     ServerEvent,
@@ -77,7 +79,7 @@ from gradserver.common.rpc import EXCHANGE_METHOD, from_grpc, stream_metadata
 from gradserver.common.timeouts import Timeouts
 
 from ..tensors import same_memory
-from .base import ErrorRecord, PendingResult, error_of, payload_values
+from .base import ErrorRecord, PeerSink, PendingResult, error_of, payload_values
 from .lane import LaneClient
 
 log = logging.getLogger("gradserver.worker")
@@ -193,6 +195,7 @@ class GrpcLink:
         self._acks = 0
         self._stop_heartbeat = threading.Event()
         self._news: Callable[[ServerEvent], bool] | None = None
+        self._peers: PeerSink | None = None
         exchange = channel.stream_stream(EXCHANGE_METHOD)
         metadata = stream_metadata(accepted.worker_id, accepted.session_id, accepted.member_token)
         metadata += extra_metadata
@@ -221,6 +224,13 @@ class GrpcLink:
         it, and what it does not handle itself (a host group member left): the host group's link
         (`HostLink`) wraps this one. It must not block."""
         self._news = news
+
+    def on_peer_messages(self, sink: PeerSink) -> None:
+        self._peers = sink
+        with self._cond:
+            broken = self._broken
+        if broken is not None:
+            sink.link_broken(broken.exception())
 
     def allocate(self, num_elements: int) -> np.ndarray | None:
         """Inline payloads are copied into messages whatever array they come from."""
@@ -518,6 +528,8 @@ class GrpcLink:
         self._outbound.abort()
         if first and not self._closing and self._on_break is not None and broken is not None:
             self._on_break(broken)
+        if first and self._peers is not None and broken is not None:
+            self._peers.link_broken(broken.exception())
 
     def abort_with(self, error: GradServerError) -> None:
         """Breaks the link from outside (another partition's link broke) and cancels the call, so
@@ -527,6 +539,10 @@ class GrpcLink:
 
     def _on_event(self, event: ServerEvent) -> None:
         news = self._news
+        if isinstance(event, PeerPiece | PeerDeliveredOut):
+            if self._peers is not None:
+                self._peers.peer_message(event)
+            return
         if isinstance(event, AveragedChunkOut):
             if news is not None and news(event):
                 self._taken_elsewhere(event)
@@ -549,6 +565,8 @@ class GrpcLink:
             elif isinstance(event, ErrorOut):
                 self._on_error(event)
             self._cond.notify_all()
+        if isinstance(event, ErrorOut) and event.peer_message is not None and self._peers is not None:
+            self._peers.peer_refused(event.peer_message, error_of(event))
         if news is not None and isinstance(event, ErrorOut | MemberLeftOut):
             news(event)
         elif isinstance(event, MemberLeftOut):
@@ -659,6 +677,8 @@ class GrpcLink:
                 refused.error = error
         elif event.sample_range_step is not None:
             self._samples.append(error)
+        elif event.peer_message is not None:
+            pass  # a refused point-to-point message: the mailbox hears of it (`_on_event`)
         else:
             # A message the coordinator could not attribute (malformed): nothing waiting can
             # trust the stream's ordering any more.

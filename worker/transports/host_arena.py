@@ -37,7 +37,6 @@ import enum
 import logging
 import mmap
 import os
-import socket
 import struct
 import threading
 import time
@@ -49,6 +48,9 @@ from gradserver.common import shm
 from gradserver.common.errors import UnavailableError
 from gradserver.common.lane import futex_wait, futex_wake
 from gradserver.common.messages import DType, KeyKind, TensorKey
+
+from . import arena_sharing as sharing
+from .arena_sharing import FormingError
 
 log = logging.getLogger("gradserver.worker")
 
@@ -70,9 +72,7 @@ _D_TAKEN = 16  # output descriptors: one word per member from here
 _KIND_CODES = {KeyKind.BLOCK: 1, KeyKind.NON_BLOCK: 2, KeyKind.WHOLE_MODEL: 3, KeyKind.COLLECTIVE: 4}
 # Input and output slots per member: about this many bytes of each, 4 to 64 slots.
 _SLOTS_BYTES = 16 * 2**20
-_HELLO = struct.Struct("<16sI")
 _SOCKET_PREFIX = b"\0gradserver-host-"
-_CONNECT_RETRY_S = 0.05
 
 
 class ArenaState(enum.IntEnum):
@@ -415,11 +415,6 @@ def _next(seq: int) -> int:
 # --- forming ------------------------------------------------------------------------------------
 
 
-class FormingError(Exception):
-    """The group's arena could not be formed; the message says why (every member then sends its
-    own contributions)."""
-
-
 def form(
     group: tuple[int, ...], worker_id: int, key: bytes, chunk_bytes: int, timeout_s: float
 ) -> HostArena | None:
@@ -449,30 +444,8 @@ def _create(
     header = (MAGIC, VERSION, layout.members, layout.slot_bytes, layout.in_slots, layout.out_slots)
     arena.words[: len(header)] = header
     arena.words[arena._w(layout.control(0)) + _C_ATTACHED] = 1
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        try:
-            listener.bind(name)
-        except OSError as exc:
-            arena._set_state(ArenaState.FAILED)
-            raise FormingError(f"its socket is taken ({exc})") from None
-        listener.listen(len(group))
-        deadline = time.monotonic() + timeout_s
-        waiting = set(group[1:])
-        while waiting:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                arena._set_state(ArenaState.FAILED)
-                raise FormingError(f"worker(s) {sorted(waiting)} did not attach within {timeout_s:g} s")
-            listener.settimeout(remaining)
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                member = _admit(conn, group, key, fd, remaining)
-            if member is not None and member in waiting:
-                waiting.discard(member)
+        sharing.serve(group, key, fd, name, timeout_s)
         arena._set_state(ArenaState.OPEN)
         return arena
     except BaseException:
@@ -481,31 +454,14 @@ def _create(
         arena.close()
         raise
     finally:
-        listener.close()
         os.close(fd)
-
-
-def _admit(conn: socket.socket, group: tuple[int, ...], key: bytes, fd: int, timeout_s: float) -> int | None:
-    """One member's hello: the same user, the group's key and a member's id get the arena."""
-    conn.settimeout(min(timeout_s, 5.0))
-    try:
-        _pid, uid = shm.peer_credentials(conn)
-        hello, _ = shm.recv_exact(conn, _HELLO.size)
-        told, worker = _HELLO.unpack(hello)
-        if uid != os.getuid() or told != key or worker not in group[1:]:
-            shm.send_reply(conn, "not a member of this host group", None)
-            return None
-        shm.send_reply(conn, "ok", [fd])
-        return int(worker)
-    except (OSError, ConnectionError, struct.error):
-        return None
 
 
 def _attach(
     group: tuple[int, ...], position: int, key: bytes, layout: ArenaLayout, name: bytes, timeout_s: float
 ) -> HostArena:
     deadline = time.monotonic() + timeout_s
-    mapping = _receive_arena(group[position], key, name, deadline, timeout_s)
+    mapping = sharing.receive(group[position], key, name, deadline, timeout_s)
     try:
         arena = _checked(mapping, layout, position)
     except FormingError:
@@ -530,42 +486,6 @@ def _attach(
         arena.close()
         raise FormingError(f"worker {group[0]} gave up forming it (a member did not attach in time)")
     return arena
-
-
-def _receive_arena(worker: int, key: bytes, name: bytes, deadline: float, timeout_s: float) -> mmap.mmap:
-    """Connects to the first member's socket (retrying until it listens) and receives the arena."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise FormingError(f"its first member's socket did not answer within {timeout_s:g} s")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(min(remaining, 5.0))
-        try:
-            sock.connect(name)
-            _pid, uid = shm.peer_credentials(sock)
-            if uid != os.getuid():
-                raise FormingError(f"its socket belongs to user {uid}, not to this one")
-            sock.sendall(_HELLO.pack(key, worker))
-            reply, fds = shm.recv_exact(sock, shm.REPLY.size, fds=1)
-            status, length = shm.REPLY.unpack(reply)
-            text, _ = shm.recv_exact(sock, length) if length else (b"", [])
-            if status != 0 or not fds:
-                for received in fds:
-                    os.close(received)
-                raise FormingError(f"its first member refused this one: {text.decode(errors='replace')}")
-            try:
-                return shm.map_shared(fds[0], "the host group's shared memory")
-            except ValueError as exc:
-                raise FormingError(str(exc)) from None
-            finally:
-                for received in fds:
-                    os.close(received)
-        except (ConnectionRefusedError, FileNotFoundError):
-            time.sleep(_CONNECT_RETRY_S)
-        except (OSError, ConnectionError) as exc:
-            raise FormingError(f"its first member's socket failed: {exc}") from None
-        finally:
-            sock.close()
 
 
 def _checked(mapping: mmap.mmap, layout: ArenaLayout, position: int) -> HostArena:

@@ -70,7 +70,7 @@ from gradserver.common.messages import (
 from gradserver.common.partition_map import key_hash
 from gradserver.common.timeouts import Timeouts
 
-from .base import ErrorRecord, Link, PendingResult, error_of, payload_values
+from .base import ErrorRecord, Link, PeerSink, PendingResult, error_of, payload_values
 from .host_arena import HostArena, Post, Published, identity, key_of
 from .lane import LaneClient
 
@@ -635,6 +635,9 @@ class HostLink:
 
     def send(self, event: WorkerEvent) -> None:
         self._inner.send(event)
+
+    def on_peer_messages(self, sink: PeerSink) -> None:
+        self._inner.on_peer_messages(sink)
 
     def step_failed(self, step: int) -> bool:
         return self._inner.step_failed(step)

@@ -47,7 +47,7 @@ from gradserver.common.messages import (
 from gradserver.common.partition_map import PartitionMap
 from gradserver.common.timeouts import Timeouts
 
-from .base import ErrorRecord, PendingResult
+from .base import ErrorRecord, PeerSink, PendingResult
 from .grpc_link import GrpcLink
 from .lane import LaneClient
 
@@ -202,8 +202,12 @@ class PartitionedLink:
         except GradServerError as exc:
             raise self._named(index, exc) from None
 
+    def on_peer_messages(self, sink: PeerSink) -> None:
+        """Partition 0 relays point-to-point messages (they go out with `send`)."""
+        self._links[0].on_peer_messages(sink)
+
     def send(self, event: WorkerEvent) -> None:
-        """Control messages go to partition 0."""
+        """Control messages (and point-to-point pieces) go to partition 0."""
         try:
             self._links[0].send(event)
         except GradServerError as exc:

@@ -1,0 +1,133 @@
+"""`PeerRelay`: point-to-point messages between workers, relayed by the coordinator (pure: no I/O).
+
+A worker sends a message for another worker of its job as `PeerMessage` pieces on its own
+Exchange stream (docs/PROTOCOL.md "Point-to-point"); the relay passes each piece on, as it comes,
+to the receiver's stream, naming the sender, and tells the sender when the last piece is queued
+there (`PeerDelivered`): each byte crosses the sender's link and the receiver's link once, and no
+other worker sees it. Pieces of one sender reach one receiver in the order sent (one stream in,
+one stream out), so messages between two workers keep their order. What the relay refuses, it
+answers with an error naming the message (its receiver, tag and number) and why: a receiver out
+of range, the sender itself, or one that left or was lost. A receiver that joined but has not
+opened its stream yet gets the pieces held for it until it does (workers open their streams after
+the world completes, and a fast sender may already be sending).
+
+It is also the outbox (server/outbox.py) that learns when a stream opens and when a worker
+leaves, and it offers each joiner the members it shares memory with (`host_peers`): workers that
+said the same `peer_host_id` move their messages to each other through shared memory
+(worker/transports/peer_rings.py) and never through here. Those sets are fixed for the job, so they
+are offered only where a job never takes a replacement (`--on-worker-loss abort`): a replacement
+could not join memory its predecessor held.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gradserver.common.errors import Status
+from gradserver.common.messages import ChunkIn, ErrorOut, PeerDeliveredOut, PeerPiece
+
+from .membership import Member
+from .outgoing import Outgoing
+from .reduction import ReductionTable
+
+_KEY_BYTES = 16
+
+
+class PeerRelay:
+    """The relay of one job (a fresh job starts a fresh one: `reset`)."""
+
+    def __init__(self, world_size: int, *, host_peers: bool, streaming: Callable[[int], bool]) -> None:
+        """`host_peers`: whether joiners are offered the members they share memory with;
+        `streaming(w)`: whether member w's stream is open (its pieces can be queued there)."""
+        self._world = world_size
+        self._share_memory = host_peers
+        self._streaming = streaming
+        self._gone: dict[int, str] = {}  # worker id -> why it left (until one takes its place)
+        self._held: dict[int, list[Outgoing]] = {}  # receiver -> pieces for its stream-to-be
+        self._keys: dict[str, bytes] = {}  # peer_host_id -> the key naming that host's mailboxes
+
+    def offer_to(self, member: Member, members: Sequence[Member]) -> dict[str, Any]:
+        """The JoinAccepted fields for `member`: who shares its memory, and their key."""
+        if not self._share_memory or not member.peer_host_id:
+            return {}
+        peers = tuple(sorted(m.worker_id for m in members if m.peer_host_id == member.peer_host_id))
+        if len(peers) < 2:
+            return {}
+        key = self._keys.setdefault(member.peer_host_id, secrets.token_bytes(_KEY_BYTES))
+        return {"host_peers": peers, "peer_key": key}
+
+    def forward(self, sender: int, piece: PeerPiece) -> list[Outgoing]:
+        """One piece from `sender`: passed on to its receiver (and, for the last piece, the
+        sender told it is delivered), or refused naming why."""
+        receiver = piece.peer
+        problem = self._refusal(sender, receiver)
+        if problem is not None:
+            message = (
+                f"worker {sender}: point-to-point message {piece.sequence} (tag {piece.tag}) for worker "
+                f"{receiver} refused: {problem}"
+            )
+            refused = PeerPiece(receiver, piece.tag, piece.sequence, piece.total_bytes, piece.offset)
+            malformed = receiver >= self._world or receiver == sender
+            code = Status.INVALID_ARGUMENT if malformed else Status.ABORTED
+            event = ErrorOut(int(code), message, 0, culprit_worker_id=receiver, peer_message=refused)
+            return [Outgoing((sender,), event)]
+        relayed = PeerPiece(sender, piece.tag, piece.sequence, piece.total_bytes, piece.offset, piece.data)
+        out = [Outgoing((receiver,), relayed)]
+        if piece.offset + len(piece.data) >= piece.total_bytes:
+            out.append(Outgoing((sender,), PeerDeliveredOut(receiver, piece.sequence)))
+        if self._streaming(receiver):
+            return out
+        # The receiver's stream is not open yet: its pieces wait, and so does the sender's notice.
+        self._held.setdefault(receiver, []).extend(out)
+        return []
+
+    def _refusal(self, sender: int, receiver: int) -> str | None:
+        if receiver >= self._world:
+            return f"the job has workers 0..{self._world - 1}"
+        if receiver == sender:
+            return "a worker does not send to itself through the coordinator"
+        why = self._gone.get(receiver)
+        if why is not None:
+            return f"worker {receiver} is no longer in the job ({why})"
+        return None
+
+    def opened(self, worker_id: int) -> list[Outgoing]:
+        """Member `worker_id`'s stream opened: what was held for it, in order."""
+        self._gone.pop(worker_id, None)
+        return self._held.pop(worker_id, [])
+
+    # --- the outbox ------------------------------------------------------------------------------
+
+    def route(self, item: Outgoing) -> list[Outgoing]:
+        return [item]
+
+    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn | None:
+        return None
+
+    def sent(self, outgoing: Sequence[Outgoing]) -> None:
+        pass
+
+    def streaming(self, worker_id: int) -> None:
+        pass
+
+    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
+        """Pieces for it are refused from now on, naming why (those held for it are dropped: it
+        never read them)."""
+        self._gone[worker_id] = f"it was lost: {reason}" if lost else f"it left: {reason}"
+        self._held.pop(worker_id, None)
+
+    def offer(self) -> dict[str, Any]:
+        return {}
+
+    def reset(self) -> None:
+        self._gone.clear()
+        self._held.clear()
+        self._keys.clear()
+
+    def stopping(self, reason: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,108 @@
+"""Handing one sealed memfd arena to the members of a group on one host (a host group's arena,
+a host's point-to-point mailboxes).
+
+The group's first member creates the arena and serves it on an abstract Unix socket named after
+the group's key, which only the group's members learned from the coordinator: a member connects,
+the socket's peer must be its own user (SO_PEERCRED), it says the key and its worker id, and it
+receives the arena's descriptor. Nothing has a name in /dev/shm, and the kernel frees the arena
+with its last holder. What the arena's own header says (forming, open, failed) is its user's.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+import time
+
+from gradserver.common import shm
+
+_HELLO = struct.Struct("<16sI")
+_CONNECT_RETRY_S = 0.05
+
+
+class FormingError(Exception):
+    """The group's arena could not be shared; the message says why."""
+
+
+def serve(group: tuple[int, ...], key: bytes, fd: int, name: bytes, timeout_s: float) -> None:
+    """Serves arena `fd` on socket `name` until every member of `group` after the first one
+    received it; raises `FormingError` when the socket is taken or a member did not come in time."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            listener.bind(name)
+        except OSError as exc:
+            raise FormingError(f"its socket is taken ({exc})") from None
+        listener.listen(len(group))
+        deadline = time.monotonic() + timeout_s
+        waiting = set(group[1:])
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FormingError(f"worker(s) {sorted(waiting)} did not attach within {timeout_s:g} s")
+            listener.settimeout(remaining)
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                member = _admit(conn, group, key, fd, remaining)
+            if member is not None:
+                waiting.discard(member)
+    finally:
+        listener.close()
+
+
+def _admit(conn: socket.socket, group: tuple[int, ...], key: bytes, fd: int, timeout_s: float) -> int | None:
+    """One member's hello: the same user, the group's key and a member's id get the arena."""
+    conn.settimeout(min(timeout_s, 5.0))
+    try:
+        _pid, uid = shm.peer_credentials(conn)
+        hello, _ = shm.recv_exact(conn, _HELLO.size)
+        told, worker = _HELLO.unpack(hello)
+        if uid != os.getuid() or told != key or worker not in group[1:]:
+            shm.send_reply(conn, "not a member of this group", None)
+            return None
+        shm.send_reply(conn, "ok", [fd])
+        return int(worker)
+    except (OSError, ConnectionError, struct.error):
+        return None
+
+
+def receive(worker: int, key: bytes, name: bytes, deadline: float, timeout_s: float) -> mmap.mmap:
+    """Connects to the first member's socket `name` (retrying until it listens, up to `deadline`)
+    as `worker` and maps the arena it hands out."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise FormingError(f"its first member's socket did not answer within {timeout_s:g} s")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(min(remaining, 5.0))
+        try:
+            sock.connect(name)
+            _pid, uid = shm.peer_credentials(sock)
+            if uid != os.getuid():
+                raise FormingError(f"its socket belongs to user {uid}, not to this one")
+            sock.sendall(_HELLO.pack(key, worker))
+            reply, fds = shm.recv_exact(sock, shm.REPLY.size, fds=1)
+            status, length = shm.REPLY.unpack(reply)
+            text, _ = shm.recv_exact(sock, length) if length else (b"", [])
+            if status != 0 or not fds:
+                for received in fds:
+                    os.close(received)
+                raise FormingError(f"its first member refused this one: {text.decode(errors='replace')}")
+            try:
+                return shm.map_shared(fds[0], "the group's shared memory")
+            except ValueError as exc:
+                raise FormingError(str(exc)) from None
+            finally:
+                for received in fds:
+                    os.close(received)
+        except (ConnectionRefusedError, FileNotFoundError):
+            time.sleep(_CONNECT_RETRY_S)
+        except (OSError, ConnectionError) as exc:
+            raise FormingError(f"its first member's socket failed: {exc}") from None
+        finally:
+            sock.close()

@@ -1,0 +1,564 @@
+"""`Mailbox`: one worker's point-to-point messages (docs/PROTOCOL.md "Point-to-point").
+
+A message goes to another worker of the job with a tag; the receiver takes it with a receive
+naming the sender (or any sender) and the tag. Messages from one sender with one tag are received
+in the order sent. Between workers of one host that share their mailboxes (`peer_rings`), a
+message is written into the pair's ring and read out of it straight into the receiver's buffer;
+to any other worker it goes through the coordinator (`PeerPiece` messages on the link, in pieces of
+the job's chunk size) and is assembled on this side.
+
+Receives are matched in the order they were posted, with the messages in the order they came, so
+two receives of one sender and tag get its messages in order whichever is waited for first.
+Nothing runs in the background for a receive: whoever waits moves the bytes (from the rings, or
+those the link's receiver thread assembled) and completes every receive they are for. A send
+writes what it can at once; what does not fit yet (a message larger than the ring's free room, or
+of many pieces) is finished by the mailbox's sender thread, so a send never waits for its
+receiver to post a receive (every rank may send before it receives, as in a ring).
+
+A send is complete once its last byte is in the receiver's ring, or the coordinator queued its
+last piece for the receiver (`PeerDeliveredOut`); refused (its receiver left), it fails naming
+the receiver. When the link breaks (the job failed: a worker was lost, the coordinator stopped),
+every send and receive not complete fails with the link's error, which names the lost worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+
+import numpy as np
+
+from gradserver.common.errors import (
+    DeadlineExceededError,
+    GradServerError,
+    InvalidArgumentError,
+    UnavailableError,
+)
+from gradserver.common.lane import spin_for
+from gradserver.common.messages import JoinAccepted, PeerDeliveredOut, PeerPiece
+
+from .base import Link
+from .peer_rings import FRAME, PeerRings
+
+log = logging.getLogger("gradserver.worker")
+
+_SLEEP_S = 0.05  # the longest a waiter sleeps before it looks at the link's state again
+
+
+class PeerSend:
+    """One message on its way: `wait` until it is delivered (or raises why it was not)."""
+
+    def __init__(self, mailbox: Mailbox, peer: int, tag: int, data: np.ndarray, sequence: int) -> None:
+        self._mailbox = mailbox
+        self.peer = peer
+        self.tag = tag
+        self.data = data
+        self.sequence = sequence
+        self.written = 0  # bytes of its frame in the ring, or of its pieces sent
+        self.busy = False  # the sending thread is writing it (no other thread may)
+        self.error: GradServerError | None = None
+        self.done = False
+
+    def describe(self) -> str:
+        return (
+            f"worker {self._mailbox.worker_id}: send of {self.data.size} bytes to worker {self.peer} "
+            f"(tag {self.tag})"
+        )
+
+    def _finish(self, error: GradServerError | None = None) -> None:
+        if not self.done:
+            self.error = error
+            self.done = True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Returns once delivered; raises the reason it was not, or DeadlineExceededError after
+        `timeout` seconds (None: the client's receive timeout) while it is still on its way.
+        While it waits, this worker reads what its peers send it (so two workers that each wait
+        for their own send to the other never wait for good)."""
+        self._mailbox.wait_for(self, self._mailbox.timeout if timeout is None else timeout)
+        if self.error is not None:
+            raise type(self.error)(self.error.message, worker_id=self.error.worker_id)
+
+
+class PeerReceive:
+    """One posted receive: `wait` for its message (`data`, from `sender`)."""
+
+    def __init__(self, mailbox: Mailbox, source: int | None, tag: int, into: np.ndarray | None) -> None:
+        self._mailbox = mailbox
+        self.source = source
+        self.tag = tag
+        self.into = into
+        self.sender = -1
+        self.data = np.zeros(0, np.uint8)
+        self.error: GradServerError | None = None
+        self.done = False
+
+    def describe(self) -> str:
+        who = "any worker" if self.source is None else f"worker {self.source}"
+        return f"worker {self._mailbox.worker_id}: receive from {who} (tag {self.tag})"
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """The message's bytes (in `into` when one was given); raises why there is none, or
+        DeadlineExceededError after `timeout` seconds (None: the client's receive timeout): the
+        receive stays posted and may be waited for again."""
+        self._mailbox.wait_for(self, self._mailbox.timeout if timeout is None else timeout)
+        if self.error is not None:
+            raise type(self.error)(self.error.message, worker_id=self.error.worker_id)
+        return self.data
+
+
+@dataclasses.dataclass(eq=False)
+class _Incoming:
+    """A message being moved into its target: a posted receive's buffer, or one of its own."""
+
+    sender: int
+    tag: int
+    nbytes: int
+    target: np.ndarray | None  # None: thrown away (it did not fit the receive it matched)
+    receive: PeerReceive | None
+    got: int = 0  # bytes moved (ring: of the frame after its header, padding included)
+
+
+class _Bell:
+    """What waiters sleep on: the worker's bell in its host's rings, else a condition."""
+
+    def __init__(self, rings: PeerRings | None) -> None:
+        self._rings = rings
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def detach(self) -> None:
+        """The rings are about to be unmapped: from now on a condition serves (under its lock, so
+        no ring of them is under way)."""
+        with self._cond:
+            self._rings = None
+            self._count += 1
+            self._cond.notify_all()
+
+    def value(self) -> int:
+        with self._cond:
+            return self._rings.bell() if self._rings is not None else self._count
+
+    def ring(self) -> None:
+        with self._cond:
+            if self._rings is not None:
+                self._rings.ring(self._rings.position)
+                return
+            self._count += 1
+            self._cond.notify_all()
+
+    def sleep(self, seen: int, timeout_s: float) -> None:
+        rings = self._rings
+        if rings is not None:
+            rings.sleep(seen, timeout_s)  # unmapped meanwhile: `detach` waits for no sleeper
+            return
+        with self._cond:
+            if self._count == seen:
+                self._cond.wait(timeout_s)
+
+
+class Mailbox:
+    """The point-to-point messages of one worker, over its link and its host's rings."""
+
+    def __init__(self, link: Link, accepted: JoinAccepted, timeout: float, rings: PeerRings | None) -> None:
+        self.worker_id = accepted.worker_id
+        self.timeout = timeout
+        self._world = accepted.total_workers
+        self._link = link
+        self._piece_bytes = max(8, accepted.chunk_bytes)
+        self._rings = rings
+        peers = () if rings is None else rings.peers
+        self._local = {w: peers.index(w) for w in peers if w != self.worker_id}
+        self._bell = _Bell(rings)
+        self._spins = spin_for(2) if rings is not None else 0
+        self._lock = threading.Lock()
+        self._sequence = itertools.count()
+        self._posted: list[PeerReceive] = []
+        self._unexpected: list[tuple[int, int, np.ndarray]] = []  # (sender, tag, bytes), as they came
+        self._assembling: dict[tuple[int, int], _Incoming] = {}  # relayed: (sender, sequence)
+        self._reading: dict[int, _Incoming] = {}  # from the rings: sender -> its message being read
+        self._progress = threading.Lock()  # one thread reads the rings at a time
+        self._queued: dict[int, collections.deque[PeerSend]] = {}  # peer -> sends not fully written
+        self._relayed: dict[int, PeerSend] = {}  # sequence -> written sends awaiting delivery
+        self._broken: GradServerError | None = None
+        self._closed = False
+        self._work = threading.Condition(self._lock)
+        self._sender: threading.Thread | None = None
+        link.on_peer_messages(self)
+
+    @property
+    def transport(self) -> str:
+        return "shared memory" if self._rings is not None else "coordinator"
+
+    def same_host(self, peer: int) -> bool:
+        """Whether messages to and from `peer` go through this host's shared memory."""
+        return peer in self._local
+
+    # --- sending ---------------------------------------------------------------------------------
+
+    def send(self, peer: int, tag: int, data: np.ndarray) -> PeerSend:
+        """Starts sending `data` (raw bytes, read until the send is complete) to worker `peer`."""
+        if not 0 <= peer < self._world:
+            raise InvalidArgumentError(
+                f"worker {self.worker_id}: send to worker {peer}: the job has workers 0..{self._world - 1}"
+            )
+        payload = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        send = PeerSend(self, peer, tag, payload, next(self._sequence))
+        with self._lock:
+            self._raise_if_unusable(f"send to worker {peer} (tag {tag})")
+            if peer == self.worker_id:
+                self._arrived_whole(peer, tag, payload.copy())
+                send._finish()
+                return send
+            queue = self._queued.setdefault(peer, collections.deque())
+            queue.append(send)
+            send.busy = len(queue) == 1
+        if send.busy and self._advance(send, inline=True):
+            return send
+        with self._lock:
+            send.busy = False
+            self._start_sender()
+            self._work.notify_all()
+        return send
+
+    def _advance(self, send: PeerSend, *, inline: bool) -> bool:
+        """Moves `send` on as far as it goes without waiting (inline: only if it is one piece for
+        the coordinator); True once it is fully written (it left the queue then)."""
+        try:
+            if send.peer in self._local:
+                assert self._rings is not None
+                frame = FRAME.pack(send.tag, send.data.size)
+                send.written = self._rings.write(self._local[send.peer], frame, send.data, send.written)
+                whole = send.written >= FRAME.size + -(-send.data.size // 8) * 8
+            else:
+                if inline and send.data.size > self._piece_bytes:
+                    return False
+                with self._lock:
+                    self._relayed[send.sequence] = send
+                self._send_pieces(send)
+                whole = True
+        except GradServerError as exc:
+            self._fail_send(send, exc)
+            whole = True
+        if whole:
+            with self._lock:
+                send.busy = False
+                queue = self._queued.get(send.peer)
+                if queue and queue[0] is send:
+                    queue.popleft()
+                if send.peer in self._local:
+                    send._finish()
+                if queue:
+                    self._start_sender()
+                    self._work.notify_all()
+            if not inline:
+                self._bell.ring()  # its waiter sleeps on the bell
+        return whole
+
+    def _send_pieces(self, send: PeerSend) -> None:
+        total = send.data.size
+        offset = send.written
+        while True:
+            piece = send.data[offset : offset + self._piece_bytes]
+            self._link.send(PeerPiece(send.peer, send.tag, send.sequence, total, offset, piece.data))
+            offset += piece.size
+            send.written = offset
+            if offset >= total:
+                return
+
+    def _fail_send(self, send: PeerSend, error: GradServerError) -> None:
+        with self._lock:
+            self._relayed.pop(send.sequence, None)
+        send._finish(error)
+
+    def _start_sender(self) -> None:
+        """Starts the sender thread if it is not running (lock held)."""
+        if self._sender is None and not self._closed:
+            self._sender = threading.Thread(
+                target=self._send_loop, name=f"gradserver-p2p-send-{self.worker_id}", daemon=True
+            )
+            self._sender.start()
+
+    def _send_loop(self) -> None:
+        """Finishes the sends that did not fit at once, the oldest to each peer first."""
+        while True:
+            with self._lock:
+                while not self._closed and not self._idle_heads():
+                    self._work.wait(1.0)
+                if self._closed:
+                    return
+                heads = self._idle_heads()
+                for send in heads:
+                    send.busy = True
+            seen = self._bell.value()
+            if [send for send in heads if self._advance(send, inline=False)]:
+                continue
+            # Every one waits for room in a ring: sleep until a receiver reads, reading meanwhile
+            # what this worker's peers send it (they may be waiting for room themselves).
+            waiting = [self._local[s.peer] for s in heads if s.peer in self._local]
+            assert self._rings is not None and waiting
+            for position in waiting:
+                self._rings.want_room(position, True)
+            moved = [send for send in heads if self._advance(send, inline=False)]
+            if not moved and not self._progress_rings():
+                self._bell.sleep(seen, _SLEEP_S)
+            for position in waiting:
+                self._rings.want_room(position, False)
+            with self._lock:
+                for send in heads:
+                    send.busy = False
+
+    def _idle_heads(self) -> list[PeerSend]:
+        """The oldest unwritten send to each peer that no thread is writing (lock held)."""
+        return [queue[0] for queue in self._queued.values() if queue and not queue[0].busy]
+
+    # --- what the link hears ---------------------------------------------------------------------
+
+    def peer_message(self, event: PeerPiece | PeerDeliveredOut) -> None:
+        """From the link's receiver thread: a piece of a relayed message, or a send delivered."""
+        if isinstance(event, PeerDeliveredOut):
+            with self._lock:
+                send = self._relayed.pop(event.sequence, None)
+            if send is not None:
+                send._finish()
+                self._bell.ring()
+            return
+        key = (event.peer, event.sequence)
+        with self._lock:
+            incoming = self._assembling.get(key)
+            if incoming is None:
+                if event.offset:
+                    log.warning(
+                        "worker %d: dropped a piece of message %d from worker %d whose start it never got",
+                        self.worker_id,
+                        event.sequence,
+                        event.peer,
+                    )
+                    return
+                incoming = self._incoming(event.peer, event.tag, event.total_bytes)
+                self._assembling[key] = incoming
+        data = np.frombuffer(event.data, np.uint8)
+        if incoming.target is not None:
+            incoming.target[event.offset : event.offset + data.size] = data
+        incoming.got += data.size
+        if incoming.got >= incoming.nbytes:
+            with self._lock:
+                del self._assembling[key]
+                self._complete(incoming)
+            self._bell.ring()
+
+    def peer_refused(self, piece: PeerPiece, error: GradServerError) -> None:
+        """The coordinator refused message `piece.sequence` (its receiver is gone, ...)."""
+        with self._lock:
+            send = self._relayed.pop(piece.sequence, None)
+        if send is not None:
+            send._finish(error)
+            self._bell.ring()
+
+    def link_broken(self, error: GradServerError) -> None:
+        """The link broke: nothing can be sent or received any more."""
+        with self._lock:
+            if self._broken is not None or self._closed:
+                return
+            self._broken = error
+            self._fail_everything(error)
+            self._work.notify_all()
+        self._bell.ring()
+
+    def _fail_everything(self, error: GradServerError) -> None:
+        """Lock held."""
+        for receive in self._posted:
+            receive.error, receive.done = error, True
+        self._posted.clear()
+        for incoming in [*self._assembling.values(), *self._reading.values()]:
+            if incoming.receive is not None and not incoming.receive.done:
+                incoming.receive.error, incoming.receive.done = error, True
+        for queue in self._queued.values():
+            for send in queue:
+                send._finish(error)
+            queue.clear()
+        for send in self._relayed.values():
+            send._finish(error)
+        self._relayed.clear()
+
+    # --- receiving -------------------------------------------------------------------------------
+
+    def receive(self, source: int | None, tag: int, into: np.ndarray | None = None) -> PeerReceive:
+        """Posts a receive of a message from `source` (None: any worker) with `tag`, into `into`
+        (raw bytes: the message must fill it exactly) or a new array."""
+        if source is not None and not 0 <= source < self._world:
+            raise InvalidArgumentError(
+                f"worker {self.worker_id}: receive from worker {source}: the job has workers "
+                f"0..{self._world - 1}"
+            )
+        target = None if into is None else into.reshape(-1).view(np.uint8)
+        receive = PeerReceive(self, source, tag, target)
+        with self._lock:
+            self._raise_if_unusable(receive.describe())
+            for i, (sender, got_tag, data) in enumerate(self._unexpected):
+                if got_tag == tag and (source is None or source == sender):
+                    del self._unexpected[i]
+                    self._deliver_to(receive, sender, data)
+                    return receive
+            self._posted.append(receive)
+        return receive
+
+    def _matching(self, sender: int, tag: int) -> PeerReceive | None:
+        """The oldest posted receive a message from `sender` with `tag` is for (lock held)."""
+        for i, receive in enumerate(self._posted):
+            if receive.tag == tag and (receive.source is None or receive.source == sender):
+                del self._posted[i]
+                return receive
+        return None
+
+    def _incoming(self, sender: int, tag: int, nbytes: int) -> _Incoming:
+        """Where a message starting to arrive goes (lock held): a matching receive's buffer
+        when it has one of that size, else an array of its own."""
+        receive = self._matching(sender, tag)
+        if receive is not None and receive.into is not None:
+            if receive.into.size == nbytes:
+                return _Incoming(sender, tag, nbytes, receive.into, receive)
+            receive.error = InvalidArgumentError(
+                f"{receive.describe()}: the message from worker {sender} holds {nbytes} bytes, the "
+                f"receive's buffer {receive.into.size}",
+                worker_id=sender,
+            )
+            return _Incoming(sender, tag, nbytes, None, receive)
+        return _Incoming(sender, tag, nbytes, np.empty(nbytes, np.uint8), receive)
+
+    def _complete(self, incoming: _Incoming) -> None:
+        """A message arrived whole (lock held): its receive is done, or a receive posted since it
+        began takes it, or it waits for one."""
+        receive = incoming.receive
+        if receive is None:
+            receive = self._matching(incoming.sender, incoming.tag)
+            if receive is None:
+                assert incoming.target is not None
+                self._unexpected.append((incoming.sender, incoming.tag, incoming.target))
+                return
+            assert incoming.target is not None
+            self._deliver_to(receive, incoming.sender, incoming.target)
+            return
+        receive.sender = incoming.sender
+        if incoming.target is not None:
+            receive.data = incoming.target
+        receive.done = True
+
+    def _deliver_to(self, receive: PeerReceive, sender: int, data: np.ndarray) -> None:
+        """Completes `receive` with a message already in hand (lock held)."""
+        receive.sender = sender
+        if receive.into is None:
+            receive.data = data
+        elif receive.into.size == data.size:
+            receive.into[:] = data
+            receive.data = receive.into
+        else:
+            receive.error = InvalidArgumentError(
+                f"{receive.describe()}: the message from worker {sender} holds {data.size} bytes, the "
+                f"receive's buffer {receive.into.size}",
+                worker_id=sender,
+            )
+        receive.done = True
+
+    def _arrived_whole(self, sender: int, tag: int, data: np.ndarray) -> None:
+        """A message in hand (lock held), e.g. one this worker sent itself."""
+        receive = self._matching(sender, tag)
+        if receive is None:
+            self._unexpected.append((sender, tag, data))
+        else:
+            self._deliver_to(receive, sender, data)
+
+    def wait_for(self, operation: PeerSend | PeerReceive, timeout: float) -> None:
+        """Moves messages until `operation` is done (or the link broke, or `timeout` passed)."""
+        deadline = time.monotonic() + timeout
+        spins = self._spins
+        while not operation.done:
+            seen = self._bell.value()
+            if self._progress_rings() or _done(operation):
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceededError(f"{operation.describe()}: not done within {timeout:g} s")
+            if spins > 0:
+                spins -= 1
+                continue
+            self._bell.sleep(seen, min(remaining, _SLEEP_S))
+
+    def _progress_rings(self) -> bool:
+        """Reads the rings unless another thread is at it; True when a message was completed
+        (every waiter is rung then: its operation may be the one)."""
+        if self._rings is None or not self._progress.acquire(blocking=False):
+            return False
+        try:
+            moved = self._read_rings()
+        finally:
+            self._progress.release()
+        if moved:
+            self._bell.ring()
+        return moved
+
+    def _read_rings(self) -> bool:
+        """Moves what the rings hold into the receives it is for (progress lock held); True when
+        a message was completed."""
+        rings = self._rings
+        if rings is None or self._closed:
+            return False
+        completed = False
+        for sender, position in self._local.items():
+            while True:
+                incoming = self._reading.get(position)
+                if incoming is None:
+                    frame = rings.peek_frame(position)
+                    if frame is None:
+                        break
+                    tag, nbytes = frame
+                    rings.read(position, None, skip=FRAME.size)
+                    with self._lock:
+                        incoming = self._incoming(sender, tag, nbytes)
+                    self._reading[position] = incoming
+                padded = -(-incoming.nbytes // 8) * 8
+                if incoming.got < incoming.nbytes and incoming.target is not None:
+                    incoming.got += rings.read(position, incoming.target[incoming.got :])
+                if incoming.got < padded and (incoming.got >= incoming.nbytes or incoming.target is None):
+                    incoming.got += rings.read(position, None, skip=padded - incoming.got)
+                if incoming.got < padded:
+                    break  # the rest is not written yet
+                del self._reading[position]
+                with self._lock:
+                    self._complete(incoming)
+                completed = True
+        return completed
+
+    def _raise_if_unusable(self, what: str) -> None:
+        if self._broken is not None:
+            raise type(self._broken)(f"{what}: {self._broken.message}", worker_id=self._broken.worker_id)
+        if self._closed:
+            raise UnavailableError(f"{what}: the client was closed")
+
+    # --- closing ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Fails what is not complete and lets the rings go (no thread reads them afterwards)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._fail_everything(UnavailableError(f"worker {self.worker_id}: the client was closed"))
+            self._work.notify_all()
+            sender = self._sender
+        self._bell.ring()
+        if sender is not None:
+            sender.join(5.0)
+        if self._rings is not None:
+            with self._progress:
+                self._bell.detach()
+                self._rings.close()
+
+
+def _done(operation: PeerSend | PeerReceive) -> bool:
+    """Whether `operation` is done now (another thread may have completed it meanwhile)."""
+    return operation.done
