@@ -4,9 +4,11 @@
     python -m bench.collectives --workers 2 --sizes 4 262144 --iterations 20
 
 For every N, each backend runs in its own set of spawned ranks (a file store, the same tensors)
-and times all_gather_into_tensor, reduce_scatter_tensor and broadcast of float32 tensors of each
-size: S bytes is what every rank contributes to the all-gather, receives from the reduce-scatter
-(its input is N times that) and what the broadcast moves. Each call is timed on its own after a
+and times all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast of float32
+tensors of each size: S bytes is what every rank contributes to the all-gather, receives from the
+reduce-scatter (its input is N times that) and what the broadcast moves; and a point-to-point
+round trip: rank 0 sends S bytes to rank 1 and receives them back (`send_recv`; the other ranks
+only take part in the barrier). Each call is timed on its own after a
 barrier and a warm-up; rank 0 reports the median per operation. The backends run one after the
 other for each N, so the ratios compare runs a few seconds apart on the same machine. The table
 gives both medians and the ratio gradserver/gloo (below 1: gradserver is faster).
@@ -29,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKENDS = ("gradserver", "gloo")
-OPERATIONS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+OPERATIONS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send_recv")
 DEFAULT_SIZES = (4, 256 * 1024, 1024 * 1024, 16 * 1024 * 1024)
 _WARMUP = 2
 _JOIN_S = 900.0
@@ -61,8 +63,21 @@ def _run(name: str, tensors: tuple[Any, ...]) -> None:
         dist.reduce_scatter_tensor(*tensors)
     elif name == "all_reduce":
         dist.all_reduce(tensors[0])
+    elif name == "send_recv":
+        _round_trip(tensors[0])
     else:
         dist.broadcast(tensors[0], src=0)
+
+
+def _round_trip(tensor: torch.Tensor) -> None:
+    """Rank 0 sends `tensor` to rank 1, which sends it back; the other ranks do nothing."""
+    rank = dist.get_rank()
+    if rank == 0:
+        dist.send(tensor, 1)
+        dist.recv(tensor, 1)
+    elif rank == 1:
+        dist.recv(tensor, 0)
+        dist.send(tensor, 0)
 
 
 def _rank(rank: int, world: int, backend: str, store: str, out: str, sizes: list[int], repeat: int) -> None:

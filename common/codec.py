@@ -799,7 +799,9 @@ def encode_server_event(event: ServerEvent) -> bytes:
     elif isinstance(event, ShutdownOut):
         msg = pb.ServerMessage(shutdown=pb.Shutdown(reason=event.reason))
     elif isinstance(event, MemberLeftOut):
-        msg = pb.ServerMessage(member_left=pb.MemberLeft(worker_id=event.worker_id, reason=event.reason))
+        msg = pb.ServerMessage(
+            member_left=pb.MemberLeft(worker_id=event.worker_id, reason=event.reason, aborts=event.aborts)
+        )
     else:
         err = pb.Error(code=event.code, message=event.message, step=event.step, step_failed=event.step_failed)
         if event.key is not None:
@@ -866,7 +868,8 @@ def decode_server_message(raw: bytes) -> ServerEvent:
         if kind == "shutdown":
             return ShutdownOut(msg.shutdown.reason)
         if kind == "member_left":
-            return MemberLeftOut(msg.member_left.worker_id, msg.member_left.reason)
+            left = msg.member_left
+            return MemberLeftOut(left.worker_id, left.reason, left.aborts)
         if kind == "peer_message":
             p = msg.peer_message
             payload = memoryview(p.data) if data is None else data

@@ -310,11 +310,13 @@ class ErrorOut:
 
 @dataclasses.dataclass(frozen=True)
 class MemberLeftOut:
-    """A member of the recipient's host group left or was lost: the group stops summing on its
-    host."""
+    """A member of the job left or was lost: the recipient's host group (if it is in it) stops
+    summing on its host, and point-to-point messages to and from it fail. `aborts`: the job runs
+    with --on-worker-loss abort, so every operation in flight fails."""
 
     worker_id: int
     reason: str
+    aborts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -278,7 +278,7 @@ class ReductionTable:
         continue: keys go on with the survivors (see `_continue_without`)."""
         self._roster.lost(worker_id, reason)
         self._worker_step[worker_id] = None
-        out = self._leave_host_group(worker_id, reason)
+        out = self._tell_departure(worker_id, reason)
         if self.on_worker_loss == "continue":
             out += self._continue_without(worker_id, reason)
         else:
@@ -289,11 +289,13 @@ class ReductionTable:
         self._settle_steps()
         return out
 
-    def _leave_host_group(self, worker_id: int, reason: str) -> list[Outgoing]:
-        """`worker_id` left: its host group (if any) ends, and its other members are told first."""
-        live = self.live_workers()
-        others = tuple(w for w in self.host_groups.dissolve(worker_id) if w in live)
-        return [Outgoing(others, MemberLeftOut(worker_id, reason))] if others else []
+    def _tell_departure(self, worker_id: int, reason: str) -> list[Outgoing]:
+        """`worker_id` left: its host group (if any) ends, and every other live worker is told
+        first (its group's members stop summing with it; point-to-point messages with it fail)."""
+        self.host_groups.dissolve(worker_id)
+        others = tuple(w for w in sorted(self.live_workers()) if w != worker_id)
+        notice = MemberLeftOut(worker_id, reason, aborts=self.on_worker_loss == "abort")
+        return [Outgoing(others, notice)] if others else []
 
     def copy_held_data(self, worker_id: int) -> None:
         """Replaces the views of `worker_id`'s contributions still held by private copies, so

@@ -166,12 +166,13 @@ def test_a_members_report_fails_the_step_naming_the_culprit_and_a_strangers_is_r
     assert "worker 0 blamed worker 2 for step 0, which is not in its host group [0, 1]" in blamed.message
 
 
-def test_a_member_lost_tells_its_group_first_then_fails_the_steps_in_flight() -> None:
+def test_a_member_lost_tells_everyone_first_then_fails_the_steps_in_flight() -> None:
     t = grouped_table()
     t.contribute(chunk(2, np.ones(CHUNK, np.float32), covers=(2, 3)))
     out = t.worker_lost(3, "lost: no message for 5 s")
-    assert isinstance(out[0].event, MemberLeftOut) and out[0].to == (2,)
-    assert out[0].event == MemberLeftOut(3, "lost: no message for 5 s")
+    # Its group's member (2) stops summing with it; the others hear it too (point-to-point).
+    assert isinstance(out[0].event, MemberLeftOut) and out[0].to == (0, 1, 2)
+    assert out[0].event == MemberLeftOut(3, "lost: no message for 5 s", aborts=True)
     assert any(e.step_failed and e.culprit_worker_id == 3 for _, e in errors(out))
     [(_, later)] = errors(
         t.contribute(

@@ -1,5 +1,6 @@
 """The torch backend under faults, with real processes: 3 ranks of a plain DDP loop (or a loop of
-plain `dist.all_reduce`), started by hand against one coordinator or by `gradserver run`.
+plain `dist.all_reduce`, or of point-to-point sends and receives around a ring), started by hand
+against one coordinator or by `gradserver run`.
 
 Each row injects one fault keyed by rank and step (SIGKILL or SIGSTOP of a rank, SIGKILL or
 SIGTERM of the coordinator, a SIGSTOP shorter than the heartbeat) and checks what a user sees:
@@ -59,6 +60,13 @@ for step in range(int(sys.argv[2])):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    elif mode == "p2p":
+        world = dist.get_world_size()
+        out, back = torch.full((1000,), float(rank + step)), torch.empty(1000)
+        ops = [dist.P2POp(dist.isend, out, (rank + 1) % world), dist.P2POp(dist.irecv, back, (rank - 1) % world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        assert torch.all(back == float((rank - 1) % world + step)), (step, back[:3])
     else:
         t = torch.full((1000,), float(rank + step))
         dist.all_reduce(t)
@@ -243,7 +251,7 @@ def _assert_nothing_left(tmp: Path, before_tmp: set[str], before_shm: set[str], 
 
 
 @pytest.mark.parametrize("repeat", range(REPEAT))
-@pytest.mark.parametrize("mode", ["ddp", "plain"])
+@pytest.mark.parametrize("mode", ["ddp", "plain", "p2p"])
 @pytest.mark.parametrize(("row", "fault", "target"), ROWS, ids=[r[0] for r in ROWS])
 @pytest.mark.parametrize("launcher", ["by-hand", "run"])
 def test_a_fault_in_a_torch_job_ends_every_survivor_with_an_error_naming_it(

@@ -416,12 +416,14 @@ class PeerDelivered(_message.Message):
     def __init__(self, peer: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class MemberLeft(_message.Message):
-    __slots__ = ("worker_id", "reason")
+    __slots__ = ("worker_id", "reason", "aborts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     reason: str
-    def __init__(self, worker_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    aborts: bool
+    def __init__(self, worker_id: _Optional[int] = ..., reason: _Optional[str] = ..., aborts: _Optional[bool] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error", "member_left", "peer_message", "peer_delivered")

@@ -115,6 +115,10 @@ class PeerSink(Protocol):
         """The link broke (once): nothing more will be relayed."""
         ...
 
+    def peer_left(self, worker_id: int, reason: str, *, aborts: bool) -> None:
+        """Worker `worker_id` left the job (`aborts`: every operation in flight fails)."""
+        ...
+
 
 class Link(Protocol):
     """One worker's connection to its coordinator(s). Every wait is bounded (the `Timeouts` the

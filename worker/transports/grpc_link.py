@@ -569,8 +569,10 @@ class GrpcLink:
             self._peers.peer_refused(event.peer_message, error_of(event))
         if news is not None and isinstance(event, ErrorOut | MemberLeftOut):
             news(event)
-        elif isinstance(event, MemberLeftOut):
-            log.info("worker %d left this worker's host group: %s", event.worker_id, event.reason)
+        if isinstance(event, MemberLeftOut):
+            log.info("worker %d left the job: %s", event.worker_id, event.reason)
+            if self._peers is not None:
+                self._peers.peer_left(event.worker_id, event.reason, aborts=event.aborts)
 
     def _taken_elsewhere(self, event: AveragedChunkOut) -> None:
         """An average the observer took: it still answers this stream's paced chunks."""

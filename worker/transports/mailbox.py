@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from gradserver.common.errors import (
+    AbortedError,
     DeadlineExceededError,
     GradServerError,
     InvalidArgumentError,
@@ -81,7 +82,7 @@ class PeerSend:
         for their own send to the other never wait for good)."""
         self._mailbox.wait_for(self, self._mailbox.timeout if timeout is None else timeout)
         if self.error is not None:
-            raise type(self.error)(self.error.message, worker_id=self.error.worker_id)
+            raise _named(self.error, self.describe())
 
 
 class PeerReceive:
@@ -107,7 +108,7 @@ class PeerReceive:
         receive stays posted and may be waited for again."""
         self._mailbox.wait_for(self, self._mailbox.timeout if timeout is None else timeout)
         if self.error is not None:
-            raise type(self.error)(self.error.message, worker_id=self.error.worker_id)
+            raise _named(self.error, self.describe())
         return self.data
 
 
@@ -185,6 +186,7 @@ class Mailbox:
         self._queued: dict[int, collections.deque[PeerSend]] = {}  # peer -> sends not fully written
         self._relayed: dict[int, PeerSend] = {}  # sequence -> written sends awaiting delivery
         self._broken: GradServerError | None = None
+        self._gone: dict[int, GradServerError] = {}  # workers that left the job, and how
         self._closed = False
         self._work = threading.Condition(self._lock)
         self._sender: threading.Thread | None = None
@@ -210,6 +212,7 @@ class Mailbox:
         send = PeerSend(self, peer, tag, payload, next(self._sequence))
         with self._lock:
             self._raise_if_unusable(f"send to worker {peer} (tag {tag})")
+            self._raise_if_gone(peer, f"send to worker {peer} (tag {tag})")
             if peer == self.worker_id:
                 self._arrived_whole(peer, tag, payload.copy())
                 send._finish()
@@ -329,6 +332,7 @@ class Mailbox:
             return
         key = (event.peer, event.sequence)
         with self._lock:
+            self._gone.pop(event.peer, None)  # it speaks: a replacement took the place
             incoming = self._assembling.get(key)
             if incoming is None:
                 if event.offset:
@@ -369,6 +373,39 @@ class Mailbox:
             self._work.notify_all()
         self._bell.ring()
 
+    def peer_left(self, worker_id: int, reason: str, *, aborts: bool) -> None:
+        """Worker `worker_id` left the job: what waits for it fails naming it, and so does what
+        is sent to it or received from it from now on (what it sent before is still received).
+        `aborts` (--on-worker-loss abort): every send and receive in flight fails too, as every
+        collective in flight does."""
+        error = AbortedError(f"worker {worker_id} left the job: {reason}", worker_id=worker_id)
+        with self._lock:
+            if self._closed or self._broken is not None:
+                return
+            self._gone[worker_id] = error
+            if aborts:
+                self._fail_everything(error)
+            else:
+                self._fail_involving(worker_id, error)
+            self._work.notify_all()
+        self._bell.ring()
+
+    def _fail_involving(self, worker_id: int, error: GradServerError) -> None:
+        """Fails the sends to `worker_id` and the receives waiting for it (lock held); a receive
+        from any worker stays, and a message it began is dropped."""
+        for receive in [r for r in self._posted if r.source == worker_id]:
+            receive.error, receive.done = error, True
+            self._posted.remove(receive)
+        for incoming in [*self._assembling.values(), *self._reading.values()]:
+            if incoming.sender == worker_id and incoming.receive is not None and not incoming.receive.done:
+                incoming.receive.error, incoming.receive.done = error, True
+        for send in self._queued.pop(worker_id, ()):
+            send._finish(error)
+        for sequence, send in list(self._relayed.items()):
+            if send.peer == worker_id:
+                send._finish(error)
+                del self._relayed[sequence]
+
     def _fail_everything(self, error: GradServerError) -> None:
         """Lock held."""
         for receive in self._posted:
@@ -404,6 +441,8 @@ class Mailbox:
                     del self._unexpected[i]
                     self._deliver_to(receive, sender, data)
                     return receive
+            if source is not None:
+                self._raise_if_gone(source, receive.describe())
             self._posted.append(receive)
         return receive
 
@@ -533,6 +572,11 @@ class Mailbox:
                 completed = True
         return completed
 
+    def _raise_if_gone(self, worker: int, what: str) -> None:
+        gone = self._gone.get(worker)
+        if gone is not None:
+            raise type(gone)(f"worker {self.worker_id}: {what}: {gone.message}", worker_id=worker)
+
     def _raise_if_unusable(self, what: str) -> None:
         if self._broken is not None:
             raise type(self._broken)(f"{what}: {self._broken.message}", worker_id=self._broken.worker_id)
@@ -562,3 +606,10 @@ class Mailbox:
 def _done(operation: PeerSend | PeerReceive) -> bool:
     """Whether `operation` is done now (another thread may have completed it meanwhile)."""
     return operation.done
+
+
+def _named(error: GradServerError, what: str) -> GradServerError:
+    """`error` (a fresh one, without the thread's traceback) saying which operation it ended."""
+    named = error.message.startswith(what.split(":", maxsplit=1)[0] + ":")  # it names this worker
+    message = error.message if named else f"{what}: {error.message}"
+    return type(error)(message, worker_id=error.worker_id)
