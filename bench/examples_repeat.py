@@ -53,6 +53,8 @@ class Example:
 ALL = (
     Example("fsdp2", 2, ("--steps", "5")),
     Example("fsdp2_hsdp", 4, ("--steps", "5", "--mesh", "2", "2")),
+    Example("pipeline", 2, ("--steps", "5")),
+    Example("pipeline_mesh", 4, ("--steps", "5")),
     Example("ddp_cnn", 2, ("--steps", "6", "--log-every", "5"), results=False),
     Example("lightning_ddp", 2, ("--steps", "5"), needs="lightning"),
     Example("hf_trainer", 2, ("--steps", "4"), needs="transformers"),
@@ -82,7 +84,7 @@ class Tally:
 
 
 def _script(example: Example) -> Path:
-    return EXAMPLES / f"{example.name.removesuffix('_hsdp')}.py"
+    return EXAMPLES / f"{example.name.removesuffix('_hsdp').removesuffix('_mesh')}.py"
 
 
 def command(example: Example, backend: str) -> list[str]:

@@ -46,6 +46,7 @@ from .messages import (
     JoinRequestIn,
     KeyKind,
     LeaveIn,
+    MemberJoinedOut,
     MemberLeftOut,
     PeerDeliveredOut,
     PeerPiece,
@@ -784,6 +785,8 @@ def encode_server_event(event: ServerEvent) -> bytes:
         return with_payload(_SERVER_PEER_FIELD, _peer_header(event), _PEER_DATA_FIELD, event.data)
     if isinstance(event, PeerDeliveredOut):
         msg = pb.ServerMessage(peer_delivered=pb.PeerDelivered(peer=event.peer, sequence=event.sequence))
+    elif isinstance(event, MemberJoinedOut):
+        msg = pb.ServerMessage(member_joined=pb.MemberJoined(worker_id=event.worker_id))
     elif isinstance(event, BarrierReleaseOut):
         msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
     elif isinstance(event, SampleRangeAssignmentOut):
@@ -876,6 +879,8 @@ def decode_server_message(raw: bytes) -> ServerEvent:
             if p.offset + len(payload) > p.total_bytes:
                 raise InternalError(f"coordinator sent a point-to-point piece beyond its message: {p}")
             return PeerPiece(p.peer, p.tag, p.sequence, p.total_bytes, p.offset, payload)
+        if kind == "member_joined":
+            return MemberJoinedOut(msg.member_joined.worker_id)
         if kind == "peer_delivered":
             return PeerDeliveredOut(msg.peer_delivered.peer, msg.peer_delivered.sequence)
         if kind == "error":

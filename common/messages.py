@@ -320,6 +320,13 @@ class MemberLeftOut:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemberJoinedOut:
+    """A worker took the place of one that left: point-to-point messages with it are relayed."""
+
+    worker_id: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PeerDeliveredOut:
     """The last piece of message `sequence` was queued for its receiver `peer`: the send is done."""
 
@@ -337,6 +344,7 @@ ServerEvent = (
     | MemberLeftOut
     | PeerPiece
     | PeerDeliveredOut
+    | MemberJoinedOut
 )
 
 

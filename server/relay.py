@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradserver.common.errors import Status
-from gradserver.common.messages import ChunkIn, ErrorOut, PeerDeliveredOut, PeerPiece
+from gradserver.common.messages import ChunkIn, ErrorOut, MemberJoinedOut, PeerDeliveredOut, PeerPiece
 
 from .membership import Member
 from .outgoing import Outgoing
@@ -49,8 +49,10 @@ class PeerRelay:
         self._keys: dict[str, bytes] = {}  # peer_host_id -> the key naming that host's mailboxes
 
     def offer_to(self, member: Member, members: Sequence[Member]) -> dict[str, Any]:
-        """The JoinAccepted fields for `member`: who shares its memory, and their key."""
-        if not self._share_memory or not member.peer_host_id:
+        """The JoinAccepted fields for `member`: who shares its memory, and their key (none for
+        a worker taking a departed one's place: the host's memory was shared out as the job
+        began, and its peers relay to it from the departure on)."""
+        if not self._share_memory or not member.peer_host_id or member.worker_id in self._gone:
             return {}
         peers = tuple(sorted(m.worker_id for m in members if m.peer_host_id == member.peer_host_id))
         if len(peers) < 2:
@@ -94,9 +96,14 @@ class PeerRelay:
         return None
 
     def opened(self, worker_id: int) -> list[Outgoing]:
-        """Member `worker_id`'s stream opened: what was held for it, in order."""
-        self._gone.pop(worker_id, None)
-        return self._held.pop(worker_id, [])
+        """Member `worker_id`'s stream opened: what was held for it, in order; when it takes a
+        departed worker's place, every other streaming member hears so first."""
+        out: list[Outgoing] = []
+        if self._gone.pop(worker_id, None) is not None:
+            others = tuple(w for w in range(self._world) if w != worker_id and self._streaming(w))
+            if others:
+                out.append(Outgoing(others, MemberJoinedOut(worker_id)))
+        return out + self._held.pop(worker_id, [])
 
     # --- the outbox ------------------------------------------------------------------------------
 

@@ -63,10 +63,11 @@ for step in range(int(sys.argv[2])):
     elif mode == "p2p":
         world = dist.get_world_size()
         out, back = torch.full((1000,), float(rank + step)), torch.empty(1000)
-        ops = [dist.P2POp(dist.isend, out, (rank + 1) % world), dist.P2POp(dist.irecv, back, (rank - 1) % world)]
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        ops = [dist.P2POp(dist.isend, out, nxt), dist.P2POp(dist.irecv, back, prev)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        assert torch.all(back == float((rank - 1) % world + step)), (step, back[:3])
+        assert torch.all(back == float(prev + step)), (step, back[:3])
     else:
         t = torch.full((1000,), float(rank + step))
         dist.all_reduce(t)

@@ -9,7 +9,8 @@ has two inputs, which gradserver sums exactly as gloo does, so losses and parame
   deadlocked the group's thread.
 - The framework examples (examples/*.py), each run as a user would (`torchrun --standalone`, or
   `python` for Ray) once per backend: FSDP2, 4-rank HSDP on a (2, 2) mesh (replicate x shard:
-  every reduction still has two inputs), Lightning, the HF Trainer, Accelerate and Ray Train.
+  every reduction still has two inputs), pipeline parallelism (1F1B over 2 stages, and 2 stages x 2
+  replicas), Lightning, the HF Trainer, Accelerate and Ray Train.
   Each rank prints a RESULT line (examples/_result.py); the test compares them. A test whose
   framework is not installed (the `frameworks` extra) is skipped.
 """
@@ -230,6 +231,17 @@ def test_the_fsdp2_example_on_a_4_rank_hsdp_mesh_trains_exactly_as_with_gloo(tmp
     # Sub-groups of one job: the mesh's replicate and shard dimensions each get their own groups.
     command = _torchrun("fsdp2.py", 4, "--steps", "5", "--mesh", "2", "2")
     _assert_trains_exactly_as_with_gloo(tmp_path, command, world=4)
+
+
+@pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)
+def test_the_pipeline_example_trains_exactly_as_with_gloo(tmp_path: Path) -> None:
+    _assert_trains_exactly_as_with_gloo(tmp_path, _torchrun("pipeline.py", 2, "--steps", "5"))
+
+
+@pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)
+def test_the_pipeline_example_on_a_4_rank_pp_dp_mesh_trains_exactly_as_with_gloo(tmp_path: Path) -> None:
+    # Point-to-point between the stages of each replica, all_reduce over the replicas.
+    _assert_trains_exactly_as_with_gloo(tmp_path, _torchrun("pipeline.py", 4, "--steps", "5"), world=4)
 
 
 @pytest.mark.timeout(EXAMPLE_TEST_TIMEOUT_S)

@@ -426,7 +426,7 @@ class MemberLeft(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., reason: _Optional[str] = ..., aborts: _Optional[bool] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error", "member_left", "peer_message", "peer_delivered")
+    __slots__ = ("averaged_chunk", "barrier_release", "sample_range_assignment", "heartbeat_ack", "shutdown", "error", "member_left", "peer_message", "peer_delivered", "member_joined")
     AVERAGED_CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_RELEASE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RANGE_ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +436,7 @@ class ServerMessage(_message.Message):
     MEMBER_LEFT_FIELD_NUMBER: _ClassVar[int]
     PEER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_JOINED_FIELD_NUMBER: _ClassVar[int]
     averaged_chunk: AveragedChunk
     barrier_release: BarrierRelease
     sample_range_assignment: SampleRangeAssignment
@@ -445,7 +446,14 @@ class ServerMessage(_message.Message):
     member_left: MemberLeft
     peer_message: PeerMessage
     peer_delivered: PeerDelivered
-    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., member_left: _Optional[_Union[MemberLeft, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., peer_delivered: _Optional[_Union[PeerDelivered, _Mapping]] = ...) -> None: ...
+    member_joined: MemberJoined
+    def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., member_left: _Optional[_Union[MemberLeft, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., peer_delivered: _Optional[_Union[PeerDelivered, _Mapping]] = ..., member_joined: _Optional[_Union[MemberJoined, _Mapping]] = ...) -> None: ...
+
+class MemberJoined(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
 
 class PartitionNotice(_message.Message):
     __slots__ = ("from_partition", "partition_count", "step", "code", "message", "culprit_worker_id", "worker_lost")

@@ -119,6 +119,10 @@ class PeerSink(Protocol):
         """Worker `worker_id` left the job (`aborts`: every operation in flight fails)."""
         ...
 
+    def peer_joined(self, worker_id: int) -> None:
+        """A worker took the place of `worker_id`, which had left."""
+        ...
+
 
 class Link(Protocol):
     """One worker's connection to its coordinator(s). Every wait is bounded (the `Timeouts` the

@@ -65,6 +65,7 @@ from gradserver.common.messages import (
     JoinAccepted,
     KeyKind,
     LeaveIn,
+    MemberJoinedOut,
     MemberLeftOut,
     PeerDeliveredOut,
     PeerPiece,
@@ -542,6 +543,11 @@ class GrpcLink:
         if isinstance(event, PeerPiece | PeerDeliveredOut):
             if self._peers is not None:
                 self._peers.peer_message(event)
+            return
+        if isinstance(event, MemberJoinedOut):
+            log.info("worker %d joined the job in a departed worker's place", event.worker_id)
+            if self._peers is not None:
+                self._peers.peer_joined(event.worker_id)
             return
         if isinstance(event, AveragedChunkOut):
             if news is not None and news(event):

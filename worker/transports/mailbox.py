@@ -211,8 +211,7 @@ class Mailbox:
         payload = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         send = PeerSend(self, peer, tag, payload, next(self._sequence))
         with self._lock:
-            self._raise_if_unusable(f"send to worker {peer} (tag {tag})")
-            self._raise_if_gone(peer, f"send to worker {peer} (tag {tag})")
+            self._raise_if_unusable(send.describe())
             if peer == self.worker_id:
                 self._arrived_whole(peer, tag, payload.copy())
                 send._finish()
@@ -297,23 +296,30 @@ class Mailbox:
                 heads = self._idle_heads()
                 for send in heads:
                     send.busy = True
-            seen = self._bell.value()
-            if [send for send in heads if self._advance(send, inline=False)]:
-                continue
-            # Every one waits for room in a ring: sleep until a receiver reads, reading meanwhile
-            # what this worker's peers send it (they may be waiting for room themselves).
-            waiting = [self._local[s.peer] for s in heads if s.peer in self._local]
-            assert self._rings is not None and waiting
-            for position in waiting:
-                self._rings.want_room(position, True)
-            moved = [send for send in heads if self._advance(send, inline=False)]
-            if not moved and not self._progress_rings():
-                self._bell.sleep(seen, _SLEEP_S)
-            for position in waiting:
-                self._rings.want_room(position, False)
-            with self._lock:
-                for send in heads:
-                    send.busy = False
+            try:
+                self._send_some(heads)
+            finally:
+                with self._lock:
+                    for send in heads:
+                        send.busy = False
+
+    def _send_some(self, heads: list[PeerSend]) -> None:
+        """One pass over the oldest sends to each peer; sleeps when none could move (every one
+        waits for room in a ring), reading meanwhile what this worker's peers send it (they may be
+        waiting for room themselves)."""
+        seen = self._bell.value()
+        if [send for send in heads if self._advance(send, inline=False)]:
+            return
+        waiting = [self._local[s.peer] for s in heads if s.peer in self._local]
+        if self._rings is None or not waiting:
+            return
+        for position in waiting:
+            self._rings.want_room(position, True)
+        moved = [send for send in heads if self._advance(send, inline=False)]
+        if not moved and not self._progress_rings():
+            self._bell.sleep(seen, _SLEEP_S)
+        for position in waiting:
+            self._rings.want_room(position, False)
 
     def _idle_heads(self) -> list[PeerSend]:
         """The oldest unwritten send to each peer that no thread is writing (lock held)."""
@@ -332,7 +338,6 @@ class Mailbox:
             return
         key = (event.peer, event.sequence)
         with self._lock:
-            self._gone.pop(event.peer, None)  # it speaks: a replacement took the place
             incoming = self._assembling.get(key)
             if incoming is None:
                 if event.offset:
@@ -379,16 +384,33 @@ class Mailbox:
         `aborts` (--on-worker-loss abort): every send and receive in flight fails too, as every
         collective in flight does."""
         error = AbortedError(f"worker {worker_id} left the job: {reason}", worker_id=worker_id)
-        with self._lock:
-            if self._closed or self._broken is not None:
-                return
-            self._gone[worker_id] = error
-            if aborts:
-                self._fail_everything(error)
-            else:
+        position = self._local.get(worker_id)
+        with self._progress:
+            # What it wrote into its ring before it left is received (whole messages): read it
+            # now, as its ring is never read again. It is a relayed peer from now on (a worker
+            # that takes its place joins no host's memory), which the coordinator refuses or
+            # passes to its replacement.
+            if position is not None and not self._closed:
+                self._read_rings()
+            with self._lock:
+                if self._closed or self._broken is not None:
+                    return
+                self._gone[worker_id] = error
+                self._local.pop(worker_id, None)
+                partial = self._reading.pop(position, None) if position is not None else None
+                if partial is not None and partial.receive is not None and not partial.receive.done:
+                    partial.receive.error, partial.receive.done = error, True
                 self._fail_involving(worker_id, error)
-            self._work.notify_all()
+                if aborts:
+                    self._fail_everything(error)
+                self._work.notify_all()
         self._bell.ring()
+
+    def peer_joined(self, worker_id: int) -> None:
+        """A worker took the place of one that left: messages to and from it go through the
+        coordinator (a replacement joins no host's memory)."""
+        with self._lock:
+            self._gone.pop(worker_id, None)
 
     def _fail_involving(self, worker_id: int, error: GradServerError) -> None:
         """Fails the sends to `worker_id` and the receives waiting for it (lock held); a receive
@@ -407,17 +429,22 @@ class Mailbox:
                 del self._relayed[sequence]
 
     def _fail_everything(self, error: GradServerError) -> None:
-        """Lock held."""
+        """Fails every send and receive not complete (lock held). A send partly written into a
+        ring is still written to its end (failed all the same), so the ring's next message
+        starts where the receiver looks for it; a message partly received is read to its end and
+        dropped."""
         for receive in self._posted:
             receive.error, receive.done = error, True
         self._posted.clear()
         for incoming in [*self._assembling.values(), *self._reading.values()]:
             if incoming.receive is not None and not incoming.receive.done:
                 incoming.receive.error, incoming.receive.done = error, True
-        for queue in self._queued.values():
+        for peer, queue in self._queued.items():
             for send in queue:
                 send._finish(error)
+            under_way = [s for s in queue if peer in self._local and s.written > 0]
             queue.clear()
+            queue.extend(under_way)
         for send in self._relayed.values():
             send._finish(error)
         self._relayed.clear()
@@ -473,6 +500,8 @@ class Mailbox:
         """A message arrived whole (lock held): its receive is done, or a receive posted since it
         began takes it, or it waits for one."""
         receive = incoming.receive
+        if receive is not None and receive.error is not None and receive.done:
+            return  # failed meanwhile (a departure, the link): the message is dropped
         if receive is None:
             receive = self._matching(incoming.sender, incoming.tag)
             if receive is None:
@@ -573,11 +602,13 @@ class Mailbox:
         return completed
 
     def _raise_if_gone(self, worker: int, what: str) -> None:
+        """`what` names this worker and the operation."""
         gone = self._gone.get(worker)
         if gone is not None:
-            raise type(gone)(f"worker {self.worker_id}: {what}: {gone.message}", worker_id=worker)
+            raise type(gone)(f"{what}: {gone.message}", worker_id=worker)
 
     def _raise_if_unusable(self, what: str) -> None:
+        """`what` names this worker and the operation."""
         if self._broken is not None:
             raise type(self._broken)(f"{what}: {self._broken.message}", worker_id=self._broken.worker_id)
         if self._closed:
