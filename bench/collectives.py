@@ -8,7 +8,8 @@ and times all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcas
 tensors of each size: S bytes is what every rank contributes to the all-gather, receives from the
 reduce-scatter (its input is N times that) and what the broadcast moves; and a point-to-point
 round trip: rank 0 sends S bytes to rank 1 and receives them back (`send_recv`; the other ranks
-only take part in the barrier). Each call is timed on its own after a
+only take part in the barrier), timed over 10 round trips in a row and divided by 10, so what the
+last rank out of the barrier costs is not counted as the round trip's. Each call is timed on its own after a
 barrier and a warm-up; rank 0 reports the median per operation. The backends run one after the
 other for each N, so the ratios compare runs a few seconds apart on the same machine. The table
 gives both medians and the ratio gradserver/gloo (below 1: gradserver is faster).
@@ -69,15 +70,20 @@ def _run(name: str, tensors: tuple[Any, ...]) -> None:
         dist.broadcast(tensors[0], src=0)
 
 
+_ROUND_TRIPS = 10
+
+
 def _round_trip(tensor: torch.Tensor) -> None:
-    """Rank 0 sends `tensor` to rank 1, which sends it back; the other ranks do nothing."""
+    """Rank 0 sends `tensor` to rank 1, which sends it back, `_ROUND_TRIPS` times; the other
+    ranks do nothing."""
     rank = dist.get_rank()
-    if rank == 0:
-        dist.send(tensor, 1)
-        dist.recv(tensor, 1)
-    elif rank == 1:
-        dist.recv(tensor, 0)
-        dist.send(tensor, 0)
+    for _ in range(_ROUND_TRIPS):
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        elif rank == 1:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
 
 
 def _rank(rank: int, world: int, backend: str, store: str, out: str, sizes: list[int], repeat: int) -> None:
@@ -98,7 +104,8 @@ def _rank(rank: int, world: int, backend: str, store: str, out: str, sizes: list
                     start = time.perf_counter()
                     _run(name, tensors)
                     if i >= _WARMUP:
-                        times.append(time.perf_counter() - start)
+                        calls = _ROUND_TRIPS if name == "send_recv" else 1
+                        times.append((time.perf_counter() - start) / calls)
                 medians[f"{name} {nbytes}"] = statistics.median(times)
     finally:
         dist.destroy_process_group()
