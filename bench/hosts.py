@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m bench.hosts --hosts 2 --ranks-per-host 2 4
     sudo .venv/bin/python -m bench.hosts --hosts 3 --ranks-per-host 4 --link-mbit 100 --mib 32 --json
+    sudo .venv/bin/python -m bench.hosts --hosts 3 --ranks-per-host 1 --op send_recv --mib 4
 
 Real clusters run several ranks per host. This builds H hosts as network namespaces on one bridge
 (bench/_netns.py: every host has its own full-duplex link of --link-mbit each way) and, for each P
@@ -17,7 +18,12 @@ Store. Each rank fills a float32 tensor of --mib MiB from its rank (torch.Genera
 rank), then runs --warmup and --steps timed iterations of barrier, all_reduce (SUM) of a fresh copy
 of its input. It checks the last result against the exact float64 sum of every rank's input (each
 rank regenerates all of them) and reports the error relative to max |expected| and a sha256 of its
-result's bytes, in one `HOSTS_RESULT {json}` line on stdout.
+result's bytes, in one `HOSTS_RESULT {json}` line on stdout. With `--op send_recv` a step is
+instead a point-to-point round trip: the first rank of the second host sends its tensor to the
+first rank of the last host, which sends it back (every other rank only takes part in the
+barriers; with gradserver the bytes go through the coordinator on host 0, the first host's
+rank 0, so with 3 hosts they cross host 0's link both ways, which a direct connection would
+not); every rank reports the bytes the sender's tensor must come back as.
 
 The table has, for every (P, backend): the median step time (a step's time is its slowest rank's
 all_reduce time), its ratio gradserver/gloo, whether every rank's result bytes were identical, the
@@ -92,15 +98,23 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
             if timed and first is None:
                 first = time.time()
             started = time.perf_counter()
-            dist.all_reduce(work, op=dist.ReduceOp.SUM)
+            if args.op == "send_recv":
+                work = _round_trip(work, rank, world, world // args.hosts)
+            else:
+                dist.all_reduce(work, op=dist.ReduceOp.SUM)
             elapsed = time.perf_counter() - started
             if timed:
                 last = time.time()
                 times.append(elapsed)
             result = work
         expected = torch.zeros(elements, dtype=torch.float64)
-        for other in range(world):
-            expected += _input(other, elements).to(torch.float64)
+        if args.op == "send_recv":
+            sender = _pair(world, world // args.hosts)[0]
+            expected += _input(sender, elements).to(torch.float64)
+            result = _input(sender, elements) if rank not in _pair(world, world // args.hosts) else result
+        else:
+            for other in range(world):
+                expected += _input(other, elements).to(torch.float64)
         scale = float(expected.abs().max())
         error = float((result.to(torch.float64) - expected).abs().max()) / (scale or 1.0)
         digest = hashlib.sha256(result.numpy().tobytes()).hexdigest()
@@ -116,6 +130,29 @@ def _rank(args: argparse.Namespace) -> dict[str, Any]:
         "rel_error": error,
         "sha256": digest,
     }
+
+
+def _pair(world: int, per_host: int) -> tuple[int, int]:
+    """The ranks of a `send_recv` round trip: the first of the second host, the first of the
+    last (with 2 hosts, host 0's rank 0 and host 1's first rank)."""
+    hosts = world // per_host
+    first = per_host if hosts > 2 else 0
+    return first, (hosts - 1) * per_host
+
+
+def _round_trip(tensor: Any, rank: int, world: int, per_host: int) -> Any:
+    """`tensor` from the pair's first rank to its second and back; what came back (the
+    first), what came (the second), `tensor` itself elsewhere."""
+    import torch.distributed as dist
+
+    first, second = _pair(world, per_host)
+    if rank == first:
+        dist.send(tensor, second)
+        dist.recv(tensor, second)
+    elif rank == second:
+        dist.recv(tensor, first)
+        dist.send(tensor, first)
+    return tensor
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -229,6 +266,10 @@ def _launch(cluster: Cluster, args: argparse.Namespace, backend: str, per_host: 
                 backend,
                 "--mib",
                 str(args.mib),
+                "--op",
+                args.op,
+                "--hosts",
+                str(len(cluster.hosts)),
                 "--warmup",
                 str(args.warmup),
                 "--steps",
@@ -314,9 +355,10 @@ def tensor_bytes(args: argparse.Namespace) -> int:
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     size = tensor_bytes(args)
+    what = "all_reduce SUM" if args.op == "all_reduce" else "send/recv round trip"
     print(
         f"# H={args.hosts} hosts, {args.link_mbit:g} Mbit/s links, S={args.mib:g} MiB float32 per rank, "
-        f"all_reduce SUM, median of {args.steps} steps after {args.warmup} warm-up, nproc={os.cpu_count()}"
+        f"{what}, median of {args.steps} steps after {args.warmup} warm-up, nproc={os.cpu_count()}"
     )
     print(
         "| P | ranks | backend | step s | x gloo | host | in MB/allreduce | in xS | out MB/allreduce "
@@ -344,6 +386,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-host", type=int, nargs="+", default=[2, 4], help="P values to run")
     p.add_argument("--link-mbit", type=float, default=200.0, help="rate of every host's link, each way")
     p.add_argument("--mib", type=float, default=16.0, help="S: tensor MiB per rank (float32)")
+    p.add_argument("--op", default="all_reduce", choices=["all_reduce", "send_recv"], help="what a step is")
     p.add_argument("--steps", type=int, default=5, help="timed all_reduces")
     p.add_argument("--warmup", type=int, default=2, help="untimed all_reduces first")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run (backend, P)")

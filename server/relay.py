@@ -14,9 +14,10 @@ the world completes, and a fast sender may already be sending).
 It is also the outbox (server/outbox.py) that learns when a stream opens and when a worker
 leaves, and it offers each joiner the members it shares memory with (`host_peers`): workers that
 said the same `peer_host_id` move their messages to each other through shared memory
-(worker/transports/peer_rings.py) and never through here. Those sets are fixed for the job, so they
-are offered only where a job never takes a replacement (`--on-worker-loss abort`): a replacement
-could not join memory its predecessor held.
+(worker/transports/peer_rings.py) and never through here. That memory is shared out once, as the
+job begins, so it is offered only under `--on-worker-loss abort` and never to a worker taking a
+departed one's place; the departed worker's peers relay to its place from then on, and when a
+replacement's stream opens every other member hears so (`MemberJoinedOut`).
 """
 
 from __future__ import annotations
