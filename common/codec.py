@@ -178,19 +178,28 @@ def _collective_from_pb(
         raise InvalidArgumentError(
             f"{context}: root {msg.root} is only for BROADCAST, not {kind.name}", step=step
         )
-    if splits and kind is not CollectiveKind.ALL_TO_ALL:
+    if splits and kind not in (CollectiveKind.ALL_TO_ALL, CollectiveKind.REDUCE_SCATTER):
         raise InvalidArgumentError(
-            f"{context}: split_bytes are only for ALL_TO_ALL, not {kind.name}", step=step
+            f"{context}: split_bytes are only for ALL_TO_ALL and REDUCE_SCATTER, not {kind.name}", step=step
+        )
+    if kind is CollectiveKind.REDUCE_SCATTER and any(b % 4 for b in splits):
+        raise InvalidArgumentError(
+            f"{context}: REDUCE_SCATTER split_bytes {list(splits)} must be float32 bytes (multiples of 4)",
+            step=step,
         )
     world = limits.world_size if limits is not None else 0
     if world and kind is CollectiveKind.BROADCAST and msg.root >= world:
         raise InvalidArgumentError(
             f"{context}: BROADCAST root {msg.root} is out of range for {world} workers", step=step
         )
-    if world and kind is CollectiveKind.ALL_TO_ALL and len(splits) != world:
+    if world and splits and len(splits) != world:
         raise InvalidArgumentError(
-            f"{context}: ALL_TO_ALL has {len(splits)} split_bytes, one per worker needs {world}",
+            f"{context}: {kind.name} has {len(splits)} split_bytes, one per worker needs {world}",
             step=step,
+        )
+    if world and kind is CollectiveKind.ALL_TO_ALL and not splits:
+        raise InvalidArgumentError(
+            f"{context}: ALL_TO_ALL has 0 split_bytes, one per worker needs {world}", step=step
         )
     return TensorKey.collective(
         step,

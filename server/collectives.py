@@ -188,13 +188,19 @@ class ByteCollective:
 
 class ScatterParts:
     """Cuts the reduced chunks of one REDUCE_SCATTER into the ranks' parts as they come: rank r
-    gets elements [r·P, (r+1)·P) of the result (P = S / ranks), pieces at offsets within its part.
-    The piece that would complete a rank's part is kept (copied) until every chunk is reduced,
-    so no rank sees its part complete while others' inputs are still being read."""
+    gets elements [r·P, (r+1)·P) of the result (P = S / ranks), or with `parts` (elements per
+    rank, the key's `split_bytes`) the r-th of those consecutive ranges, pieces at offsets
+    within its part; a rank whose part is empty gets an empty piece once every chunk is reduced
+    (its result is complete then). The piece that would complete a rank's part is kept (copied)
+    until every chunk is reduced, so no rank sees its part complete while others' inputs are
+    still being read."""
 
-    def __init__(self, ranks: int, size: int, item_size: int, num_chunks: int) -> None:
+    def __init__(
+        self, ranks: int, size: int, item_size: int, num_chunks: int, parts: tuple[int, ...] = ()
+    ) -> None:
         self.ranks = ranks
-        self.part = size // ranks
+        self.parts = parts or (size // ranks,) * ranks
+        self.starts = [sum(self.parts[:r]) for r in range(ranks)]
         self.item = item_size
         self._chunks_left = num_chunks
         self._sent = [0] * ranks  # elements of each part sent or kept
@@ -208,17 +214,20 @@ class ScatterParts:
         stop = start + len(view) // self.item
         out: list[Piece] = []
         for rank in range(self.ranks):
-            lo, hi = max(start, rank * self.part), min(stop, (rank + 1) * self.part)
-            if lo >= hi and not (self.part == 0 and self._chunks_left == 0):
+            part, first = self.parts[rank], self.starts[rank]
+            lo, hi = max(start, first), min(stop, first + part)
+            if lo >= hi and not (part == 0 and self._chunks_left == 0):
                 continue
+            if part == 0:
+                lo = hi = first  # the empty piece that ends an empty part
             piece = Piece(
                 (rank,),
-                self.part,
-                lo - rank * self.part,
+                part,
+                lo - first,
                 view[(lo - start) * self.item : (hi - start) * self.item],
             )
             self._sent[rank] += max(0, hi - lo)
-            if self._sent[rank] == self.part and self._chunks_left:
+            if self._sent[rank] == part and self._chunks_left:
                 self._kept.append(dataclasses.replace(piece, data=bytes(piece.data)))
             else:
                 out.append(piece)

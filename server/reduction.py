@@ -698,7 +698,9 @@ class ReductionTable:
             slot.collective = ByteCollective(key, self.world_size, self.chunk_elements, header.total_elements)
         elif key.kind is KeyKind.COLLECTIVE and key.collective_kind is CollectiveKind.REDUCE_SCATTER:
             item = ITEM_SIZE[header.dtype]
-            slot.scattered = ScatterParts(self.world_size, header.total_elements, item, slot.num_chunks)
+            parts = tuple(b // 4 for b in key.split_bytes)  # float32 bytes: elements
+            total = header.total_elements
+            slot.scattered = ScatterParts(self.world_size, total, item, slot.num_chunks, parts)
         self._roster.saw_step(key.step)
         self._pending[key.slot] = slot
         self._open_steps.add(key.step)
@@ -809,10 +811,16 @@ class ReductionTable:
                 f"worker {w} sent {key} with {len(key.split_bytes)} split_bytes, one per rank of {n} "
                 "workers is needed"
             )
-        if key.collective_kind is CollectiveKind.REDUCE_SCATTER and chunk.header.total_elements % n:
+        total = chunk.header.total_elements
+        if key.collective_kind is CollectiveKind.REDUCE_SCATTER and key.split_bytes:
+            if len(key.split_bytes) != n or sum(key.split_bytes) != 4 * total:
+                return _INVALID, (
+                    f"worker {w} sent {key} of {total} elements with split_bytes "
+                    f"{list(key.split_bytes)}: one per rank of {n} workers, summing to {4 * total}, needed"
+                )
+        elif key.collective_kind is CollectiveKind.REDUCE_SCATTER and total % n:
             return _INVALID, (
-                f"worker {w} sent {key} of {chunk.header.total_elements} elements, which is not "
-                f"divisible by the {n} ranks"
+                f"worker {w} sent {key} of {total} elements, which is not divisible by the {n} ranks"
             )
         expected = slot.expected if slot is not None else self._roster.expected(key.step)
         if expected != frozenset(range(n)):

@@ -208,6 +208,32 @@ def test_reduce_scatter_gives_each_rank_its_part_of_the_exact_reduction(
         assert not t.has_pending() and all(t.buffered_bytes(r) == 0 for r in range(world))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("parts", [(0, 0, 29), (29, 0, 0), (7, 0, 22), (3, 13, 13)])
+def test_a_reduce_scatter_with_uneven_parts_gives_each_rank_its_part_and_an_empty_one_ends(
+    world: int, parts: tuple[int, ...]
+) -> None:
+    """`split_bytes` (float32 bytes per rank): a reduce to one root is all of it for the root
+    and nothing for the others, who still hear that it is done (an empty piece at the end)."""
+    parts = (*parts[: world - 1], sum(parts[world - 1 :]))
+    size = sum(parts)
+    data = [floats(r, size, 7) for r in range(world)]
+    whole = reduce_bytes(world, data, ReduceOp.SUM)
+    key = key_of(CollectiveKind.REDUCE_SCATTER, splits=[4 * p for p in parts])
+    for seed in range(3):
+        t = table(world)
+        got = Results(world)
+        got.take(run_interleaved(t, [float_chunks(r, key, data[r]) for r in range(world)], seed))
+        start = 0
+        for rank in range(world):
+            assert got.complete(rank) and got.of(rank) == whole[start * 4 : (start + parts[rank]) * 4]
+            start += parts[rank]
+        assert not t.has_pending()
+    wrong = key_of(CollectiveKind.REDUCE_SCATTER, splits=[4] * world)
+    [err] = [e for to, e in errors(table(world).contribute(float_chunks(0, wrong, data[0])[0])) if to == (0,)]
+    assert err.code == int(Status.INVALID_ARGUMENT) and "split_bytes" in err.message
+
+
 def test_no_reduce_scatter_part_is_complete_before_the_whole_sum_is_reduced() -> None:
     key = key_of(CollectiveKind.REDUCE_SCATTER)
     data = [floats(r, 24) for r in range(2)]
@@ -426,6 +452,9 @@ def test_the_new_key_fields_survive_the_wire() -> None:
     assert str(back.key) == "operation 0 collective BROADCAST from rank 2 of group 3"
 
 
+EIGHT = b"abcdefgh"
+
+
 @pytest.mark.parametrize(
     ("key", "dtype", "worker", "data", "words"),
     [
@@ -438,6 +467,9 @@ def test_the_new_key_fields_survive_the_wire() -> None:
         (key_of(CollectiveKind.ALL_TO_ALL, splits=[1, 1, 1]), DType.BYTES, 0, b"ab", "sum to 3"),
         (key_of(CollectiveKind.ALL_GATHER, root=1), DType.BYTES, 0, b"ab", "only for BROADCAST"),
         (key_of(CollectiveKind.ALL_GATHER, splits=[1, 1, 0]), DType.BYTES, 0, b"ab", "only for ALL_TO_ALL"),
+        (key_of(CollectiveKind.REDUCE, splits=[4, 4, 0]), DType.FLOAT32, 0, EIGHT, "only for ALL_TO_ALL"),
+        (key_of(CollectiveKind.REDUCE_SCATTER, splits=[4, 2, 2]), DType.FLOAT32, 0, EIGHT, "multiples of 4"),
+        (key_of(CollectiveKind.REDUCE_SCATTER, splits=[4, 4]), DType.FLOAT32, 0, EIGHT, "2 split_bytes"),
     ],
 )
 def test_the_decoder_refuses_a_collective_chunk_that_is_wrong_on_its_own(

@@ -135,6 +135,16 @@ def _scatter(rank: int, world: int, group: Any) -> list[torch.Tensor]:
     return [out]
 
 
+def _reduce(dtype: torch.dtype, op: Any, last_root: bool) -> Case:
+    def run(rank: int, world: int, group: Any) -> list[torch.Tensor]:
+        root = world - 1 if last_root else 0
+        tensor = _values(f"rd{dtype}", rank, (5,), dtype)
+        dist.reduce(tensor, dst=root, op=op, group=group)
+        return [tensor] if rank == root else []  # what the others hold after it is unspecified
+
+    return run
+
+
 def _all_reduce_max(rank: int, world: int, group: Any) -> list[torch.Tensor]:
     tensor = _values("armax", rank, (6,), torch.int32)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
@@ -162,6 +172,10 @@ CASES: dict[str, Case] = {
     "gather int64 to the last rank": _gather,
     "scatter float32 from the last rank": _scatter,
     "all_reduce int32 MAX": _all_reduce_max,
+    "reduce float32 SUM to the last rank": _reduce(torch.float32, dist.ReduceOp.SUM, last_root=True),
+    "reduce int64 SUM to rank 0": _reduce(torch.int64, dist.ReduceOp.SUM, last_root=False),
+    "reduce bfloat16 SUM to the last rank": _reduce(torch.bfloat16, dist.ReduceOp.SUM, last_root=True),
+    "reduce float32 MAX to rank 0": _reduce(torch.float32, dist.ReduceOp.MAX, last_root=False),
 }
 TWO_RANK_CASES: dict[str, Case] = {
     "reduce_scatter_tensor float32 SUM of random values": _reduce_scatter_tensor(
@@ -268,7 +282,8 @@ def test_each_rank_sends_and_receives_only_the_bytes_its_collective_needs(
     coordinator: Callable[..., ServerThread], transport: str
 ) -> None:
     """All-gather of S bytes: S up, N*S down; broadcast: S up from the root, nothing from the
-    others, S down to each; reduce-scatter of S bytes: S up, S/N down (within 10 %)."""
+    others, S down to each; reduce-scatter of S bytes: S up, S/N down; reduce of S bytes: S up
+    from each, S down to the root only over gRPC (within 10 %)."""
     world, elements = 3, 3 * 20_000
     size = elements * 4
     server = coordinator(world_size=world, chunk_mib=0.25)
@@ -312,6 +327,24 @@ def test_each_rank_sends_and_receives_only_the_bytes_its_collective_needs(
         for rank in range(world):
             up, down = (scattered[rank][i] - broadcast_traffic[rank][i] for i in range(2))
             assert up + down <= 1.1 * (size + size / world), (rank, up, down)
+
+        def reduce(rank: int, group: ProcessGroupGradServer) -> None:
+            options = dist.ReduceOptions()
+            options.rootRank, options.reduceOp = 2, dist.ReduceOp.SUM
+            tensor = torch.full((elements,), float(rank + 1))
+            group.reduce([tensor], options).wait()
+            expected = float(sum(range(1, world + 1))) if rank == 2 else float(rank + 1)
+            assert torch.equal(tensor, torch.full((elements,), expected)), rank
+
+        _on_every_rank(groups, reduce)
+        reduced = _traffic(server, world)
+        for rank in range(world):
+            up, down = (reduced[rank][i] - scattered[rank][i] for i in range(2))
+            assert size <= up <= 1.1 * size, (rank, up)
+            # Through the collective lane (every rank on the coordinator's host) every rank reads
+            # the lane's output, as for any reduction: no link carries it.
+            if transport == "grpc" or rank == 2:
+                assert (size <= down <= 1.1 * size) if rank == 2 else down == 0, (rank, down)
     finally:
         _shutdown(groups)
 

@@ -20,6 +20,10 @@ What each call is on the coordinator:
   (each rank sends its input once and receives only its part, the bytes an allreduce would give
   there); the ops the coordinator cannot reduce: an ALL_TO_ALL of the pieces, reduced in rank
   order by the rank that keeps them.
+- reduce: a REDUCE_SCATTER whose root's part is all of it (`split_bytes`): the root alone receives
+  the result; the ops the coordinator cannot reduce, an allreduce the root keeps.
+- send, recv, isend, irecv, recv from any source: point-to-point messages (`WorkerClient.send_to`,
+  `receive_from`; docs/PROTOCOL.md "Point-to-point"), outside the group's numbered operations.
 - allgather, all_gather_into_tensor: an ALL_GATHER of raw bytes (any dtype, byte-identical).
 - broadcast: a BROADCAST (the root's bytes, once; the others send none).
 - alltoall, all_to_all_single (uneven split sizes too): an ALL_TO_ALL of raw bytes; gather is
@@ -321,10 +325,22 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         return self._submit("all_to_all_single", run, [output], [input, output])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        """An allreduce whose result the root keeps; the other ranks' tensors are left as they were."""
+        """Only the root gets the reduction (the other ranks' tensors are left as they were): a
+        REDUCE_SCATTER whose root's part is all of it and every other part empty, so the result's
+        bytes (an allreduce's) go to the root alone. The ops the coordinator cannot reduce (MAX,
+        PRODUCT, ...): an allreduce of raw bytes whose result the root keeps."""
         root = _root("reduce", opts, self.size())
-        targets = tensors if self.rank() == root else [t.clone() for t in tensors]
-        return self.allreduce(targets, opts.reduceOp)
+        plan = plan_reduction("reduce", opts.reduceOp, [t.dtype for t in tensors], self.size())
+        if plan.route not in ("coordinator", "widened", "limbs"):
+            targets = tensors if self.rank() == root else [t.clone() for t in tensors]
+            return self.allreduce(targets, opts.reduceOp)
+
+        def run(sequence: int) -> None:
+            result = self._reduce(sequence, _flatten(tensors), plan, root=root)
+            if self.rank() == root:
+                _scatter_into(tensors, result)
+
+        return self._submit("reduce", run, tensors, tensors)
 
     def gather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -442,9 +458,10 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         *,
         kind: CollectiveKind = CollectiveKind.REDUCE,
         into: np.ndarray | None = None,
+        split_bytes: tuple[int, ...] = (),
     ) -> np.ndarray:
         """One coordinator reduction of float32 `payload`: all of it (REDUCE) or this rank's
-        part (REDUCE_SCATTER)."""
+        part (REDUCE_SCATTER: equal parts, or `split_bytes` of float32 bytes per rank)."""
         return self._client.run_collective(
             sequence,
             _DEFAULT_GROUP,
@@ -452,6 +469,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             op,
             kind=kind,
             into=into,
+            split_bytes=split_bytes,
             propagate_non_finite=not self._check_finite,
             timeout=self._timeout_s,
         )
@@ -510,24 +528,33 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         in_place: bool = False,
         scatter: bool = False,
         into: np.ndarray | None = None,
+        root: int | None = None,
     ) -> torch.Tensor:
         """`flat` (a 1-D host tensor) reduced over the group as `plan` says, in its dtype: all of
         it, or with `scatter` this rank's part (its `1/size` of `flat`, in rank order). With
         `in_place` (an allreduce, whose tensors take the result anyway) a float32 result is
         written into `flat` itself, which may be the caller's tensor; `into` (the bytes of the
-        float32 result's destination) does the same for a scatter: no result is allocated."""
-        kind = CollectiveKind.REDUCE_SCATTER if scatter else CollectiveKind.REDUCE
+        float32 result's destination) does the same for a scatter: no result is allocated. With
+        `root` (a reduce; the coordinator's routes only) the result goes to that rank alone: a
+        REDUCE_SCATTER whose root's part is everything (the others get an empty tensor)."""
+        kind = CollectiveKind.REDUCE_SCATTER if scatter or root is not None else CollectiveKind.REDUCE
         flat = premultiplied(flat, plan)  # PREMUL_SUM's factor, on this rank's contribution
+        in_place = in_place or root == self.rank()
+
+        def exchange(payload: np.ndarray, op: ReduceOp, into: np.ndarray | None = None) -> np.ndarray:
+            splits = () if root is None else tuple(payload.size * 4 * (r == root) for r in range(self.size()))
+            return self._exchange(sequence, payload, op, kind=kind, into=into, split_bytes=splits)
+
         if plan.route == "coordinator":
             payload = _host_view(flat)
             target = payload if in_place else None if into is None else into.view(np.float32)
-            result = self._exchange(sequence, payload, plan.wire_op, kind=kind, into=target)
+            result = exchange(payload, plan.wire_op, target)
             return flat if in_place else torch.from_numpy(result)
         if plan.route == "widened":
-            widened = self._exchange(sequence, flat.float().numpy(), plan.wire_op, kind=kind)
+            widened = exchange(flat.float().numpy(), plan.wire_op)
             return torch.from_numpy(widened).to(flat.dtype)
         if plan.route == "limbs":
-            limbs = self._exchange(sequence, to_limbs(_host_view(flat)), ReduceOp.SUM, kind=kind)
+            limbs = exchange(to_limbs(_host_view(flat)), ReduceOp.SUM)
             return torch.from_numpy(from_limbs(limbs))
         size, mine = self.size(), _bytes_of(flat)
         if scatter:

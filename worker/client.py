@@ -620,6 +620,8 @@ class WorkerClient:
     ) -> np.ndarray | None:
         """`key` through the collective lane: its result (float32 for REDUCE and REDUCE_SCATTER,
         uint8 for the kinds that move bytes), or None when the lane is not open for this job."""
+        if key.collective_kind is CollectiveKind.REDUCE_SCATTER and key.split_bytes:
+            return self._uneven_in_lane(lane, key, array, into, timeout)
         moves_bytes = key.collective_kind in BYTE_KINDS
         dtype = _U8 if moves_bytes else _F32
         # Arrays already as the lane takes them (the torch backend's) skip the conversions: a
@@ -657,6 +659,29 @@ class WorkerClient:
             return None
         return raw if result is None else result
 
+    def _uneven_in_lane(
+        self, lane: LaneClient, key: TensorKey, array: Any, into: Any, timeout: float | None
+    ) -> np.ndarray | None:
+        """A REDUCE_SCATTER with uneven parts (`split_bytes`) through the lane: a REDUCE of the
+        same contributions (the very bytes the parts are cut from; every worker of a host reads
+        the lane's output anyway), then this worker's part."""
+        data = array if _ready(array, _F32) else as_float32_array(array, what=str(key))
+        mine = self._result_length(key, int(data.size))
+        assert mine is not None
+        whole = dataclasses.replace(key, collective_kind=CollectiveKind.REDUCE, split_bytes=())
+        reduced = self._run_in_lane(lane, whole, data, None, timeout)
+        if reduced is None:
+            return None
+        start = sum(key.split_bytes[: self.worker_id]) // 4
+        part = reduced[start : start + mine]
+        if into is None:
+            return part.copy()
+        result = into if _ready(into, _F32, writable=True) and into.size == mine else None
+        if result is None:
+            result = as_result_buffer(into, mine, what=str(key))
+        result[:] = part
+        return result
+
     def _check_size(self, key: TensorKey, size: int, unit: str) -> None:
         """Refuses, naming the key, a contribution beyond the coordinator's element limit (a
         BYTES element is one byte)."""
@@ -691,7 +716,13 @@ class WorkerClient:
             return size
         kind, world = key.collective_kind, self.total_workers
         problem = ""
-        if kind is CollectiveKind.REDUCE_SCATTER and size % world:
+        if kind is CollectiveKind.REDUCE_SCATTER and key.split_bytes:
+            if len(key.split_bytes) != world or sum(key.split_bytes) != 4 * size:
+                problem = (
+                    f"split_bytes {list(key.split_bytes)} must hold one entry per worker ({world}) and "
+                    f"sum to the {4 * size} float32 bytes sent"
+                )
+        elif kind is CollectiveKind.REDUCE_SCATTER and size % world:
             problem = f"{size} elements do not split into {world} equal parts, one per worker"
         elif kind is CollectiveKind.BROADCAST and key.root >= world:
             problem = f"root {key.root} is out of range for {world} workers"
@@ -705,7 +736,7 @@ class WorkerClient:
         if problem:
             raise InvalidArgumentError(f"{key}: {problem}", step=key.step, key=str(key))
         if kind is CollectiveKind.REDUCE_SCATTER:
-            return size // world
+            return key.split_bytes[self.worker_id] // 4 if key.split_bytes else size // world
         if kind is CollectiveKind.ALL_GATHER:
             return size * world
         if kind is CollectiveKind.ALL_TO_ALL:
