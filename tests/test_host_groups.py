@@ -138,6 +138,11 @@ def test_block_keys_and_every_summed_collective_kind_go_through_the_group(groupe
         mine["scatter"] = client.collective(scatter, data[w]).copy()
         gather = TensorKey.collective(3, 0, kind=CollectiveKind.ALL_GATHER)
         mine["gather"] = client.collective(gather, np.full(3, w, np.uint8)).copy()
+        # A reduce to worker 2: its part is everything, the others' nothing (torch's `reduce`).
+        splits = tuple(4 * data[w].size * (r == 2) for r in range(4))
+        kind = CollectiveKind.REDUCE_SCATTER
+        to_root = TensorKey.collective(4, 0, ReduceOp.SUM, kind=kind, split_bytes=splits)
+        mine["reduce"] = client.collective(to_root, data[w]).copy()
         outcome[w] = mine
 
     run_each(clients, run)
@@ -149,6 +154,7 @@ def test_block_keys_and_every_summed_collective_kind_go_through_the_group(groupe
         np.testing.assert_array_equal(outcome[w]["sum"], total)
         np.testing.assert_array_equal(outcome[w]["scatter"], total[w * part : (w + 1) * part])
         np.testing.assert_array_equal(outcome[w]["gather"], np.repeat(np.arange(4, dtype=np.uint8), 3))
+        np.testing.assert_array_equal(outcome[w]["reduce"], total if w == 2 else total[:0])
 
 
 def test_a_16_bit_wire_sums_on_the_host_too(grouped: Grouped) -> None:
