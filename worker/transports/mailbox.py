@@ -175,7 +175,8 @@ class Mailbox:
         peers = () if rings is None else rings.peers
         self._local = {w: peers.index(w) for w in peers if w != self.worker_id}
         self._bell = _Bell(rings)
-        self._spins = spin_for(2) if rings is not None else 0
+        # Spin before sleeping only while every peer of this host can have a core of its own.
+        self._spins = spin_for(max(2, len(peers))) if rings is not None else 0
         self._lock = threading.Lock()
         self._sequence = itertools.count()
         self._posted: list[PeerReceive] = []
