@@ -793,7 +793,8 @@ def encode_server_event(event: ServerEvent) -> bytes:
     if isinstance(event, PeerPiece):
         return with_payload(_SERVER_PEER_FIELD, _peer_header(event), _PEER_DATA_FIELD, event.data)
     if isinstance(event, PeerDeliveredOut):
-        msg = pb.ServerMessage(peer_delivered=pb.PeerDelivered(peer=event.peer, sequence=event.sequence))
+        delivered = pb.PeerDelivered(peer=event.peer, sequence=event.sequence, bytes=event.upto)
+        msg = pb.ServerMessage(peer_delivered=delivered)
     elif isinstance(event, MemberJoinedOut):
         msg = pb.ServerMessage(member_joined=pb.MemberJoined(worker_id=event.worker_id))
     elif isinstance(event, BarrierReleaseOut):
@@ -891,7 +892,8 @@ def decode_server_message(raw: bytes) -> ServerEvent:
         if kind == "member_joined":
             return MemberJoinedOut(msg.member_joined.worker_id)
         if kind == "peer_delivered":
-            return PeerDeliveredOut(msg.peer_delivered.peer, msg.peer_delivered.sequence)
+            d = msg.peer_delivered
+            return PeerDeliveredOut(d.peer, d.sequence, d.bytes)
         if kind == "error":
             e = msg.error
             subject = e.WhichOneof("subject")

@@ -328,10 +328,12 @@ class MemberJoinedOut:
 
 @dataclasses.dataclass(frozen=True)
 class PeerDeliveredOut:
-    """The last piece of message `sequence` was queued for its receiver `peer`: the send is done."""
+    """The receiver `peer`'s stream took message `sequence` up to byte `upto` (one notice per
+    piece): at the message's size, the send is done."""
 
     peer: int
     sequence: int
+    upto: int
 
 
 ServerEvent = (

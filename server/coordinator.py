@@ -70,7 +70,7 @@ from .outgoing import Outgoing
 from .peers import PartitionRole
 from .reducer import Reducer, Result, average_on_loop, usable_cores
 from .reduction import Reduce, ReductionTable
-from .relay import PeerRelay
+from .relay import AfterWritten, PeerRelay, Relayed
 from .shm import ShmHub, ShmOutbox
 from .streams import Streams, WorkerStream
 
@@ -186,7 +186,7 @@ class GradientServer:
             buffered=lambda w: self._table.buffered_bytes(w),  # noqa: PLW0108 - a reset replaces the table
             stopping=lambda: self._stopping is not None,
             ended=self._stream_ended,
-            opened=lambda w: self._deliver(self._relay.opened(w)),
+            opened=lambda w: self._relayed(self._relay.opened(w)),
         )
         self._outboxes = Outboxes(self._streams, self.metrics)
         self._outboxes.add(self._partition)
@@ -466,9 +466,22 @@ class GradientServer:
         elif isinstance(event, StepFailureIn):
             self._deliver(self._table.step_failure_reported(event))
         elif isinstance(event, PeerPiece):
-            self._deliver(self._relay.forward(stream.member.worker_id, event))
+            self._relayed(self._relay.forward(stream.member.worker_id, event))
         else:
             self._deliver(self._table.sample_ranges(event))
+
+    def _relayed(self, items: Relayed) -> None:
+        """Sends what the relay answered; a notice to a sender goes once the receiver's stream
+        wrote the piece before it."""
+        batch: list[Outgoing] = []
+        for item in items:
+            if isinstance(item, AfterWritten):
+                self._deliver(batch)
+                batch = []
+                self._streams.after_written(item.worker, functools.partial(self._deliver, [item.notice]))
+            else:
+                batch.append(item)
+        self._deliver(batch)
 
     def _stream_ended(self, stream: WorkerStream, why: str, expected: bool) -> None:
         if self._membership.remove(stream.member, why, expected=expected):

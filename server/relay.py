@@ -1,27 +1,30 @@
 """`PeerRelay`: point-to-point messages between workers, relayed by the coordinator (pure: no I/O).
 
-A worker sends a message for another worker of its job as `PeerMessage` pieces on its own
-Exchange stream (docs/PROTOCOL.md "Point-to-point"); the relay passes each piece on, as it comes,
-to the receiver's stream, naming the sender, and tells the sender when the last piece is queued
-there (`PeerDelivered`): each byte crosses the sender's link and the receiver's link once, and no
-other worker sees it. Pieces of one sender reach one receiver in the order sent (one stream in,
-one stream out), so messages between two workers keep their order. What the relay refuses, it
-answers with an error naming the message (its receiver, tag and number) and why: a receiver out
-of range, the sender itself, or one that left or was lost. A receiver that joined but has not
-opened its stream yet gets the pieces held for it until it does (workers open their streams after
-the world completes, and a fast sender may already be sending).
+A worker sends a message for another worker of its job as `PeerMessage` pieces on its own Exchange
+stream (docs/PROTOCOL.md "Point-to-point"); the relay passes each piece on, as it comes, to the
+receiver's stream, naming the sender, and tells the sender once the receiver's stream has written
+each piece (`PeerDelivered`, up to which byte): the sender keeps a window of bytes without that
+notice, so what waits at the coordinator for one receiver is bounded by its senders' windows, and a
+send is complete once its last piece was written. Each byte crosses the sender's link and the
+receiver's link once, and no other worker sees it. Pieces of one sender reach one receiver in the
+order sent (one stream in, one stream out), so messages between two workers keep their order. What
+the relay refuses, it answers with an error naming the message (its receiver, tag and number) and
+why: a receiver out of range, the sender itself, or one that left or was lost. A receiver that
+joined but has not opened its stream yet gets the pieces held for it until it does (workers open
+their streams after the world completes, and a fast sender may already be sending).
 
-It is also the outbox (server/outbox.py) that learns when a stream opens and when a worker
-leaves, and it offers each joiner the members it shares memory with (`host_peers`): workers that
-said the same `peer_host_id` move their messages to each other through shared memory
-(worker/transports/peer_rings.py) and never through here. That memory is shared out once, as the
-job begins, so it is offered only under `--on-worker-loss abort` and never to a worker taking a
-departed one's place; the departed worker's peers relay to its place from then on, and when a
-replacement's stream opens every other member hears so (`MemberJoinedOut`).
+It is also the outbox (server/outbox.py) that learns when a stream opens and when a worker leaves,
+and it offers each joiner the members it shares memory with (`host_peers`): workers that said the
+same `peer_host_id` move their messages to each other through shared memory
+(worker/transports/peer_rings.py) and never through here. That memory is shared out once, as the job
+begins, so it is offered only under `--on-worker-loss abort` and never to a worker taking a departed
+one's place; the departed worker's peers relay to its place from then on, and when a replacement's
+stream opens every other member hears so (`MemberJoinedOut`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +39,17 @@ from .reduction import ReductionTable
 _KEY_BYTES = 16
 
 
+@dataclasses.dataclass(frozen=True)
+class AfterWritten:
+    """`notice` is to go out once `worker`'s stream wrote everything queued for it before."""
+
+    worker: int
+    notice: Outgoing
+
+
+Relayed = list[Outgoing | AfterWritten]
+
+
 class PeerRelay:
     """The relay of one job (a fresh job starts a fresh one: `reset`)."""
 
@@ -46,7 +60,7 @@ class PeerRelay:
         self._share_memory = host_peers
         self._streaming = streaming
         self._gone: dict[int, str] = {}  # worker id -> why it left (until one takes its place)
-        self._held: dict[int, list[Outgoing]] = {}  # receiver -> pieces for its stream-to-be
+        self._held: dict[int, Relayed] = {}  # receiver -> pieces (and notices) for its stream-to-be
         self._keys: dict[str, bytes] = {}  # peer_host_id -> the key naming that host's mailboxes
 
     def offer_to(self, member: Member, members: Sequence[Member]) -> dict[str, Any]:
@@ -61,9 +75,9 @@ class PeerRelay:
         key = self._keys.setdefault(member.peer_host_id, secrets.token_bytes(_KEY_BYTES))
         return {"host_peers": peers, "peer_key": key}
 
-    def forward(self, sender: int, piece: PeerPiece) -> list[Outgoing]:
-        """One piece from `sender`: passed on to its receiver (and, for the last piece, the
-        sender told it is delivered), or refused naming why."""
+    def forward(self, sender: int, piece: PeerPiece) -> Relayed:
+        """One piece from `sender`: passed on to its receiver, the sender told once the
+        receiver's stream wrote it, or refused naming why."""
         receiver = piece.peer
         problem = self._refusal(sender, receiver)
         if problem is not None:
@@ -75,14 +89,15 @@ class PeerRelay:
             malformed = receiver >= self._world or receiver == sender
             code = Status.INVALID_ARGUMENT if malformed else Status.ABORTED
             event = ErrorOut(int(code), message, 0, culprit_worker_id=receiver, peer_message=refused)
-            return [Outgoing((sender,), event)]
+            refusal: Relayed = [Outgoing((sender,), event)]
+            return refusal
         relayed = PeerPiece(sender, piece.tag, piece.sequence, piece.total_bytes, piece.offset, piece.data)
-        out = [Outgoing((receiver,), relayed)]
-        if piece.offset + len(piece.data) >= piece.total_bytes:
-            out.append(Outgoing((sender,), PeerDeliveredOut(receiver, piece.sequence)))
+        upto = piece.offset + len(piece.data)
+        notice = Outgoing((sender,), PeerDeliveredOut(receiver, piece.sequence, upto))
+        out: Relayed = [Outgoing((receiver,), relayed), AfterWritten(receiver, notice)]
         if self._streaming(receiver):
             return out
-        # The receiver's stream is not open yet: its pieces wait, and so does the sender's notice.
+        # The receiver's stream is not open yet: its pieces wait, and so do the sender's notices.
         self._held.setdefault(receiver, []).extend(out)
         return []
 
@@ -96,10 +111,10 @@ class PeerRelay:
             return f"worker {receiver} is no longer in the job ({why})"
         return None
 
-    def opened(self, worker_id: int) -> list[Outgoing]:
+    def opened(self, worker_id: int) -> Relayed:
         """Member `worker_id`'s stream opened: what was held for it, in order; when it takes a
         departed worker's place, every other streaming member hears so first."""
-        out: list[Outgoing] = []
+        out: Relayed = []
         if self._gone.pop(worker_id, None) is not None:
             others = tuple(w for w in range(self._world) if w != worker_id and self._streaming(w))
             if others:

@@ -44,6 +44,15 @@ from .metrics import CoordinatorMetrics
 log = logging.getLogger("gradserver.server")
 
 _STOP = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """A mark in a stream's outbound queue: `then` runs once everything before it was written."""
+
+    then: Callable[[], None]
+
+
 # A client's cancel fails a pending write a moment before the cancellation reaches the handler.
 _CANCEL_AFTER_FAILED_WRITE_S = 1.0
 
@@ -353,11 +362,21 @@ class Streams:
         self._handle(stream, event)
         return False
 
+    def after_written(self, worker_id: int, then: Callable[[], None]) -> None:
+        """Calls `then` (on the loop) once `worker_id`'s stream has written everything queued for
+        it so far; never, if that stream ends first."""
+        stream = self.by_worker.get(worker_id)
+        if stream is not None:
+            stream.outbound.put_nowait(_Written(then))
+
     async def _write_loop(self, stream: WorkerStream) -> None:
         while True:
             item = await stream.outbound.get()
             if item is _STOP:
                 return
+            if isinstance(item, _Written):
+                item.then()
+                continue
             assert isinstance(item, bytes)
             try:
                 await stream.context.write(item)

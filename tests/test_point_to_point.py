@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -41,13 +41,13 @@ from gradserver.common.errors import (
     Status,
     UnavailableError,
 )
-from gradserver.common.messages import ErrorOut, MemberJoinedOut, PeerDeliveredOut, PeerPiece
+from gradserver.common.messages import ErrorOut, JoinAccepted, MemberJoinedOut, PeerDeliveredOut, PeerPiece
 from gradserver.server.membership import Member
 from gradserver.server.outgoing import Outgoing
 from gradserver.server.reduction import ReductionTable
-from gradserver.server.relay import PeerRelay
+from gradserver.server.relay import AfterWritten, PeerRelay, Relayed
 from gradserver.worker import Timeouts, WorkerClient
-from gradserver.worker.transports import PeerReceive
+from gradserver.worker.transports import Mailbox, PeerReceive
 from gradserver.worker.transports.peer_rings import capacity_for
 
 from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
@@ -702,7 +702,7 @@ def table() -> ReductionTable:
     return ReductionTable(3, 1024, 10.0, lambda: 0.0)
 
 
-def refusal(out: list[Outgoing]) -> ErrorOut:
+def refusal(out: Relayed) -> ErrorOut:
     assert len(out) == 1
     assert isinstance(out[0].event, ErrorOut)
     return out[0].event
@@ -713,16 +713,19 @@ def test_relay_forwards_each_piece_naming_the_sender_and_tells_the_sender_at_the
     r = relay()
     data = bytes(range(250))
     out = [item for p in pieces(2, 7, 4, data, 100) for item in r.forward(0, p)]
+    # Each piece to the receiver, and its notice to the sender once the receiver's stream wrote it.
     assert out == [
         Outgoing((2,), PeerPiece(0, 7, 4, 250, 0, data[:100])),
+        AfterWritten(2, Outgoing((0,), PeerDeliveredOut(2, 4, 100))),
         Outgoing((2,), PeerPiece(0, 7, 4, 250, 100, data[100:200])),
+        AfterWritten(2, Outgoing((0,), PeerDeliveredOut(2, 4, 200))),
         Outgoing((2,), PeerPiece(0, 7, 4, 250, 200, data[200:])),
-        Outgoing((0,), PeerDeliveredOut(2, 4)),
+        AfterWritten(2, Outgoing((0,), PeerDeliveredOut(2, 4, 250))),
     ]
-    # An empty message is one piece, delivered at once.
+    # An empty message is one piece.
     assert r.forward(1, PeerPiece(0, -3, 0, 0, 0, b"")) == [
         Outgoing((0,), PeerPiece(1, -3, 0, 0, 0, b"")),
-        Outgoing((1,), PeerDeliveredOut(0, 0)),
+        AfterWritten(0, Outgoing((1,), PeerDeliveredOut(0, 0, 0))),
     ]
 
 
@@ -735,21 +738,23 @@ def test_relay_holds_pieces_for_a_stream_not_open_yet_and_releases_them_in_order
     assert held == [[]] * 4
     assert r.forward(0, PeerPiece(1, 5, 1, 1, 0, b"!")) == [
         Outgoing((1,), PeerPiece(0, 5, 1, 1, 0, b"!")),
-        Outgoing((0,), PeerDeliveredOut(1, 1)),
+        AfterWritten(1, Outgoing((0,), PeerDeliveredOut(1, 1, 1))),
     ]
     r.open_streams.add(2)  # type: ignore[attr-defined]
     assert r.opened(2) == [
         Outgoing((2,), PeerPiece(0, 1, 0, 30, 0, first[:10])),
+        AfterWritten(2, Outgoing((0,), PeerDeliveredOut(2, 0, 10))),
         Outgoing((2,), PeerPiece(0, 1, 0, 30, 10, first[10:20])),
+        AfterWritten(2, Outgoing((0,), PeerDeliveredOut(2, 0, 20))),
         Outgoing((2,), PeerPiece(0, 1, 0, 30, 20, first[20:])),
-        Outgoing((0,), PeerDeliveredOut(2, 0)),
+        AfterWritten(2, Outgoing((0,), PeerDeliveredOut(2, 0, 30))),
         Outgoing((2,), PeerPiece(1, 1, 0, 3, 0, second)),
-        Outgoing((1,), PeerDeliveredOut(2, 0)),
+        AfterWritten(2, Outgoing((1,), PeerDeliveredOut(2, 0, 3))),
     ]
     assert r.opened(2) == []
     assert r.forward(0, PeerPiece(2, 1, 2, 1, 0, b"?")) == [
         Outgoing((2,), PeerPiece(0, 1, 2, 1, 0, b"?")),
-        Outgoing((0,), PeerDeliveredOut(2, 2)),
+        AfterWritten(2, Outgoing((0,), PeerDeliveredOut(2, 2, 1))),
     ]
 
 
@@ -792,7 +797,7 @@ def test_relay_drops_what_it_held_for_a_worker_that_is_gone_and_takes_its_replac
     assert r.opened(2) == [Outgoing((0, 1), MemberJoinedOut(2))]
     assert r.forward(0, PeerPiece(2, 0, 2, 1, 0, b"y")) == [
         Outgoing((2,), PeerPiece(0, 0, 2, 1, 0, b"y")),
-        Outgoing((0,), PeerDeliveredOut(2, 2)),
+        AfterWritten(2, Outgoing((0,), PeerDeliveredOut(2, 2, 1))),
     ]
 
 
@@ -830,7 +835,67 @@ def test_relay_reset_forgets_the_job() -> None:
     assert r.offer_to(members[0], members)["peer_key"] != key
     assert r.forward(0, PeerPiece(1, 0, 1, 1, 0, b"z")) == [
         Outgoing((1,), PeerPiece(0, 0, 1, 1, 0, b"z")),
-        Outgoing((0,), PeerDeliveredOut(1, 1)),
+        AfterWritten(1, Outgoing((0,), PeerDeliveredOut(1, 1, 1))),
     ]
     r.open_streams.add(2)  # type: ignore[attr-defined]
     assert r.opened(2) == []
+
+
+# --- the relay's window ---------------------------------------------------------------------------
+
+
+class _RecordingLink:
+    """A link that only records what the mailbox sends (no coordinator: the test answers)."""
+
+    def __init__(self) -> None:
+        self.sent: list[PeerPiece] = []
+        self.sink: Any = None
+        self.lock = threading.Lock()
+
+    def on_peer_messages(self, sink: Any) -> None:
+        self.sink = sink
+
+    def send(self, event: Any) -> None:
+        with self.lock:
+            self.sent.append(event)
+
+    def bytes_sent(self) -> int:
+        with self.lock:
+            return sum(len(p.data) for p in self.sent)
+
+
+@pytest.mark.timeout(30)
+def test_a_relayed_send_keeps_at_most_a_window_of_bytes_its_receivers_stream_has_not_written() -> None:
+    """The coordinator tells the sender when the receiver's stream wrote each piece
+    (`PeerDelivered` up to a byte); without those notices a sender stops at its window, so what
+    waits at the coordinator for a slow receiver stays bounded; each notice lets more go, and
+    the send completes with the last one."""
+    link = _RecordingLink()
+    chunk = 64 * 1024
+    accepted = JoinAccepted(0, 2, 1, 1, 1, chunk, 1 << 30, 1 << 28, 1.0, 5.0, 60.0, 0)
+    mailbox = Mailbox(cast(Any, link), accepted, 10.0, None)
+    try:
+        window = max(16 * chunk, 4 * MIB)
+        data = payload(np.uint8, 3 * window + 5, 1)
+        send = mailbox.send(1, 7, data)
+        deadline = time.monotonic() + 10
+        while link.bytes_sent() < window and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.2)  # the sender thread would go on here if nothing held it
+        assert link.bytes_sent() == window and not send.done
+        acked = 0
+        while acked < data.size:
+            with link.lock:
+                ends = [p.offset + len(p.data) for p in link.sent]
+            fresh = [end for end in ends if end > acked]
+            if not fresh:
+                assert time.monotonic() < deadline, "the sender stopped with room in its window"
+                time.sleep(0.001)
+                continue
+            acked = fresh[0]
+            link.sink.peer_message(PeerDeliveredOut(1, send.sequence, acked))
+            assert link.bytes_sent() <= acked + window
+        send.wait(5)
+        assert b"".join(bytes(p.data) for p in link.sent) == data.tobytes()
+    finally:
+        mailbox.close()

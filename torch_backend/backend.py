@@ -394,7 +394,8 @@ class ProcessGroupGradServer(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         """`isend`/`send`: this rank's bytes of the tensor to rank `dstRank` (the Work completes
-        once they are delivered: in its shared-memory ring, or queued for it by the coordinator)."""
+        once they are delivered: in its shared-memory ring, or written to its stream by the
+        coordinator)."""
         tensor = _single("send", tensors)
         name = f"rank {self.rank()}: gradserver send to rank {dstRank} (tag {tag})"
         operation = self._client.send_to(dstRank, _bytes_of(tensor), tag=tag)

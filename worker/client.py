@@ -515,7 +515,7 @@ class WorkerClient:
         """Starts sending `data` (its raw bytes, any dtype; read until the send is complete, so
         keep it unchanged meanwhile) to worker `peer`, matched there by `tag`; returns at once.
         `PeerSend.wait(timeout)` returns once it is delivered (in the receiver's shared-memory
-        ring, or queued for it by the coordinator) or raises why not (the receiver left, the job
+        ring, or written to its stream by the coordinator) or raises why not (the receiver left, the job
         failed). Messages to one worker with one tag arrive in the order sent (docs/PROTOCOL.md
         "Point-to-point")."""
         if self._closed:

@@ -408,12 +408,14 @@ class PeerMessage(_message.Message):
     def __init__(self, peer: _Optional[int] = ..., tag: _Optional[int] = ..., sequence: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PeerDelivered(_message.Message):
-    __slots__ = ("peer", "sequence")
+    __slots__ = ("peer", "sequence", "bytes")
     PEER_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
     peer: int
     sequence: int
-    def __init__(self, peer: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+    bytes: int
+    def __init__(self, peer: _Optional[int] = ..., sequence: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class MemberLeft(_message.Message):
     __slots__ = ("worker_id", "reason", "aborts")

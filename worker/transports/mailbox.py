@@ -15,10 +15,12 @@ writes what it can at once; what does not fit yet (a message larger than the rin
 of many pieces) is finished by the mailbox's sender thread, so a send never waits for its
 receiver to post a receive (every rank may send before it receives, as in a ring).
 
-A send is complete once its last byte is in the receiver's ring, or the coordinator queued its
-last piece for the receiver (`PeerDeliveredOut`); refused (its receiver left), it fails naming
-the receiver. When the link breaks (the job failed: a worker was lost, the coordinator stopped),
-every send and receive not complete fails with the link's error, which names the lost worker.
+A send is complete once its last byte is in the receiver's ring, or the coordinator wrote its last
+piece to the receiver's stream (`PeerDeliveredOut`, one per piece: a relaying sender keeps at most a
+window of bytes without it, so a slow receiver holds its senders back instead of filling the
+coordinator); refused (its receiver left), it fails naming the receiver. When the link breaks (the
+job failed: a worker was lost, the coordinator stopped), every send and receive not complete fails
+with the link's error, which names the lost worker.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from .peer_rings import FRAME, PeerRings
 log = logging.getLogger("gradserver.worker")
 
 _SLEEP_S = 0.05  # the longest a waiter sleeps before it looks at the link's state again
+_RELAY_WINDOW_PIECES = 16
+_RELAY_WINDOW_MIN = 4 * 2**20
 
 
 class PeerSend:
@@ -60,6 +64,7 @@ class PeerSend:
         self.data = data
         self.sequence = sequence
         self.written = 0  # bytes of its frame in the ring, or of its pieces sent
+        self.acked = 0  # relayed: bytes its receiver's stream took (PeerDelivered)
         self.busy = False  # the sending thread is writing it (no other thread may)
         self.error: GradServerError | None = None
         self.done = False
@@ -185,7 +190,10 @@ class Mailbox:
         self._reading: dict[int, _Incoming] = {}  # from the rings: sender -> its message being read
         self._progress = threading.Lock()  # one thread reads the rings at a time
         self._queued: dict[int, collections.deque[PeerSend]] = {}  # peer -> sends not fully written
-        self._relayed: dict[int, PeerSend] = {}  # sequence -> written sends awaiting delivery
+        self._relayed: dict[int, PeerSend] = {}  # sequence -> relayed sends not delivered whole
+        # Relayed bytes the coordinator has not yet written to their receivers' streams (of the
+        # sends in `_relayed`): at most a window of them, so what waits there stays bounded.
+        self._window = max(_RELAY_WINDOW_PIECES * self._piece_bytes, _RELAY_WINDOW_MIN)
         self._broken: GradServerError | None = None
         self._gone: dict[int, GradServerError] = {}  # workers that left the job, and how
         self._closed = False
@@ -240,10 +248,7 @@ class Mailbox:
             else:
                 if inline and send.data.size > self._piece_bytes:
                     return False
-                with self._lock:
-                    self._relayed[send.sequence] = send
-                self._send_pieces(send)
-                whole = True
+                whole = self._send_pieces(send, window=not inline)
         except GradServerError as exc:
             self._fail_send(send, exc)
             whole = True
@@ -262,16 +267,26 @@ class Mailbox:
                 self._bell.ring()  # its waiter sleeps on the bell
         return whole
 
-    def _send_pieces(self, send: PeerSend) -> None:
+    def _send_pieces(self, send: PeerSend, *, window: bool) -> bool:
+        """Sends `send`'s pieces to the coordinator while the window has room (`window`; a piece
+        always goes when nothing is outstanding); True once every piece went."""
         total = send.data.size
-        offset = send.written
+        with self._lock:
+            if send.written == 0:
+                self._relayed[send.sequence] = send
         while True:
+            offset = send.written
             piece = send.data[offset : offset + self._piece_bytes]
+            with self._lock:
+                if send.done:
+                    return True  # failed meanwhile: its other pieces are not sent
+                outstanding = sum(s.written - s.acked for s in self._relayed.values())
+                if window and outstanding and outstanding + piece.size > self._window:
+                    return False
             self._link.send(PeerPiece(send.peer, send.tag, send.sequence, total, offset, piece.data))
-            offset += piece.size
-            send.written = offset
-            if offset >= total:
-                return
+            send.written = offset + piece.size
+            if send.written >= total:
+                return True
 
     def _fail_send(self, send: PeerSend, error: GradServerError) -> None:
         with self._lock:
@@ -313,6 +328,9 @@ class Mailbox:
             return
         waiting = [self._local[s.peer] for s in heads if s.peer in self._local]
         if self._rings is None or not waiting:
+            with self._lock:  # relayed sends wait for the window: a notice frees it
+                if not self._closed and self._broken is None:
+                    self._work.wait(_SLEEP_S)
             return
         for position in waiting:
             self._rings.want_room(position, True)
@@ -332,17 +350,22 @@ class Mailbox:
         """From the link's receiver thread: a piece of a relayed message, or a send delivered."""
         if isinstance(event, PeerDeliveredOut):
             with self._lock:
-                send = self._relayed.pop(event.sequence, None)
-            if send is not None:
-                send._finish()
-                self._bell.ring()
+                send = self._relayed.get(event.sequence)
+                if send is None:
+                    return
+                send.acked = max(send.acked, event.upto)
+                if event.upto >= send.data.size:
+                    del self._relayed[event.sequence]
+                    send._finish()
+                self._work.notify_all()  # the window has room
+            self._bell.ring()
             return
         key = (event.peer, event.sequence)
         with self._lock:
             incoming = self._assembling.get(key)
             if incoming is None:
                 if event.offset:
-                    log.warning(
+                    log.debug(
                         "worker %d: dropped a piece of message %d from worker %d whose start it never got",
                         self.worker_id,
                         event.sequence,
@@ -365,6 +388,8 @@ class Mailbox:
         """The coordinator refused message `piece.sequence` (its receiver is gone, ...)."""
         with self._lock:
             send = self._relayed.pop(piece.sequence, None)
+            if send is not None:
+                self._work.notify_all()
         if send is not None:
             send._finish(error)
             self._bell.ring()
@@ -422,6 +447,8 @@ class Mailbox:
         for incoming in [*self._assembling.values(), *self._reading.values()]:
             if incoming.sender == worker_id and incoming.receive is not None and not incoming.receive.done:
                 incoming.receive.error, incoming.receive.done = error, True
+        for key in [k for k, incoming in self._assembling.items() if incoming.sender == worker_id]:
+            del self._assembling[key]  # its last pieces will never come
         for send in self._queued.pop(worker_id, ()):
             send._finish(error)
         for sequence, send in list(self._relayed.items()):
@@ -449,6 +476,11 @@ class Mailbox:
         for send in self._relayed.values():
             send._finish(error)
         self._relayed.clear()
+        # Messages being relayed to this worker: their senders stop sending them (their pieces
+        # still under way are dropped as pieces of a message not begun here).
+        for key, incoming in list(self._assembling.items()):
+            if incoming.receive is None or incoming.receive.done:
+                del self._assembling[key]
 
     # --- receiving -------------------------------------------------------------------------------
 
