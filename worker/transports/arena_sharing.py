@@ -5,18 +5,23 @@ The group's first member creates the arena and serves it on an abstract Unix soc
 the group's key, which only the group's members learned from the coordinator: a member connects,
 the socket's peer must be its own user (SO_PEERCRED), it says the key and its worker id, and it
 receives the arena's descriptor. Nothing has a name in /dev/shm, and the kernel frees the arena
-with its last holder. What the arena's own header says (forming, open, failed) is its user's.
+with its last holder. Every such arena has a state word (`ArenaState`): the first member says
+OPEN once every member attached, FAILED when one did not in time (`serve_then_open`), and each
+other member waits for that verdict (`await_verdict`), so the group decides as one.
 """
 
 from __future__ import annotations
 
+import enum
 import mmap
 import os
 import socket
 import struct
 import time
+from typing import Protocol
 
 from gradserver.common import shm
+from gradserver.common.errors import UnavailableError
 
 _HELLO = struct.Struct("<16sI")
 _CONNECT_RETRY_S = 0.05
@@ -24,6 +29,66 @@ _CONNECT_RETRY_S = 0.05
 
 class FormingError(Exception):
     """The group's arena could not be shared; the message says why."""
+
+
+class ArenaState(enum.IntEnum):
+    FORMING = 0
+    OPEN = 1
+    FAILED = 2
+
+
+class SharedArena(Protocol):
+    """What deciding as one needs of a member's mapping of its group's arena."""
+
+    @property
+    def state(self) -> ArenaState: ...
+
+    def set_state(self, state: ArenaState) -> None:
+        """Writes the state word and wakes every member."""
+        ...
+
+    def bell(self) -> int: ...
+
+    def sleep(self, seen: int, timeout_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def serve_then_open(
+    arena: SharedArena, group: tuple[int, ...], key: bytes, fd: int, name: bytes, timeout_s: float
+) -> None:
+    """The first member's side: serves `fd` (closed here) until every member received it, then
+    says OPEN; on any failure says FAILED (the others stop waiting), closes `arena` and raises."""
+    try:
+        serve(group, key, fd, name, timeout_s)
+        arena.set_state(ArenaState.OPEN)
+    except BaseException:
+        arena.set_state(ArenaState.FAILED)
+        arena.close()
+        raise
+    finally:
+        os.close(fd)
+
+
+def await_verdict(arena: SharedArena, worker: int, first: int, what: str, timeout_s: float) -> None:
+    """A member that attached (`worker`): returns once `first` said OPEN; closes `arena` and
+    raises `FormingError` when it said FAILED, `UnavailableError` when it said nothing within
+    twice `timeout_s` (this member cannot know what the group decided)."""
+    verdict_by = time.monotonic() + 2 * timeout_s
+    while (state := arena.state) is ArenaState.FORMING:
+        remaining = verdict_by - time.monotonic()
+        if remaining <= 0:
+            arena.close()
+            raise UnavailableError(
+                f"worker {worker} attached to {what}, but worker {first} said neither open nor failed "
+                f"within {2 * timeout_s:g} s"
+            )
+        seen = arena.bell()
+        if arena.state is ArenaState.FORMING:
+            arena.sleep(seen, min(remaining, 0.5))
+    if state is not ArenaState.OPEN:
+        arena.close()
+        raise FormingError(f"worker {first} gave up forming {what} (a member did not attach in time)")
 
 
 def serve(group: tuple[int, ...], key: bytes, fd: int, name: bytes, timeout_s: float) -> None:

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import logging
 import mmap
-import os
 import struct
 import threading
 import time
@@ -45,12 +43,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from gradserver.common import shm
-from gradserver.common.errors import UnavailableError
 from gradserver.common.lane import futex_wait, futex_wake
 from gradserver.common.messages import DType, KeyKind, TensorKey
 
 from . import arena_sharing as sharing
-from .arena_sharing import FormingError
+from .arena_sharing import ArenaState, FormingError
 
 log = logging.getLogger("gradserver.worker")
 
@@ -73,12 +70,6 @@ _KIND_CODES = {KeyKind.BLOCK: 1, KeyKind.NON_BLOCK: 2, KeyKind.WHOLE_MODEL: 3, K
 # Input and output slots per member: about this many bytes of each, 4 to 64 slots.
 _SLOTS_BYTES = 16 * 2**20
 _SOCKET_PREFIX = b"\0gradserver-host-"
-
-
-class ArenaState(enum.IntEnum):
-    FORMING = 0
-    OPEN = 1
-    FAILED = 2
 
 
 def _up(value: int, to: int) -> int:
@@ -195,7 +186,7 @@ class HostArena:
     def state(self) -> ArenaState:
         return ArenaState(int(self.words[_W_STATE]))
 
-    def _set_state(self, state: ArenaState) -> None:
+    def set_state(self, state: ArenaState) -> None:
         self.words[_W_STATE] = int(state)
         self.ring_all()
 
@@ -444,17 +435,8 @@ def _create(
     header = (MAGIC, VERSION, layout.members, layout.slot_bytes, layout.in_slots, layout.out_slots)
     arena.words[: len(header)] = header
     arena.words[arena._w(layout.control(0)) + _C_ATTACHED] = 1
-    try:
-        sharing.serve(group, key, fd, name, timeout_s)
-        arena._set_state(ArenaState.OPEN)
-        return arena
-    except BaseException:
-        if arena.state is not ArenaState.FAILED:
-            arena._set_state(ArenaState.FAILED)
-        arena.close()
-        raise
-    finally:
-        os.close(fd)
+    sharing.serve_then_open(arena, group, key, fd, name, timeout_s)
+    return arena
 
 
 def _attach(
@@ -469,22 +451,8 @@ def _attach(
         raise
     arena.words[arena._w(layout.control(position)) + _C_ATTACHED] = 1
     arena.ring(0)
-    # The first member says OPEN once every member attached, FAILED when one did not in time.
-    verdict_by = time.monotonic() + 2 * timeout_s
-    while (state := arena.state) is ArenaState.FORMING:
-        remaining = verdict_by - time.monotonic()
-        if remaining <= 0:
-            arena.close()
-            raise UnavailableError(
-                f"worker {group[position]} attached to its host group's shared memory, but worker "
-                f"{group[0]} said neither open nor failed within {2 * timeout_s:g} s"
-            )
-        seen = arena.bell()
-        if arena.state is ArenaState.FORMING:
-            arena.sleep(seen, min(remaining, 0.5))
-    if state is not ArenaState.OPEN:
-        arena.close()
-        raise FormingError(f"worker {group[0]} gave up forming it (a member did not attach in time)")
+    what = "its host group's shared memory"
+    sharing.await_verdict(arena, group[position], group[0], what, timeout_s)
     return arena
 
 

@@ -22,10 +22,8 @@ than the ring streams through it while both run) and rings the sender if it wait
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import mmap
-import os
 import struct
 import threading
 import time
@@ -33,11 +31,10 @@ import time
 import numpy as np
 
 from gradserver.common import shm
-from gradserver.common.errors import UnavailableError
 from gradserver.common.lane import futex_wait, futex_wake
 
 from . import arena_sharing as sharing
-from .arena_sharing import FormingError
+from .arena_sharing import ArenaState, FormingError
 
 log = logging.getLogger("gradserver.worker")
 
@@ -57,12 +54,6 @@ _SOCKET_PREFIX = b"\0gradserver-p2p-"
 _MAX_CAPACITY = 4 * 2**20
 _MIN_CAPACITY = 256 * 2**10
 _ARENA_BUDGET = 256 * 2**20
-
-
-class RingsState(enum.IntEnum):
-    FORMING = 0
-    OPEN = 1
-    FAILED = 2
 
 
 def capacity_for(members: int) -> int:
@@ -110,10 +101,10 @@ class PeerRings:
     # --- state and bells -----------------------------------------------------------------------
 
     @property
-    def state(self) -> RingsState:
-        return RingsState(int(self.words[_W_STATE]))
+    def state(self) -> ArenaState:
+        return ArenaState(int(self.words[_W_STATE]))
 
-    def set_state(self, state: RingsState) -> None:
+    def set_state(self, state: ArenaState) -> None:
         self.words[_W_STATE] = int(state)
         for member in range(len(self.peers)):
             self.ring(member)
@@ -259,16 +250,8 @@ def _create(peers: tuple[int, ...], key: bytes, capacity: int, name: bytes, time
         raise FormingError(f"cannot create its shared memory: {exc}") from None
     rings = PeerRings(mapping, peers, 0, capacity)
     rings.words[:4] = (MAGIC, VERSION, len(peers), capacity)
-    try:
-        sharing.serve(peers, key, fd, name, timeout_s)
-        rings.set_state(RingsState.OPEN)
-        return rings
-    except BaseException:
-        rings.set_state(RingsState.FAILED)
-        rings.close()
-        raise
-    finally:
-        os.close(fd)
+    sharing.serve_then_open(rings, peers, key, fd, name, timeout_s)
+    return rings
 
 
 def _attach(
@@ -284,19 +267,5 @@ def _attach(
         raise FormingError(f"its shared memory ({size} bytes, header {header}) is not this worker's layout")
     rings = PeerRings(mapping, peers, position, capacity)
     rings.mark_attached()
-    verdict_by = time.monotonic() + 2 * timeout_s
-    while (state := rings.state) is RingsState.FORMING:
-        remaining = verdict_by - time.monotonic()
-        if remaining <= 0:
-            rings.close()
-            raise UnavailableError(
-                f"worker {peers[position]} attached to its host's mailboxes, but worker {peers[0]} said "
-                f"neither open nor failed within {2 * timeout_s:g} s"
-            )
-        seen = rings.bell()
-        if rings.state is RingsState.FORMING:
-            rings.sleep(seen, min(remaining, 0.5))
-    if state is not RingsState.OPEN:
-        rings.close()
-        raise FormingError(f"worker {peers[0]} gave up forming them (a peer did not attach in time)")
+    sharing.await_verdict(rings, peers[position], peers[0], "its host's mailboxes", timeout_s)
     return rings
