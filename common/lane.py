@@ -41,6 +41,7 @@ import numpy as np
 
 from .messages import BYTE_KINDS as _BYTE_KINDS
 from .messages import CollectiveKind, ReduceOp
+from .shm import round_up
 
 MAGIC = 0x4E4C5347  # "GSLN"
 VERSION = 1
@@ -187,10 +188,6 @@ def next_round(value: int) -> int:
 # --- layout -------------------------------------------------------------------------------------
 
 
-def _up(value: int, to: int) -> int:
-    return -(-value // to) * to
-
-
 @dataclasses.dataclass(frozen=True)
 class LaneLayout:
     """Where everything lies in a lane arena for `world` workers with `slot_bytes` slots."""
@@ -200,7 +197,7 @@ class LaneLayout:
 
     @property
     def descriptor_bytes(self) -> int:
-        return _up(_SPLITS_OFFSET + 8 * self.world, _ALIGN)
+        return round_up(_SPLITS_OFFSET + 8 * self.world, _ALIGN)
 
     @property
     def control_bytes(self) -> int:
@@ -214,7 +211,7 @@ class LaneLayout:
 
     @property
     def data_start(self) -> int:
-        return _up(self.control(self.world), _PAGE)
+        return round_up(self.control(self.world), _PAGE)
 
     def input_slot(self, worker: int, round_: int) -> int:
         return self.data_start + (2 * worker + round_ % 2) * self.slot_bytes
@@ -236,7 +233,7 @@ def slot_bytes_for(chunk_bytes: int, world: int) -> int:
     more rounds); a multiple of the page, and of 4 bytes per worker (a REDUCE_SCATTER round
     carries one piece per worker)."""
     bounded = min(chunk_bytes, _SLOTS_MAX_BYTES // (2 * world + 2))
-    return max(bounded // _PAGE * _PAGE, _up(4 * world, _PAGE))
+    return max(bounded // _PAGE * _PAGE, round_up(4 * world, _PAGE))
 
 
 # --- descriptors --------------------------------------------------------------------------------

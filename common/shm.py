@@ -38,6 +38,11 @@ SOCKET_DIR_PREFIX = "gradserver-shm-"
 SOCKET_NAME = "sock"
 
 
+def round_up(value: int, to: int) -> int:
+    """`value` rounded up to a multiple of `to` (layouts of the shared arenas)."""
+    return -(-value // to) * to
+
+
 def supported() -> bool:
     """Whether this platform has what the path needs (Linux memfd and fd passing)."""
     return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(socket, "SO_PEERCRED")

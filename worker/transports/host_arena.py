@@ -45,6 +45,7 @@ import numpy as np
 from gradserver.common import shm
 from gradserver.common.lane import futex_wait, futex_wake
 from gradserver.common.messages import DType, KeyKind, TensorKey
+from gradserver.common.shm import round_up
 
 from . import arena_sharing as sharing
 from .arena_sharing import ArenaState, FormingError
@@ -72,10 +73,6 @@ _SLOTS_BYTES = 16 * 2**20
 _SOCKET_PREFIX = b"\0gradserver-host-"
 
 
-def _up(value: int, to: int) -> int:
-    return -(-value // to) * to
-
-
 @dataclasses.dataclass(frozen=True)
 class ArenaLayout:
     """Where everything lies in a host group's arena of `members` with slots of `slot_bytes`."""
@@ -87,13 +84,13 @@ class ArenaLayout:
 
     @classmethod
     def for_chunks(cls, members: int, chunk_bytes: int) -> ArenaLayout:
-        slot = _up(max(chunk_bytes, 4), _PAGE)
+        slot = round_up(max(chunk_bytes, 4), _PAGE)
         slots = max(4, min(64, _SLOTS_BYTES // slot))
         return cls(members, slot, slots, slots)
 
     @property
     def out_desc_bytes(self) -> int:
-        return _up(4 * (_D_TAKEN + self.members), 64)
+        return round_up(4 * (_D_TAKEN + self.members), 64)
 
     def control(self, member: int) -> int:
         return _HEADER + member * _CONTROL
@@ -107,7 +104,7 @@ class ArenaLayout:
 
     @property
     def data_start(self) -> int:
-        return _up(self.out_desc(self.members, 0), _PAGE)
+        return round_up(self.out_desc(self.members, 0), _PAGE)
 
     def in_data(self, member: int, slot: int) -> int:
         return self.data_start + (member * self.in_slots + slot) * self.slot_bytes

@@ -45,7 +45,7 @@ from gradserver.common.lane import spin_for
 from gradserver.common.messages import JoinAccepted, PeerDeliveredOut, PeerPiece
 
 from .base import Link
-from .peer_rings import FRAME, PeerRings
+from .peer_rings import FRAME, PeerRings, padded
 
 log = logging.getLogger("gradserver.worker")
 
@@ -244,7 +244,7 @@ class Mailbox:
                 assert self._rings is not None
                 frame = FRAME.pack(send.tag, send.data.size)
                 send.written = self._rings.write(self._local[send.peer], frame, send.data, send.written)
-                whole = send.written >= FRAME.size + -(-send.data.size // 8) * 8
+                whole = send.written >= FRAME.size + padded(send.data.size)
             else:
                 if inline and send.data.size > self._piece_bytes:
                     return False
@@ -621,12 +621,12 @@ class Mailbox:
                     with self._lock:
                         incoming = self._incoming(sender, tag, nbytes)
                     self._reading[position] = incoming
-                padded = -(-incoming.nbytes // 8) * 8
+                framed = padded(incoming.nbytes)
                 if incoming.got < incoming.nbytes and incoming.target is not None:
                     incoming.got += rings.read(position, incoming.target[incoming.got :])
-                if incoming.got < padded and (incoming.got >= incoming.nbytes or incoming.target is None):
-                    incoming.got += rings.read(position, None, skip=padded - incoming.got)
-                if incoming.got < padded:
+                if incoming.got < framed and (incoming.got >= incoming.nbytes or incoming.target is None):
+                    incoming.got += rings.read(position, None, skip=framed - incoming.got)
+                if incoming.got < framed:
                     break  # the rest is not written yet
                 del self._reading[position]
                 with self._lock:

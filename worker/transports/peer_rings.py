@@ -32,6 +32,7 @@ import numpy as np
 
 from gradserver.common import shm
 from gradserver.common.lane import futex_wait, futex_wake
+from gradserver.common.shm import round_up
 
 from . import arena_sharing as sharing
 from .arena_sharing import ArenaState, FormingError
@@ -62,8 +63,14 @@ def capacity_for(members: int) -> int:
     return max(_MIN_CAPACITY, min(_MAX_CAPACITY, share // _PAGE * _PAGE))
 
 
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // 8) * 8
+def padded(nbytes: int) -> int:
+    """A message's bytes in its frame, padding included."""
+    return round_up(nbytes, 8)
+
+
+def _rings_start(members: int) -> int:
+    """Where the first ring lies: the page after the header and the control blocks."""
+    return round_up(_HEADER + members * _CONTROL, _PAGE)
 
 
 class PeerRings:
@@ -80,20 +87,18 @@ class PeerRings:
         self.words = np.frombuffer(mapping, dtype=np.uint32)
         self._wide = np.frombuffer(mapping, dtype=np.uint64)
         self._base = int(self.bytes.__array_interface__["data"][0])
-        self._rings_start = _HEADER + n * _CONTROL
+        self._rings_start = _rings_start(n)
         self._ring_lock = threading.Lock()
         self._rings = 0
 
     @staticmethod
     def size(members: int, capacity: int) -> int:
-        rings_start = -(-(_HEADER + members * _CONTROL) // _PAGE) * _PAGE
-        return rings_start + members * members * (_RING_WORDS + capacity)
+        return _rings_start(members) + members * members * (_RING_WORDS + capacity)
 
     # --- where things lie ----------------------------------------------------------------------
 
     def _ring_offset(self, sender: int, receiver: int) -> int:
-        start = -(-self._rings_start // _PAGE) * _PAGE
-        return start + (sender * len(self.peers) + receiver) * self._stride
+        return self._rings_start + (sender * len(self.peers) + receiver) * self._stride
 
     def _word(self, sender: int, receiver: int, word: int) -> int:
         return self._ring_offset(sender, receiver) // 4 + word
@@ -142,7 +147,7 @@ class PeerRings:
         head = int(self._wide[head_i])
         tail = int(self._wide[self._word(me, receiver, _R_TAIL) // 2])
         room = cap - (head - tail)
-        total = FRAME.size + _padded(data.size)
+        total = FRAME.size + padded(data.size)
         start = written
         data_at = self._ring_offset(me, receiver) + _RING_WORDS
         while room > 0 and written < total:
