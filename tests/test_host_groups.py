@@ -28,7 +28,14 @@ from gradserver.common.messages import CollectiveKind, ReduceOp, TensorKey
 from gradserver.common.partition_map import key_hash
 from gradserver.worker import WorkerClient
 
-from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each, run_each_outcome, wait_pending
+from .helpers.server import (
+    TEST_TIMEOUTS,
+    ServerThread,
+    connect_each,
+    run_each,
+    run_each_outcome,
+    wait_pending,
+)
 from .helpers.shm import assert_nothing_mapped
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,14 +69,7 @@ def grouped(coordinator: Callable[..., ServerThread]) -> Iterator[Grouped]:
 
 
 def join(address: str, hosts: Sequence[str], **options: Any) -> list[WorkerClient]:
-    with concurrent.futures.ThreadPoolExecutor(len(hosts)) as pool:
-        futures = [
-            pool.submit(
-                WorkerClient.connect, address, timeout=TEST_TIMEOUTS, rank=rank, host_id=host, **options
-            )
-            for rank, host in enumerate(hosts)
-        ]
-        return [f.result(timeout=TEST_TIMEOUTS.join + 10) for f in futures]
+    return connect_each(address, [{"host_id": host} for host in hosts], **options)
 
 
 def inputs(n: int, elements: int = ELEMENTS, seed: int = 0) -> list[np.ndarray]:

@@ -22,7 +22,6 @@ deadline), and the fixture checks that no mailbox sender thread outlives its cli
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import re
 import threading
@@ -50,7 +49,7 @@ from gradserver.worker import Timeouts, WorkerClient
 from gradserver.worker.transports import Mailbox, PeerReceive
 from gradserver.worker.transports.peer_rings import capacity_for
 
-from .helpers.server import TEST_TIMEOUTS, ServerThread, run_each
+from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_each, run_each
 
 MIB = 2**20
 CHUNK_MIB = 0.25
@@ -132,19 +131,8 @@ def job(coordinator: Callable[..., ServerThread]) -> Iterator[Job]:
 
 
 def join(address: str, peer_memory: Sequence[bool], timeouts: Timeouts = TIMEOUTS) -> list[WorkerClient]:
-    with concurrent.futures.ThreadPoolExecutor(len(peer_memory)) as pool:
-        futures = [
-            pool.submit(
-                WorkerClient.connect,
-                address,
-                node_id=f"p2p-{rank}",
-                timeout=timeouts,
-                rank=rank,
-                peer_memory=memory,
-            )
-            for rank, memory in enumerate(peer_memory)
-        ]
-        return [f.result(timeout=timeouts.join + 10) for f in futures]
+    per_rank = [{"node_id": f"p2p-{rank}", "peer_memory": memory} for rank, memory in enumerate(peer_memory)]
+    return connect_each(address, per_rank, timeouts)
 
 
 def joined(job: Job, path: str, n: int = 2, **config: Any) -> tuple[ServerThread, list[WorkerClient]]:

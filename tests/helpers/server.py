@@ -110,6 +110,19 @@ def connect_all(
     return sorted(clients, key=lambda c: c.worker_id)
 
 
+def connect_each(
+    address: str, per_rank: Sequence[dict[str, Any]], timeouts: Timeouts = TEST_TIMEOUTS, **options: Any
+) -> list[WorkerClient]:
+    """One client per entry of `per_rank`, joined concurrently as ranks 0, 1, ... with `options`
+    and that entry's own options (e.g. `host_id`, `peer_memory`)."""
+    with concurrent.futures.ThreadPoolExecutor(len(per_rank)) as pool:
+        futures = [
+            pool.submit(WorkerClient.connect, address, timeout=timeouts, rank=rank, **options, **own)
+            for rank, own in enumerate(per_rank)
+        ]
+        return [f.result(timeout=timeouts.join + 10) for f in futures]
+
+
 def connect_ranks(address: str, transports: Sequence[str], **options: Any) -> list[CollectiveClient]:
     """One CollectiveClient per entry of `transports`, joined concurrently as ranks 0, 1, ...
     with that transport; `options` go to every connect."""
