@@ -91,6 +91,14 @@ def await_verdict(arena: SharedArena, worker: int, first: int, what: str, timeou
         raise FormingError(f"worker {first} gave up forming {what} (a member did not attach in time)")
 
 
+def create(size: int, label: str) -> tuple[int, mmap.mmap]:
+    """A new sealed arena of `size` bytes (its descriptor and this process's mapping)."""
+    try:
+        return shm.create_arena(size, label)
+    except OSError as exc:
+        raise FormingError(f"cannot create its shared memory: {exc}") from None
+
+
 def serve(group: tuple[int, ...], key: bytes, fd: int, name: bytes, timeout_s: float) -> None:
     """Serves arena `fd` on socket `name` until every member of `group` after the first one
     received it; raises `FormingError` when the socket is taken or a member did not come in time."""
@@ -136,9 +144,10 @@ def _admit(conn: socket.socket, group: tuple[int, ...], key: bytes, fd: int, tim
         return None
 
 
-def receive(worker: int, key: bytes, name: bytes, deadline: float, timeout_s: float) -> mmap.mmap:
-    """Connects to the first member's socket `name` (retrying until it listens, up to `deadline`)
-    as `worker` and maps the arena it hands out."""
+def receive(worker: int, key: bytes, name: bytes, timeout_s: float) -> mmap.mmap:
+    """Connects to the first member's socket `name` (retrying until it listens, for up to
+    `timeout_s`) as `worker` and maps the arena it hands out."""
+    deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -37,12 +37,10 @@ import logging
 import mmap
 import struct
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
 
-from gradserver.common import shm
 from gradserver.common.lane import futex_wait, futex_wake
 from gradserver.common.messages import DType, KeyKind, TensorKey
 from gradserver.common.shm import round_up
@@ -424,10 +422,7 @@ def form(
 def _create(
     group: tuple[int, ...], key: bytes, layout: ArenaLayout, name: bytes, timeout_s: float
 ) -> HostArena:
-    try:
-        fd, mapping = shm.create_arena(layout.size, "gradserver-host-group")
-    except OSError as exc:
-        raise FormingError(f"cannot create its shared memory: {exc}") from None
+    fd, mapping = sharing.create(layout.size, "gradserver-host-group")
     arena = HostArena(mapping, layout, 0)
     header = (MAGIC, VERSION, layout.members, layout.slot_bytes, layout.in_slots, layout.out_slots)
     arena.words[: len(header)] = header
@@ -439,8 +434,7 @@ def _create(
 def _attach(
     group: tuple[int, ...], position: int, key: bytes, layout: ArenaLayout, name: bytes, timeout_s: float
 ) -> HostArena:
-    deadline = time.monotonic() + timeout_s
-    mapping = sharing.receive(group[position], key, name, deadline, timeout_s)
+    mapping = sharing.receive(group[position], key, name, timeout_s)
     try:
         arena = _checked(mapping, layout, position)
     except FormingError:

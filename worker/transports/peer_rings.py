@@ -26,11 +26,9 @@ import logging
 import mmap
 import struct
 import threading
-import time
 
 import numpy as np
 
-from gradserver.common import shm
 from gradserver.common.lane import futex_wait, futex_wake
 from gradserver.common.shm import round_up
 
@@ -249,10 +247,7 @@ def form(peers: tuple[int, ...], worker_id: int, key: bytes, timeout_s: float) -
 
 
 def _create(peers: tuple[int, ...], key: bytes, capacity: int, name: bytes, timeout_s: float) -> PeerRings:
-    try:
-        fd, mapping = shm.create_arena(PeerRings.size(len(peers), capacity), "gradserver-p2p")
-    except OSError as exc:
-        raise FormingError(f"cannot create its shared memory: {exc}") from None
+    fd, mapping = sharing.create(PeerRings.size(len(peers), capacity), "gradserver-p2p")
     rings = PeerRings(mapping, peers, 0, capacity)
     rings.words[:4] = (MAGIC, VERSION, len(peers), capacity)
     sharing.serve_then_open(rings, peers, key, fd, name, timeout_s)
@@ -262,8 +257,7 @@ def _create(peers: tuple[int, ...], key: bytes, capacity: int, name: bytes, time
 def _attach(
     peers: tuple[int, ...], position: int, key: bytes, capacity: int, name: bytes, timeout_s: float
 ) -> PeerRings:
-    deadline = time.monotonic() + timeout_s
-    mapping = sharing.receive(peers[position], key, name, deadline, timeout_s)
+    mapping = sharing.receive(peers[position], key, name, timeout_s)
     header = struct.unpack_from("<4I", mapping, 0) if len(mapping) >= 16 else ()
     expected = (MAGIC, VERSION, len(peers), capacity)
     if len(mapping) != PeerRings.size(len(peers), capacity) or header != expected:
