@@ -160,7 +160,7 @@ class _Bell:
     def sleep(self, seen: int, timeout_s: float) -> None:
         rings = self._rings
         if rings is not None:
-            rings.sleep(seen, timeout_s)  # unmapped meanwhile: `detach` waits for no sleeper
+            rings.sleep(seen, timeout_s)  # unmapped meanwhile, the futex call returns at once
             return
         with self._cond:
             if self._count == seen:
@@ -521,11 +521,7 @@ class Mailbox:
         if receive is not None and receive.into is not None:
             if receive.into.size == nbytes:
                 return _Incoming(sender, tag, nbytes, receive.into, receive)
-            receive.error = InvalidArgumentError(
-                f"{receive.describe()}: the message from worker {sender} holds {nbytes} bytes, the "
-                f"receive's buffer {receive.into.size}",
-                worker_id=sender,
-            )
+            receive.error = _size_mismatch(receive, sender, nbytes)
             return _Incoming(sender, tag, nbytes, None, receive)
         return _Incoming(sender, tag, nbytes, np.empty(nbytes, np.uint8), receive)
 
@@ -558,11 +554,7 @@ class Mailbox:
             receive.into[:] = data
             receive.data = receive.into
         else:
-            receive.error = InvalidArgumentError(
-                f"{receive.describe()}: the message from worker {sender} holds {data.size} bytes, the "
-                f"receive's buffer {receive.into.size}",
-                worker_id=sender,
-            )
+            receive.error = _size_mismatch(receive, sender, data.size)
         receive.done = True
 
     def _arrived_whole(self, sender: int, tag: int, data: np.ndarray) -> None:
@@ -670,6 +662,16 @@ class Mailbox:
 def _done(operation: PeerSend | PeerReceive) -> bool:
     """Whether `operation` is done now (another thread may have completed it meanwhile)."""
     return operation.done
+
+
+def _size_mismatch(receive: PeerReceive, sender: int, nbytes: int) -> InvalidArgumentError:
+    """Why a message of `nbytes` from `sender` cannot fill `receive`'s buffer."""
+    size = 0 if receive.into is None else receive.into.size
+    return InvalidArgumentError(
+        f"{receive.describe()}: the message from worker {sender} holds {nbytes} bytes, the "
+        f"receive's buffer {size}",
+        worker_id=sender,
+    )
 
 
 def _named(error: GradServerError, what: str) -> GradServerError:
