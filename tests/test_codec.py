@@ -23,6 +23,8 @@ from gradserver.common.messages import (
     HeartbeatIn,
     JoinRequestIn,
     LeaveIn,
+    PeerDeliveredOut,
+    PeerPiece,
     SampleRange,
     SampleRangeAssignmentOut,
     SampleRangeRequestIn,
@@ -307,3 +309,43 @@ def test_a_link_probe_says_its_size_and_one_above_the_limit_is_refused() -> None
         codec.decode_link_probe(codec.encode_link_probe(codec.MAX_PROBE_BYTES + 1))
     with pytest.raises(InvalidArgumentError, match="malformed LinkProbe"):
         codec.decode_link_probe(b"\xff\xff")
+
+
+# --- point-to-point pieces ---------------------------------------------------------------------
+
+
+def test_point_to_point_pieces_and_notices_round_trip_with_their_payload() -> None:
+    piece = PeerPiece(2, -7, 5, 3 * CHUNK * 4, CHUNK * 4, bytes(range(256)) * 15)
+    got = codec.decode_worker_message(codec.encode_worker_event(piece), LIMITS)
+    assert isinstance(got, PeerPiece) and (got.peer, got.tag, got.sequence) == (2, -7, 5)
+    assert (got.total_bytes, got.offset, bytes(got.data)) == (piece.total_bytes, piece.offset, piece.data)
+    relayed = codec.decode_server_message(codec.encode_server_event(piece))
+    assert isinstance(relayed, PeerPiece) and bytes(relayed.data) == piece.data
+    notice = PeerDeliveredOut(2, 5, 4000)
+    assert codec.decode_server_message(codec.encode_server_event(notice)) == notice
+    empty = PeerPiece(1, 0, 0, 0, 0, b"")
+    got = codec.decode_worker_message(codec.encode_worker_event(empty), LIMITS)
+    assert isinstance(got, PeerPiece) and got.total_bytes == 0 and not got.data
+
+
+@pytest.mark.parametrize(
+    ("piece", "words"),
+    [
+        (PeerPiece(1, 0, 3, 8 * 10**9 + 1, 0, b"x"), "more than the largest message of 8000000000"),
+        (PeerPiece(1, 0, 3, 10 * CHUNK * 4, 0, bytes(CHUNK * 4 + 1)), "more than a chunk"),
+        (PeerPiece(1, 0, 3, 10, 8, b"abc"), "piece of 3 bytes at offset 8 of 10"),
+        (PeerPiece(1, 0, 3, 10, 0, b""), "piece of 0 bytes at offset 0 of 10"),
+    ],
+    ids=["too large a message", "too large a piece", "beyond its message", "empty piece of a message"],
+)
+def test_a_point_to_point_piece_that_cannot_be_right_is_refused_naming_it(
+    piece: PeerPiece, words: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=words) as refused:
+        codec.decode_worker_message(codec.encode_worker_event(piece), LIMITS)
+    assert "point-to-point message 3 for worker 1 (tag 0)" in str(refused.value)
+
+
+def test_a_relayed_piece_beyond_its_message_from_the_coordinator_is_an_internal_error() -> None:
+    with pytest.raises(InternalError, match="beyond its message"):
+        codec.decode_server_message(codec.encode_server_event(PeerPiece(0, 0, 1, 2, 1, b"ab")))

@@ -296,9 +296,10 @@ def test_host_group_fields_beyond_their_limits_are_refused_naming_them() -> None
 @pytest.mark.parametrize(
     "group", [(0, 2), (1, 0), (1, 4)], ids=["without the worker", "unordered", "beyond the world"]
 )
-def test_a_join_answer_with_an_impossible_host_group_is_refused(group: tuple[int, ...]) -> None:
-    accepted = JoinAccepted(
-        1, 4, 7, 9, codec.PROTOCOL_VERSION, 16, 64, 64, 1.0, 5.0, 20.0, 0, host_group=group
-    )
+@pytest.mark.parametrize("field", ["host_group", "host_peers"])
+def test_a_join_answer_with_an_impossible_host_group_is_refused(group: tuple[int, ...], field: str) -> None:
+    """Host groups and the point-to-point host peers are checked alike."""
+    limits = (16, 64, 64, 1.0, 5.0, 20.0, 0)
+    accepted = JoinAccepted(1, 4, 7, 9, codec.PROTOCOL_VERSION, *limits, **{field: group})
     with pytest.raises(InternalError, match="inconsistent JoinResponse"):
         codec.decode_join_accepted(codec.encode_join_accepted(accepted))

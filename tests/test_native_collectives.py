@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import queue
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -768,3 +769,24 @@ def test_shared_memory_workers_get_the_same_bytes_through_the_arenas(
     finally:
         for c in clients:
             c.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("splits", "words"),
+    [((4, 4), "one entry per worker (1)"), ((12,), "sum to the 8 float32 bytes sent")],
+    ids=["a part per worker", "the parts sum to the input"],
+)
+def test_a_reduce_scatter_with_impossible_parts_is_refused_before_it_is_sent(
+    coordinator: Any, splits: tuple[int, ...], words: str
+) -> None:
+    """The client checks uneven parts (`split_bytes`) as the coordinator would, naming the key."""
+    server = coordinator(world_size=1)
+    with WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS) as client:
+        kind = CollectiveKind.REDUCE_SCATTER
+        key = TensorKey.collective(0, GROUP, ReduceOp.SUM, kind=kind, split_bytes=splits)
+        with pytest.raises(InvalidArgumentError, match=re.escape(words)) as refused:
+            client.collective(key, np.ones(2, np.float32))
+        assert "operation 0" in str(refused.value), refused.value
+        right = dataclasses.replace(key, split_bytes=(8,))
+        assert client.collective(right, np.ones(2, np.float32)).tolist() == [1.0, 1.0]
