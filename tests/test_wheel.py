@@ -218,3 +218,36 @@ def test_torch_build_check_refuses_another_build(variant: str, passes: bool) -> 
     assert (result.returncode == 0) is passes, result.stdout + result.stderr
     if not passes:
         assert "torch 2.13.0+cpu is installed, but the cu128 build" in result.stderr
+
+
+P2P_SCRIPT = """
+import torch, torch.distributed as dist
+dist.init_process_group("gradserver")
+rank, world = dist.get_rank(), dist.get_world_size()
+out, back = torch.arange(5000.0) + rank, torch.empty(5000)
+ops = [dist.P2POp(dist.isend, out, (rank + 1) % world), dist.P2POp(dist.irecv, back, (rank - 1) % world)]
+for work in dist.batch_isend_irecv(ops):
+    work.wait()
+assert torch.equal(back, torch.arange(5000.0) + (rank - 1) % world), back[:3]
+print("P2P OK", rank, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_installed_wheel_sends_and_receives_between_ranks(installed: Installed, tmp_path: Path) -> None:
+    """Point-to-point (shared memory between the ranks of one host) from the installed package."""
+    script = tmp_path / "p2p.py"
+    script.write_text(P2P_SCRIPT)
+    argv = [str(installed.bin_dir / "gradserver"), "run", "--workers", "2", "--run-timeout", "240"]
+    result = subprocess.run(
+        [*argv, "--", str(installed.python), str(script)],
+        env=_clean_env(installed.bin_dir),
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.count("P2P OK") == 2, result.stdout[-4000:]
