@@ -50,6 +50,7 @@ from gradserver.worker.transports import Mailbox, PeerReceive
 from gradserver.worker.transports.peer_rings import capacity_for
 
 from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_each, run_each
+from .helpers.shm import assert_nothing_mapped
 
 MIB = 2**20
 CHUNK_MIB = 0.25
@@ -128,6 +129,7 @@ def job(coordinator: Callable[..., ServerThread]) -> Iterator[Job]:
             client.close()
     left = {t.name for t in sender_threads() - before if t.is_alive()}
     assert not left, f"mailbox sender threads outlived their clients: {sorted(left)}"
+    assert_nothing_mapped(what="memfd:gradserver-p2p")  # every host's mailboxes let go
 
 
 def join(address: str, peer_memory: Sequence[bool], timeouts: Timeouts = TIMEOUTS) -> list[WorkerClient]:
