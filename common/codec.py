@@ -366,6 +366,11 @@ def encode_join_accepted(accepted: JoinAccepted) -> bytes:
         host_key=accepted.host_key,
         host_peers=accepted.host_peers,
         peer_key=accepted.peer_key,
+        recovery=(
+            None
+            if accepted.recovery_step is None
+            else pb.RecoveryPlan(step=accepted.recovery_step, donors=accepted.donors)
+        ),
     ).SerializeToString()
 
 
@@ -376,8 +381,11 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
             f"coordinator speaks protocol version {msg.protocol_version}, this worker {PROTOCOL_VERSION}"
         )
     group, peers = tuple(msg.host_group), tuple(msg.host_peers)
+    plan = msg.recovery if msg.HasField("recovery") else None
+    donors = tuple(plan.donors) if plan is not None else ()
     if (
-        msg.chunk_bytes < 4
+        (plan is not None and (msg.worker_id in donors or any(d >= msg.total_workers for d in donors)))
+        or msg.chunk_bytes < 4
         or msg.total_workers == 0
         or msg.worker_id >= msg.total_workers
         or (group and (msg.worker_id not in group or not _ascending(group, msg.total_workers)))
@@ -407,6 +415,8 @@ def decode_join_accepted(raw: bytes) -> JoinAccepted:
         host_key=msg.host_key,
         host_peers=peers,
         peer_key=msg.peer_key,
+        recovery_step=plan.step if plan is not None else None,
+        donors=donors,
     )
 
 
@@ -439,7 +449,9 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
         return with_payload(_WORKER_PEER_FIELD, _peer_header(event), _PEER_DATA_FIELD, event.data)
     if isinstance(event, BarrierIn):
         msg = pb.WorkerMessage(
-            barrier=pb.Barrier(worker_id=event.worker_id, step=event.step, name=event.name)
+            barrier=pb.Barrier(
+                worker_id=event.worker_id, step=event.step, name=event.name, digest=event.digest
+            )
         )
     elif isinstance(event, SampleRangeRequestIn):
         msg = pb.WorkerMessage(
@@ -486,7 +498,7 @@ def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
                 step=b.step,
                 worker_id=b.worker_id,
             )
-        return BarrierIn(b.worker_id, b.step, b.name)
+        return BarrierIn(b.worker_id, b.step, b.name, b.digest if b.HasField("digest") else None)
     if kind == "sample_range_request":
         s = msg.sample_range_request
         if s.dataset_size == 0 or s.batch_size == 0:
@@ -796,7 +808,9 @@ def encode_server_event(event: ServerEvent) -> bytes:
         delivered = pb.PeerDelivered(peer=event.peer, sequence=event.sequence, bytes=event.upto)
         msg = pb.ServerMessage(peer_delivered=delivered)
     elif isinstance(event, MemberJoinedOut):
-        msg = pb.ServerMessage(member_joined=pb.MemberJoined(worker_id=event.worker_id))
+        msg = pb.ServerMessage(
+            member_joined=pb.MemberJoined(worker_id=event.worker_id, first_step=event.first_step)
+        )
     elif isinstance(event, BarrierReleaseOut):
         msg = pb.ServerMessage(barrier_release=pb.BarrierRelease(step=event.step, name=event.name))
     elif isinstance(event, SampleRangeAssignmentOut):
@@ -890,7 +904,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
                 raise InternalError(f"coordinator sent a point-to-point piece beyond its message: {p}")
             return PeerPiece(p.peer, p.tag, p.sequence, p.total_bytes, p.offset, payload)
         if kind == "member_joined":
-            return MemberJoinedOut(msg.member_joined.worker_id)
+            return MemberJoinedOut(msg.member_joined.worker_id, msg.member_joined.first_step)
         if kind == "peer_delivered":
             d = msg.peer_delivered
             return PeerDeliveredOut(d.peer, d.sequence, d.bytes)

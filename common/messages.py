@@ -193,6 +193,8 @@ class BarrierIn:
     worker_id: int
     step: int
     name: str
+    # A digest of the worker's replicated state at the boundary of `step` (None: a plain barrier).
+    digest: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,9 +323,11 @@ class MemberLeftOut:
 
 @dataclasses.dataclass(frozen=True)
 class MemberJoinedOut:
-    """A worker took the place of one that left: point-to-point messages with it are relayed."""
+    """A worker took the place of one that left: point-to-point messages with it are relayed,
+    and it takes part from `first_step`."""
 
     worker_id: int
+    first_step: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,3 +415,8 @@ class JoinAccepted:
     # and the key naming that host's mailboxes (empty: none).
     host_peers: tuple[int, ...] = ()
     peer_key: bytes = b""
+    # Live recovery: joined a running job, this worker takes part from `recovery_step` and first
+    # takes the state at that step's boundary from one of `donors`, asked in order (None: it
+    # joined as the job began, or rejoined a restarted coordinator).
+    recovery_step: int | None = None
+    donors: tuple[int, ...] = ()

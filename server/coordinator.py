@@ -68,6 +68,7 @@ from .metrics import CoordinatorMetrics, Traffic
 from .outbox import Outboxes
 from .outgoing import Outgoing
 from .peers import PartitionRole
+from .recovery import recovery_offer
 from .reducer import Reducer, Result, average_on_loop, usable_cores
 from .reduction import Reduce, ReductionTable
 from .relay import AfterWritten, PeerRelay, Relayed
@@ -177,6 +178,7 @@ class GradientServer:
             config.world_size,
             host_peers=config.on_worker_loss == "abort",
             streaming=lambda w: w in self._streams.by_worker,
+            first_step=lambda w: self._table.first_step(w),  # noqa: PLW0108 - the table is replaced
         )
         self._streams = Streams(
             config,
@@ -331,6 +333,11 @@ class GradientServer:
 
     def _deliver(self, outgoing: list[Outgoing]) -> None:
         self._outboxes.deliver(outgoing)
+        # A replica whose state digest differs from the others' is never averaged with again.
+        for worker_id, reason in self._table.take_diverged():
+            diverged = self._membership.get(worker_id)
+            if diverged is not None:
+                self._evict(diverged, reason)
         for request in self._table.take_reductions():
             self._reducer.submit(self._table, request)
         self.metrics.count_table(self._table.steps_completed, self._table.keys_reduced)
@@ -385,6 +392,12 @@ class GradientServer:
         self._apply(self._job.world_complete())
         offers = self._outboxes.offer() | self._groups.offer(member.worker_id)
         offers |= self._relay.offer_to(member, self._membership.members())
+        offers |= recovery_offer(
+            member,
+            self._membership.members(),
+            first_step=self._table.first_step,
+            resume_step=self._membership.resume_step(),
+        )
         return join.accepted(member, self._membership, self.config, self.session_id, self.chunk_bytes, offers)
 
     def _new_groups(self) -> HostGroups:

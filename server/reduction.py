@@ -60,6 +60,7 @@ from gradserver.common.messages import (
 from gradserver.common.partition_map import PartitionMap, key_hash
 
 from .collectives import ByteCollective, Piece, ScatterParts
+from .digests import vote
 from .host_groups import HostGroups
 from .outgoing import Outgoing, error_to
 from .participation import Participation
@@ -158,6 +159,9 @@ class _Barrier:
     opened: float = 0.0
     expected: frozenset[int] = frozenset()
     arrived: set[int] = dataclasses.field(default_factory=set)
+    # Arrivals carry state digests (`digests.vote` decides whom the barrier releases) or none.
+    with_digests: bool = False
+    digests: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -215,6 +219,7 @@ class ReductionTable:
         self._barriers: dict[tuple[int, str], _Barrier] = {}
         self._last_step: dict[tuple[KeyKind, int], int] = {}
         self._last_barrier: dict[str, int] = {}
+        self._diverged: list[tuple[int, str]] = []
         self._worker_step: list[int | None] = [None] * world_size
         self._failed: collections.OrderedDict[int, _Failure] = collections.OrderedDict()
         self._buffered = [0] * world_size
@@ -253,6 +258,16 @@ class ReductionTable:
 
     def live_workers(self) -> tuple[int, ...]:
         return self._roster.live_workers()
+
+    def take_diverged(self) -> list[tuple[int, str]]:
+        """Workers whose state digest differed from the majority's at a barrier since the last
+        call, and why: the coordinator evicts them."""
+        diverged, self._diverged = self._diverged, []
+        return diverged
+
+    def first_step(self, worker_id: int) -> int:
+        """The first step `worker_id` takes part in (0 unless it joined a running job)."""
+        return self._roster.first_step(worker_id)
 
     def take_reductions(self) -> list[Reduce]:
         """The chunks that became complete since the last call (with `defer_reductions`)."""
@@ -510,7 +525,12 @@ class ReductionTable:
             now = self._clock()
             self._roster.saw_step(step)
             bar = self._barriers[(step, name)] = _Barrier(
-                step, name, now + self.step_timeout, now, expected=self._roster.expected(step)
+                step,
+                name,
+                now + self.step_timeout,
+                now,
+                expected=self._roster.expected(step),
+                with_digests=arrival.digest is not None,
             )
             self._open_steps.add(step)
             behind = self._left_behind(step, bar.expected, what)
@@ -518,17 +538,37 @@ class ReductionTable:
                 return out + behind
         if w in bar.arrived:
             return out + self._reject(w, step, _INVALID, name, f"worker {w} arrived at {what} twice")
+        if bar.with_digests != (arrival.digest is not None):
+            said = "with a state digest" if arrival.digest is not None else "without a state digest"
+            return out + self._reject(
+                w,
+                step,
+                _INVALID,
+                name,
+                f"worker {w} arrived at {what} {said}, the others the other way: every arrival at "
+                "one barrier carries a digest or none does",
+            )
         bar.arrived.add(w)
+        if arrival.digest is not None:
+            bar.digests[w] = arrival.digest
         return out + self._maybe_release(bar)
 
     def _maybe_release(self, bar: _Barrier) -> list[Outgoing]:
         if not bar.expected <= bar.arrived:
             return []
+        released = self.live_workers()
+        if bar.with_digests:
+            # Only the digests of workers still expected count (a lost one's is void).
+            verdict = vote(bar.step, bar.name, {w: d for w, d in bar.digests.items() if w in bar.expected})
+            if verdict.undecided is not None:
+                return self._fail_step(bar.step, verdict.undecided, code=_PRECONDITION)
+            self._diverged += verdict.diverged.items()
+            released = tuple(w for w in released if w not in verdict.diverged)
         del self._barriers[(bar.step, bar.name)]
         self._last_barrier[bar.name] = bar.step
         if self._on_barrier_released is not None:
             self._on_barrier_released(self._clock() - bar.opened)
-        return [Outgoing(self.live_workers(), BarrierReleaseOut(bar.step, bar.name))]
+        return [Outgoing(released, BarrierReleaseOut(bar.step, bar.name))] if released else []
 
     def sample_ranges(self, request: SampleRangeRequestIn) -> list[Outgoing]:
         """Answers a sample-range request (see `SampleRangeAssigner`)."""

@@ -53,12 +53,21 @@ Relayed = list[Outgoing | AfterWritten]
 class PeerRelay:
     """The relay of one job (a fresh job starts a fresh one: `reset`)."""
 
-    def __init__(self, world_size: int, *, host_peers: bool, streaming: Callable[[int], bool]) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        host_peers: bool,
+        streaming: Callable[[int], bool],
+        first_step: Callable[[int], int] = lambda w: 0,
+    ) -> None:
         """`host_peers`: whether joiners are offered the members they share memory with;
-        `streaming(w)`: whether member w's stream is open (its pieces can be queued there)."""
+        `streaming(w)`: whether member w's stream is open (its pieces can be queued there);
+        `first_step(w)`: the first step member w takes part in."""
         self._world = world_size
         self._share_memory = host_peers
         self._streaming = streaming
+        self._first_step = first_step
         self._gone: dict[int, str] = {}  # worker id -> why it left (until one takes its place)
         self._held: dict[int, Relayed] = {}  # receiver -> pieces (and notices) for its stream-to-be
         self._keys: dict[str, bytes] = {}  # peer_host_id -> the key naming that host's mailboxes
@@ -118,7 +127,7 @@ class PeerRelay:
         if self._gone.pop(worker_id, None) is not None:
             others = tuple(w for w in range(self._world) if w != worker_id and self._streaming(w))
             if others:
-                out.append(Outgoing(others, MemberJoinedOut(worker_id)))
+                out.append(Outgoing(others, MemberJoinedOut(worker_id, self._first_step(worker_id))))
         return out + self._held.pop(worker_id, [])
 
     # --- the outbox ------------------------------------------------------------------------------

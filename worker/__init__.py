@@ -9,6 +9,7 @@ with WorkerClient.connect("127.0.0.1:50051", node_id="n0", device_type="cpu") as
 from gradserver.common.timeouts import Timeouts
 
 from .client import WorkerClient
+from .recovery import RecoveredState, StateSnapshot, decode_extra, encode_extra, state_digest
 from .results import (
     AveragedBlock,
     AveragedGradients,
@@ -28,8 +29,13 @@ __all__ = [
     "AveragedTensor",
     "PeerReceive",
     "PeerSend",
+    "RecoveredState",
     "SampleRangeAssignment",
     "ShardAssignment",
+    "StateSnapshot",
     "Timeouts",
     "WorkerClient",
+    "decode_extra",
+    "encode_extra",
+    "state_digest",
 ]

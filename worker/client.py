@@ -15,6 +15,7 @@ only checks arguments, applies the wire-dtype layer, cuts chunks and keeps the r
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import socket
 import sys
@@ -22,7 +23,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 import grpc
@@ -61,6 +62,7 @@ from gradserver.common.wire_dtype import parse_wire_dtype
 from . import transports
 from ._wire_encoder import WireEncoder, wire_encoder
 from .joining import join_at
+from .recovery import RESERVED_TAGS, RecoveredState, StateServer, StateSnapshot, recover
 from .results import (
     AveragedBlock,
     AveragedGradients,
@@ -116,6 +118,7 @@ class WorkerClient:
         self._pool: dict[tuple[KeyKind, int], np.ndarray] = {}
         self._pool_lock = threading.Lock()
         self._closed = False
+        self._state_server: StateServer | None = None
 
     @classmethod
     def connect(
@@ -484,6 +487,68 @@ class WorkerClient:
         self._check_step(step)
         self._link.barrier(step, name, timeout)
 
+    # --- live recovery --------------------------------------------------------------------------
+
+    @property
+    def recovery_step(self) -> int | None:
+        """Set when this worker joined a running job (it took a departed worker's place): the
+        step it takes part from, whose state it must first take with `recover` (None: it joined
+        as the job began)."""
+        return self._accepted.recovery_step
+
+    def recover(
+        self, timeout: float | None = None, progress: Callable[[int, int], None] | None = None
+    ) -> RecoveredState:
+        """Takes the job's state at the boundary of `recovery_step` from a live member (the
+        coordinator names them, in order), checked byte for byte before it is returned (docs/
+        PROTOCOL.md "Live recovery"). `timeout`: seconds each donor has to answer and to send
+        each tensor (default: the receive timeout). Raises `AbortedError` naming each donor and
+        why when none could give it."""
+        step = self._accepted.recovery_step
+        if step is None:
+            raise FailedPreconditionError(
+                f"worker {self.worker_id} joined as the job began: there is no state to recover",
+                worker_id=self.worker_id,
+            )
+        wait = self.timeouts.receive if timeout is None else timeout
+        return recover(self._mailbox, step, self._accepted.donors, wait, progress)
+
+    def offer_state(self, snapshot: Callable[[], StateSnapshot], timeout: float | None = None) -> None:
+        """Serves this worker's state to workers that join the running job: `snapshot()`
+        returns it (steps applied, tensors by name, extra bytes) and is called on a thread of the
+        client's while the state is not being updated (wrap each update in `updating_state()`).
+        `timeout`: how long a request waits for this worker to reach the step it asks for
+        (default: the receive timeout). Once per client."""
+        if self._closed:
+            raise UnavailableError("this WorkerClient is closed")
+        if self._state_server is not None:
+            raise FailedPreconditionError(f"worker {self.worker_id} already offers its state")
+        wait = self.timeouts.receive if timeout is None else timeout
+        self._state_server = StateServer(self._mailbox, snapshot, wait)
+
+    def updating_state(self) -> contextlib.AbstractContextManager[None]:
+        """Wrap every change of the offered state (the optimizer step and the step count): it
+        waits while a joining worker reads the state. Nothing to wait for without `offer_state`."""
+        server = self._state_server
+        return server.updating() if server is not None else contextlib.nullcontext()
+
+    def check_state(self, step: int, digest: int, timeout: float | None = None) -> None:
+        """A barrier that compares every worker's `state_digest` at the boundary of `step`:
+        returns when the majority holds this worker's digest; a worker whose digest differs is
+        evicted by the coordinator (its calls then fail naming both digests), and without a
+        majority the step fails for everyone. Every worker checks at the same steps."""
+        self._check_step(step)
+        if isinstance(digest, bool) or not isinstance(digest, (int, np.integer)) or not 0 <= digest < 2**64:
+            raise InvalidArgumentError(
+                f"step {step}: a state digest is a 64-bit unsigned integer, got {digest!r}"
+            )
+        self._link.barrier(step, _STATE_BARRIER, timeout, digest=int(digest))
+
+    def replacements(self) -> list[tuple[int, int]]:
+        """(worker id, first step) of each worker that took a departed one's place while this
+        one was a member (the latest 64), as the coordinator announced them."""
+        return self._mailbox.joins()
+
     def request_sample_ranges(self, step: int, dataset_size: int, batch_size: int) -> None:
         """Asks which samples this worker trains on at `step`; see `receive_sample_ranges`."""
         self._check_step(step)
@@ -520,7 +585,7 @@ class WorkerClient:
         "Point-to-point")."""
         if self._closed:
             raise UnavailableError("this WorkerClient is closed")
-        return self._mailbox.send(int(peer), int(tag), np.asarray(data))
+        return self._mailbox.send(int(peer), _own_tag(tag), np.asarray(data))
 
     def receive_from(
         self, peer: int | None = None, *, tag: int = 0, into: np.ndarray | None = None
@@ -531,7 +596,7 @@ class WorkerClient:
         are matched in the order they were posted."""
         if self._closed:
             raise UnavailableError("this WorkerClient is closed")
-        return self._mailbox.receive(None if peer is None else int(peer), int(tag), into)
+        return self._mailbox.receive(None if peer is None else int(peer), _own_tag(tag), into)
 
     def close(self) -> None:
         """Leaves the job and closes the connection. Safe to call more than once."""
@@ -539,6 +604,8 @@ class WorkerClient:
             return
         self._closed = True
         self._mailbox.close()
+        if self._state_server is not None:
+            self._state_server.close()
         self._link.close()
         with self._pool_lock:
             self._pool.clear()
@@ -821,3 +888,17 @@ def _ready(array: Any, dtype: np.dtype[Any], *, writable: bool = False) -> bool:
         and array.flags.c_contiguous
         and (not writable or array.flags.writeable)
     )
+
+
+_STATE_BARRIER = "gradserver.state"
+
+
+def _own_tag(tag: int) -> int:
+    """A program's point-to-point tag, refused when gradserver reserves it (live recovery)."""
+    value = int(tag)
+    if value in RESERVED_TAGS:
+        raise InvalidArgumentError(
+            f"tag {value} is reserved for gradserver's own messages "
+            f"({RESERVED_TAGS.start}..{RESERVED_TAGS.stop - 1}); use another"
+        )
+    return value

@@ -122,7 +122,7 @@ class LinkProbeAck(_message.Message):
     def __init__(self) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce", "host_group", "host_key", "host_peers", "peer_key")
+    __slots__ = ("worker_id", "total_workers", "session_id", "member_token", "protocol_version", "chunk_bytes", "max_message_bytes", "max_tensor_elements", "heartbeat_interval_ms", "heartbeat_timeout_ms", "step_timeout_ms", "max_steps", "resume_step", "local_workers", "partition_map", "partition_index", "shm_socket", "shm_nonce", "host_group", "host_key", "host_peers", "peer_key", "recovery")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class JoinResponse(_message.Message):
     HOST_KEY_FIELD_NUMBER: _ClassVar[int]
     HOST_PEERS_FIELD_NUMBER: _ClassVar[int]
     PEER_KEY_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     total_workers: int
     session_id: int
@@ -167,7 +168,16 @@ class JoinResponse(_message.Message):
     host_key: bytes
     host_peers: _containers.RepeatedScalarFieldContainer[int]
     peer_key: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., partition_map: _Optional[_Iterable[str]] = ..., partition_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., host_group: _Optional[_Iterable[int]] = ..., host_key: _Optional[bytes] = ..., host_peers: _Optional[_Iterable[int]] = ..., peer_key: _Optional[bytes] = ...) -> None: ...
+    recovery: RecoveryPlan
+    def __init__(self, worker_id: _Optional[int] = ..., total_workers: _Optional[int] = ..., session_id: _Optional[int] = ..., member_token: _Optional[int] = ..., protocol_version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_elements: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., max_steps: _Optional[int] = ..., resume_step: _Optional[int] = ..., local_workers: _Optional[int] = ..., partition_map: _Optional[_Iterable[str]] = ..., partition_index: _Optional[int] = ..., shm_socket: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., host_group: _Optional[_Iterable[int]] = ..., host_key: _Optional[bytes] = ..., host_peers: _Optional[_Iterable[int]] = ..., peer_key: _Optional[bytes] = ..., recovery: _Optional[_Union[RecoveryPlan, _Mapping]] = ...) -> None: ...
+
+class RecoveryPlan(_message.Message):
+    __slots__ = ("step", "donors")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DONORS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    donors: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., donors: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorKey(_message.Message):
     __slots__ = ("step", "block", "non_block", "whole_model", "collective")
@@ -282,14 +292,16 @@ class AveragedChunk(_message.Message):
     def __init__(self, key: _Optional[_Union[TensorKey, _Mapping]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_elements: _Optional[int] = ..., component_sizes: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., num_contributors: _Optional[int] = ..., global_loss: _Optional[float] = ..., correct: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class Barrier(_message.Message):
-    __slots__ = ("worker_id", "step", "name")
+    __slots__ = ("worker_id", "step", "name", "digest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     step: int
     name: str
-    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    digest: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ..., name: _Optional[str] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class BarrierRelease(_message.Message):
     __slots__ = ("step", "name")
@@ -452,10 +464,12 @@ class ServerMessage(_message.Message):
     def __init__(self, averaged_chunk: _Optional[_Union[AveragedChunk, _Mapping]] = ..., barrier_release: _Optional[_Union[BarrierRelease, _Mapping]] = ..., sample_range_assignment: _Optional[_Union[SampleRangeAssignment, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., member_left: _Optional[_Union[MemberLeft, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., peer_delivered: _Optional[_Union[PeerDelivered, _Mapping]] = ..., member_joined: _Optional[_Union[MemberJoined, _Mapping]] = ...) -> None: ...
 
 class MemberJoined(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "first_step")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ...) -> None: ...
+    first_step: int
+    def __init__(self, worker_id: _Optional[int] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class PartitionNotice(_message.Message):
     __slots__ = ("from_partition", "partition_count", "step", "code", "message", "culprit_worker_id", "worker_lost")

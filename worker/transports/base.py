@@ -119,8 +119,8 @@ class PeerSink(Protocol):
         """Worker `worker_id` left the job (`aborts`: every operation in flight fails)."""
         ...
 
-    def peer_joined(self, worker_id: int) -> None:
-        """A worker took the place of `worker_id`, which had left."""
+    def peer_joined(self, worker_id: int, first_step: int) -> None:
+        """A worker took the place of `worker_id`, which had left, from step `first_step`."""
         ...
 
 
@@ -207,8 +207,9 @@ class Link(Protocol):
         coordinator offers it), or None."""
         ...
 
-    def barrier(self, step: int, name: str, timeout: float | None) -> None:
-        """Returns when every worker reached barrier `name` of `step`."""
+    def barrier(self, step: int, name: str, timeout: float | None, digest: int | None = None) -> None:
+        """Returns when every worker reached barrier `name` of `step` (with `digest`: when the
+        majority's state digest is this worker's; see server/digests.py)."""
         ...
 
     def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:

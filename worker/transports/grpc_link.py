@@ -410,10 +410,10 @@ class GrpcLink:
                 or self.trouble(key.step) is not None
             )
 
-    def barrier(self, step: int, name: str, timeout: float | None) -> None:
+    def barrier(self, step: int, name: str, timeout: float | None, digest: int | None = None) -> None:
         bar = self._expect_barrier(step, name)
         try:
-            self.send(BarrierIn(self.accepted.worker_id, step, name))
+            self.send(BarrierIn(self.accepted.worker_id, step, name, digest))
         except BaseException:
             self._forget_barrier(step, name)
             raise
@@ -547,7 +547,7 @@ class GrpcLink:
         if isinstance(event, MemberJoinedOut):
             log.info("worker %d joined the job in a departed worker's place", event.worker_id)
             if self._peers is not None:
-                self._peers.peer_joined(event.worker_id)
+                self._peers.peer_joined(event.worker_id, event.first_step)
             return
         if isinstance(event, AveragedChunkOut):
             if news is not None and news(event):

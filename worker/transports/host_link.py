@@ -645,8 +645,8 @@ class HostLink:
     def trouble(self, step: int) -> ErrorRecord | None:
         return self._inner.trouble(step)
 
-    def barrier(self, step: int, name: str, timeout: float | None) -> None:
-        self._inner.barrier(step, name, timeout)
+    def barrier(self, step: int, name: str, timeout: float | None, digest: int | None = None) -> None:
+        self._inner.barrier(step, name, timeout, digest)
 
     def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
         return self._inner.wait_samples(timeout)

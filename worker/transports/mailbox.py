@@ -52,6 +52,7 @@ log = logging.getLogger("gradserver.worker")
 _SLEEP_S = 0.05  # the longest a waiter sleeps before it looks at the link's state again
 _RELAY_WINDOW_PIECES = 16
 _RELAY_WINDOW_MIN = 4 * 2**20
+_JOINS_KEPT = 64
 
 
 class PeerSend:
@@ -196,6 +197,7 @@ class Mailbox:
         self._window = max(_RELAY_WINDOW_PIECES * self._piece_bytes, _RELAY_WINDOW_MIN)
         self._broken: GradServerError | None = None
         self._gone: dict[int, GradServerError] = {}  # workers that left the job, and how
+        self._joins: list[tuple[int, int]] = []  # replacements: (worker id, first step)
         self._closed = False
         self._work = threading.Condition(self._lock)
         self._sender: threading.Thread | None = None
@@ -432,11 +434,18 @@ class Mailbox:
                 self._work.notify_all()
         self._bell.ring()
 
-    def peer_joined(self, worker_id: int) -> None:
-        """A worker took the place of one that left: messages to and from it go through the
-        coordinator (a replacement joins no host's memory)."""
+    def peer_joined(self, worker_id: int, first_step: int) -> None:
+        """A worker took the place of one that left, from step `first_step`: messages to and
+        from it go through the coordinator (a replacement joins no host's memory)."""
         with self._lock:
             self._gone.pop(worker_id, None)
+            self._joins.append((worker_id, first_step))
+            del self._joins[:-_JOINS_KEPT]
+
+    def joins(self) -> list[tuple[int, int]]:
+        """(worker id, first step) of the latest workers that took a departed one's place."""
+        with self._lock:
+            return list(self._joins)
 
     def _fail_involving(self, worker_id: int, error: GradServerError) -> None:
         """Fails the sends to `worker_id` and the receives waiting for it (lock held); a receive

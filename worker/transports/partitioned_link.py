@@ -335,9 +335,9 @@ class PartitionedLink:
             except GradServerError as exc:
                 raise self._named(index, exc) from None
 
-    def barrier(self, step: int, name: str, timeout: float | None) -> None:
+    def barrier(self, step: int, name: str, timeout: float | None, digest: int | None = None) -> None:
         try:
-            self._links[0].barrier(step, name, timeout)
+            self._links[0].barrier(step, name, timeout, digest)
         except GradServerError as exc:
             raise self._named(0, exc) from None
 
