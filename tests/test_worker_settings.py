@@ -67,6 +67,7 @@ def test_the_training_fingerprint_names_every_setting_that_must_agree() -> None:
         "data.sha256",
         "data.samples",
         "all_or_none_steps",
+        "check_state_every",
     }
     assert set(got) == expected
     assert all(isinstance(v, str) and v for v in got.values())

@@ -89,6 +89,7 @@ _NON_NEGATIVE = (
     "vocab",
     "timeout",
     "reconnect_timeout",
+    "check_state_every",
 )
 
 
@@ -138,6 +139,15 @@ class WorkerConfig:
     threads: int = dataclasses.field(
         default=0,
         metadata={"help": "torch threads (0: OMP_NUM_THREADS if set, else cores // workers on this host)"},
+    )
+    check_state_every: int = dataclasses.field(
+        default=50,
+        metadata={
+            "help": (
+                "train: steps between state-digest checks across workers (0: only after a worker "
+                "joins a running job); a diverged worker is evicted"
+            )
+        },
     )
     reconnect_timeout: float = dataclasses.field(
         default=0.0,
@@ -256,6 +266,7 @@ class WorkerConfig:
             device=self.device,
             reconnect_timeout=self.reconnect_timeout,
             node_id=self.node_id,
+            check_state_every=self.check_state_every,
         )
 
     def non_block_components(self) -> tuple[NonBlockComponent, ...]:

@@ -35,7 +35,7 @@ from gradserver.common.errors import (
     UnavailableError,
 )
 from gradserver.common.sample_ranges import step_sample_ranges
-from gradserver.worker import WorkerClient
+from gradserver.worker import AveragedBlock, AveragedNonBlock, RecoveredState, StateSnapshot, WorkerClient
 
 Key = tuple[str, int]  # ("block", idx) or ("non_block", component)
 
@@ -101,6 +101,39 @@ class AveragingEngine(abc.ABC):
         """Joins a restarted coordinator; returns the step every worker resumes from."""
         raise InternalError(f"the {self.name} engine cannot reconnect")
 
+    # --- live recovery (docs/RELIABILITY.md "Live recovery"); engines without a coordinator
+    # have no running job to join and nobody to compare states with.
+
+    @property
+    def recovery_step(self) -> int | None:
+        """The step this worker takes part from when it joined a running job (None: it did not)."""
+        return None
+
+    def recover(self) -> RecoveredState:
+        raise InternalError(f"the {self.name} engine has no running job to recover from")
+
+    def offer_state(self, snapshot: Callable[[], StateSnapshot]) -> None:
+        """Serves this worker's state (as `snapshot()` returns it) to workers that join."""
+        return None
+
+    def updating_state(self) -> contextlib.AbstractContextManager[None]:
+        """Wraps every change of the offered state."""
+        return contextlib.nullcontext()
+
+    def check_state(self, step: int, digest: int) -> None:
+        """Compares this worker's state digest with the others' at the boundary of `step`."""
+        return None
+
+    def state_checks(self) -> set[int]:
+        """Steps (besides the periodic ones) at whose boundary every worker checks its state:
+        the step after each replacement's first."""
+        return set()
+
+    @property
+    def contributors(self) -> int | None:
+        """How many workers the last step's averages came from (None: not reported)."""
+        return None
+
     def sample_indices(self, step: int, dataset_size: int, batch_size: int) -> list[int]:
         """The sample indices this worker trains on at `step` (interleaved, like the coordinator)."""
         ranges = step_sample_ranges(step, self.rank, self.world_size, dataset_size, batch_size)
@@ -135,6 +168,8 @@ class CoordinatorEngine(AveragingEngine):
         self.rank = client.worker_id
         self.world_size = client.total_workers
         self._requested: int | None = None
+        self._snapshot: Callable[[], StateSnapshot] | None = None
+        self._contributors: int | None = None
 
     def gradient_allocator(self) -> Callable[[int], torch.Tensor] | None:
         """Accumulators in the client's shared memory when it uses it, so backward writes
@@ -160,13 +195,41 @@ class CoordinatorEngine(AveragingEngine):
 
     def finish(self) -> list[tuple[Key, torch.Tensor]]:
         out: list[tuple[Key, torch.Tensor]] = []
+        contributors: set[int] = set()
         for item in self._submitted:
+            result: AveragedBlock | AveragedNonBlock
             if item.key[0] == "block":
-                got: np.ndarray = self.client.receive_averaged_block().gradients
+                result = self.client.receive_averaged_block()
             else:
-                got = self.client.receive_averaged_non_block().gradients
-            out.append((item.key, torch.from_numpy(got)))
+                result = self.client.receive_averaged_non_block()
+            contributors.add(result.num_contributors)
+            out.append((item.key, torch.from_numpy(result.gradients)))
+        self._contributors = min(contributors, default=None)
         return out
+
+    @property
+    def contributors(self) -> int | None:
+        return self._contributors
+
+    @property
+    def recovery_step(self) -> int | None:
+        return self.client.recovery_step
+
+    def recover(self) -> RecoveredState:
+        return self.client.recover()
+
+    def offer_state(self, snapshot: Callable[[], StateSnapshot]) -> None:
+        self._snapshot = snapshot
+        self.client.offer_state(snapshot)
+
+    def updating_state(self) -> contextlib.AbstractContextManager[None]:
+        return self.client.updating_state()
+
+    def check_state(self, step: int, digest: int) -> None:
+        self.client.check_state(step, digest)
+
+    def state_checks(self) -> set[int]:
+        return {first + 1 for _, first in self.client.replacements()}
 
     def commit(self, step: int) -> None:
         self.client.barrier(step, "commit")
@@ -203,6 +266,8 @@ class CoordinatorEngine(AveragingEngine):
         self.rank = self.client.worker_id
         self.world_size = self.client.total_workers
         self._requested = None
+        if self._snapshot is not None:
+            self.client.offer_state(self._snapshot)
         return self.client.resume_step
 
     def submit_loss(self, loss: float, samples: int) -> None:

@@ -28,7 +28,7 @@ WIRE_DTYPE = "float32"
 RENAMED_FIELDS = {"backend": "engine"}
 
 # Fields a resumed worker may change from its checkpoint's job: it continues to a new step count.
-RESUMABLE_CHANGES = frozenset({"steps"})
+RESUMABLE_CHANGES = frozenset({"steps", "check_state_every"})
 
 
 def _text(value: object) -> str:
@@ -83,6 +83,8 @@ def training_fingerprint(config: TrainConfig, *, engine: str) -> dict[str, str]:
             "data.samples": _text((data_bytes - 1) // seq_len),
             # Rejoin mode adds a commit round to every step: all workers must do it or none.
             "all_or_none_steps": _text(config.reconnect_timeout > 0),
+            # Every worker meets at the same state-check barriers.
+            "check_state_every": _text(config.check_state_every),
         }
     )
     return fingerprint

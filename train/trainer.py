@@ -53,6 +53,8 @@ class StepResult:
     compute_s: float
     comm_s: float
     grad_norm: float | None
+    # How many workers this step's averages came from (None: the engine does not say).
+    contributors: int | None = None
 
 
 def _pair(component: NonBlockComponent, data: torch.Tensor) -> tuple[NonBlockComponent, torch.Tensor]:
@@ -251,9 +253,11 @@ class DistributedTrainer:
             )
             self.engine.commit(self.step)
         comm_done = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        # A worker joining the job may be reading this state (live recovery): wait for it.
+        with self.engine.updating_state():
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
         global_loss = self.engine.global_loss()
         result = StepResult(
             step=self.step - 1,
@@ -264,6 +268,7 @@ class DistributedTrainer:
             compute_s=compute_done - started,
             comm_s=comm_done - compute_done,
             grad_norm=float(grad_norm) if grad_norm is not None else None,
+            contributors=self.engine.contributors,
         )
         return result
 
@@ -272,10 +277,54 @@ class DistributedTrainer:
         if self._snapshot is None:
             raise InternalError("no snapshot to roll back to (keep_snapshot is off, or no step ran)")
         weights, optimizer_state = self._snapshot
-        self.model.load_state_dict(weights)
-        self.optimizer.load_state_dict(optimizer_state)
-        self._snapshot = None
-        self.step -= 1
+        with self.engine.updating_state():
+            self.model.load_state_dict(weights)
+            self.optimizer.load_state_dict(optimizer_state)
+            self._snapshot = None
+            self.step -= 1
+
+    # --- the replicated state (live recovery) -----------------------------------------------------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the replicated state, by name: the model's (`model/NAME`) and the
+        optimizer's (`optimizer/PARAM/NAME`). No copies: read them before the next step."""
+        tensors = {f"model/{name}": t for name, t in self.model.state_dict().items()}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optimizer/{index}/{name}"] = value
+        return tensors
+
+    def state_extra(self) -> dict[str, Any]:
+        """What the state holds besides tensors: the optimizer's other per-parameter values and
+        the RNG state (not part of the digest: ranks may draw differently)."""
+        other = {
+            f"{index}/{name}": value
+            for index, state in self.optimizer.state_dict()["state"].items()
+            for name, value in state.items()
+            if not isinstance(value, torch.Tensor)
+        }
+        return {"optimizer": other, "torch_rng": bytes(torch.get_rng_state().numpy().tobytes())}
+
+    def load_state(self, step: int, tensors: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Takes another replica's state (`state_tensors`, `state_extra` there) at `step`."""
+        model = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        optimizer: dict[int, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            if name.startswith("optimizer/"):
+                _, index, key = name.split("/", 2)
+                optimizer.setdefault(int(index), {})[key] = value
+        for name, value in dict(extra.get("optimizer", {})).items():
+            index, key = name.split("/", 1)
+            optimizer.setdefault(int(index), {})[key] = value
+        with self.engine.updating_state():
+            self.model.load_state_dict(model)
+            groups = self.optimizer.state_dict()["param_groups"]
+            self.optimizer.load_state_dict({"state": optimizer, "param_groups": groups})
+            rng = extra.get("torch_rng")
+            if isinstance(rng, bytes):
+                torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+            self.step = step
 
     def _apply(self, averages: list[tuple[tuple[str, int], torch.Tensor]]) -> None:
         acc = self.accumulator

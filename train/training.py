@@ -28,6 +28,7 @@ from gradserver.common.errors import (
     JobEnded,
 )
 from gradserver.common.logs import set_log_context
+from gradserver.worker import StateSnapshot, decode_extra, encode_extra, state_digest
 
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .corpus import TokenWindows, corpus_bytes
@@ -56,6 +57,7 @@ class TrainConfig:
     device: str = "auto"
     reconnect_timeout: float = 0.0
     node_id: str = ""
+    check_state_every: int = 0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accumulation_steps"):
@@ -63,9 +65,16 @@ class TrainConfig:
                 raise InvalidArgumentError(
                     f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
                 )
-        if self.lr <= 0 or self.max_grad_norm < 0 or self.seq_len < 0 or self.checkpoint_every < 0:
+        if (
+            self.lr <= 0
+            or self.max_grad_norm < 0
+            or self.seq_len < 0
+            or self.checkpoint_every < 0
+            or self.check_state_every < 0
+        ):
             raise InvalidArgumentError(
-                "--lr must be positive; --max-grad-norm, --seq-len, --checkpoint-every >= 0"
+                "--lr must be positive; --max-grad-norm, --seq-len, --checkpoint-every, "
+                "--check-state-every >= 0"
             )
         if self.node_id and not _IDENTITY.fullmatch(self.node_id):
             raise InvalidArgumentError(
@@ -102,6 +111,54 @@ def _rejoin(trainer: DistributedTrainer, engine: AveragingEngine, lost: Connecti
         log.warning("rolled back step %d: not every worker applied it", resume)
         return
     raise InternalError(f"cannot resume at step {resume}: this worker has applied {trainer.step} steps")
+
+
+def _snapshot(trainer: DistributedTrainer) -> StateSnapshot:
+    return StateSnapshot(trainer.step, trainer.state_tensors(), encode_extra(trainer.state_extra()))
+
+
+def _recover(trainer: DistributedTrainer, engine: AveragingEngine, stale: Checkpoint | None) -> None:
+    """Takes the state of a live replica (weights, optimizer state, step and so the data
+    position, RNG state), checks that what was loaded is bit for bit what the donor holds."""
+    step = engine.recovery_step
+    if stale is not None:
+        log.warning(
+            "joined a running job at step %s: its checkpoint of step %d is not used; the state "
+            "comes from a live worker",
+            step,
+            stale.data_position,
+        )
+    got = engine.recover()
+    trainer.load_state(got.step, got.tensors, decode_extra(got.extra))
+    loaded = state_digest(trainer.state_tensors())
+    if loaded != got.digest:
+        raise InternalError(
+            f"the state taken from worker {got.donor} at step {got.step} loaded as digest "
+            f"{loaded:#018x}, not its {got.digest:#018x}"
+        )
+    log.warning(
+        "joined the running job at step %d: took the state from worker %d (%d bytes in %.2f s, "
+        "digest %#018x)",
+        got.step,
+        got.donor,
+        got.nbytes,
+        got.seconds,
+        got.digest,
+    )
+
+
+def _state_check_due(
+    step: int, config: TrainConfig, engine: AveragingEngine, recovery_step: int | None
+) -> bool:
+    """Whether every worker compares state digests at this step's boundary: every
+    --check-state-every steps, and the step after a replacement's first (every member has heard
+    of it by then; the replacement knows its own)."""
+    every = config.check_state_every
+    if every and step % every == 0:
+        return True
+    if recovery_step is not None and step == recovery_step + 1:
+        return True
+    return step in engine.state_checks()
 
 
 def checkpoint_identity(config: TrainConfig, rank: int) -> str:
@@ -160,11 +217,16 @@ def train(
     identity = checkpoint_identity(config, engine.rank)
     fingerprint = training_fingerprint(config, engine=engine.name)
     ckpt = find_resume_checkpoint(config, identity, fingerprint) if config.resume else None
-    if ckpt is not None:
+    recovery_step = engine.recovery_step
+    if recovery_step is not None:
+        # Joined a running job: the live replicas' state, never a checkpoint that may be stale.
+        _recover(trainer, engine, ckpt)
+    elif ckpt is not None:
         model.load_state_dict(ckpt.model_state)
         trainer.optimizer.load_state_dict(ckpt.optimizer_state)
         trainer.step = ckpt.data_position
         log.info("resumed %s at step %d", checkpoint_path(config.out, identity), trainer.step)
+    engine.offer_state(lambda: _snapshot(trainer))
 
     def save(step: int, data_position: int) -> None:
         save_checkpoint(
@@ -185,6 +247,8 @@ def train(
             step = trainer.step
             set_log_context(step=step)
             try:
+                if _state_check_due(step, config, engine, recovery_step):
+                    engine.check_state(step, state_digest(trainer.state_tensors()))
                 indices = engine.sample_indices(step, data.num_samples, per_worker)
                 micro = [
                     data.batch(indices[i * config.batch_size : (i + 1) * config.batch_size])
