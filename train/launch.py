@@ -84,10 +84,22 @@ class LaunchConfig:
         default=False,
         metadata={"help": "run the workers as threads of this process (no coordinator, no processes)"},
     )
+    restart_lost: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": (
+                "restart a worker that fails or is killed, up to this many times in all (0: a "
+                "lost worker ends the job); the others go on and the restarted one takes the "
+                "state of a live one (--engine remote)"
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise InvalidArgumentError(f"--workers must be at least 1, got {self.workers}")
+        if self.restart_lost < 0:
+            raise InvalidArgumentError(f"--restart-lost must not be negative, got {self.restart_lost}")
         if self.run_timeout < 0:
             raise InvalidArgumentError(f"--run-timeout must not be negative, got {self.run_timeout:g}")
 
@@ -187,6 +199,11 @@ def _job(args: argparse.Namespace) -> _Job:
         raise InvalidArgumentError(f"--steps must be at least 1, got {worker.steps}")
     if (worker.engine != "remote" or config.in_process) and worker.job != "train":
         raise InvalidArgumentError("--job synthetic needs --engine remote (it exercises the coordinator)")
+    if config.restart_lost and (worker.engine != "remote" or config.in_process or worker.job != "train"):
+        raise InvalidArgumentError(
+            "--restart-lost needs worker processes that train through a coordinator (--engine remote, "
+            "--job train, not --in-process): only they can take a live worker's state"
+        )
     from .cli import check_synthetic, check_training
 
     placeholder = "127.0.0.1:0" if worker.engine == "remote" else "file:///dev/null"
@@ -342,13 +359,13 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
     else:
         target = f"file://{tmp}/dist-store"
     threads = max(1, available_cores() // job.launch.workers)
-    workers = [
-        _start_worker(argv, f"local-{i}", progress, threads) for i, argv in enumerate(job.argvs(target))
-    ]
+    argvs = job.argvs(target)
+    workers = [_start_worker(argv, f"local-{i}", progress, threads) for i, argv in enumerate(argvs)]
     children.extend(workers)
     for child in workers:
         child.watch(exits)
     running = set(workers)
+    restarts_left = job.launch.restart_lost
     while running:
         child = next_exit(exits, deadline, job.launch.run_timeout)
         if child is coordinator:
@@ -359,6 +376,21 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
         if child.proc.returncode != 0:
             if coordinator is None:
                 return child.failure()
+            if restarts_left > 0 and coordinator.proc.poll() is None:
+                # The same command: it joins the running job in its old place and takes the state
+                # of a live worker (docs/RELIABILITY.md "Live recovery").
+                restarts_left -= 1
+                index = workers.index(child)
+                progress.line(
+                    "launch:",
+                    f"{child.failure()}; restarting it ({restarts_left} restart(s) left)",
+                )
+                again = _start_worker(argvs[index], child.name, progress, threads)
+                workers[index] = again
+                children.append(again)
+                again.watch(exits)
+                running.add(again)
+                continue
             return verdict(child, tmp / "events", _node_name, workers)[1]
     if coordinator is not None:
         return _end_coordinator(coordinator, tmp / "events")
@@ -406,6 +438,8 @@ def _start_coordinator(job: _Job, progress: _Progress, tmp: Path, deadline: floa
     port_file = tmp / "port"
     events = str(tmp / "events")
     options = ["--max-steps", str(job.worker.steps), "--log-level", "WARNING", "--events-file", events]
+    if job.launch.restart_lost:
+        options += ["--on-worker-loss", "continue"]  # the others go on while a lost one restarts
     coordinator = start_child(
         coordinator_command(job.launch.workers, port_file, *options), "coordinator", progress.line
     )
