@@ -463,12 +463,15 @@ def _connect(
 
 def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
     from .engines import AveragingEngine, CoordinatorEngine, TorchDistributedEngine
-    from .training import resolve_device, train
+    from .training import prepare_training, resolve_device, train
 
     train_config = config.train_config()
     device = resolve_device(train_config.device)
     engine: AveragingEngine
     if config.engine == "remote":
+        # Before Join: a worker that joins a running job holds the others up from its Join to
+        # its first contribution, so nothing slow may come between.
+        prepare_training()
         engine = CoordinatorEngine(
             _connect(config, device.type, fingerprint),
             lambda committed: _connect(config, device.type, fingerprint, committed),

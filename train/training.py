@@ -87,6 +87,13 @@ class TrainConfig:
 _IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
+def prepare_training() -> None:
+    """Does the slow first-time work of a training process (torch's optimizers import their
+    compiler support on first use: ~0.9 s here) before it joins: a worker that joins a running
+    job keeps the others waiting from its Join until its first contribution."""
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
