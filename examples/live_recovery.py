@@ -20,6 +20,7 @@ What the loop needs from gradserver (besides sending gradients):
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -64,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--coordinator", default="127.0.0.1:50051")
+    parser.add_argument("--coordinator", default=os.environ.get("GRADSERVER_COORDINATOR", "127.0.0.1:50051"))
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
 

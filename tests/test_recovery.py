@@ -24,6 +24,9 @@ from gradserver.common.errors import (
     GradServerError,
     InvalidArgumentError,
 )
+from gradserver.server.digests import vote
+from gradserver.server.membership import Member
+from gradserver.server.recovery import recovery_offer
 from gradserver.worker import StateSnapshot, WorkerClient, state_digest
 
 from .helpers.server import TEST_TIMEOUTS, connect_all, run_each, run_each_outcome
@@ -416,3 +419,41 @@ def test_a_digest_barrier_takes_digests_from_every_arrival_or_none(workers) -> N
         first.result(20)
     with pytest.raises(InvalidArgumentError, match="a state digest is a 64-bit unsigned integer"):
         a.check_state(1, -1)
+
+
+# --- the coordinator's pure parts -----------------------------------------------------------------
+
+
+def _member(worker_id: int, committed_step: int | None = None) -> Member:
+    return Member(worker_id, f"n{worker_id}", "cpu", 0, token=1, last_seen=0.0, committed_step=committed_step)
+
+
+def test_the_plan_names_the_step_and_the_longest_standing_donors_first() -> None:
+    members = [_member(w) for w in range(4)]
+    first = {0: 0, 1: 5, 2: 9, 3: 0}.__getitem__
+    assert recovery_offer(members[2], members, first_step=first, resume_step=None) == {
+        "recovery_step": 9,
+        "donors": (0, 3, 1),
+    }
+    # Joined as the job began (or before any step opened): nothing to recover.
+    assert recovery_offer(members[0], members, first_step=lambda w: 0, resume_step=None) == {}
+    # Two that joined at the same boundary are not each other's donors.
+    same = {0: 0, 1: 4, 2: 4, 3: 0}.__getitem__
+    assert recovery_offer(members[1], members, first_step=same, resume_step=None)["donors"] == (0, 3)
+
+
+def test_a_worker_without_state_joining_a_resumed_job_recovers_from_those_that_report_one() -> None:
+    members = [_member(0, 12), _member(1), _member(2, 12)]
+    plan = recovery_offer(members[1], members, first_step=lambda w: 0, resume_step=12)
+    assert plan == {"recovery_step": 12, "donors": (0, 2)}
+    assert recovery_offer(members[0], members, first_step=lambda w: 0, resume_step=12) == {}
+
+
+def test_the_vote_releases_a_strict_majority_only() -> None:
+    verdict = vote(3, "gradserver.state", {0: 5, 1: 5, 2: 6})
+    assert verdict.agreed == {0, 1} and set(verdict.diverged) == {2} and verdict.undecided is None
+    assert "differs from that of workers 0, 1" in verdict.diverged[2]
+    tie = vote(3, "gradserver.state", {0: 5, 1: 5, 2: 6, 3: 6})
+    assert tie.undecided is not None and not tie.agreed and not tie.diverged
+    assert vote(3, "s", {0: 1, 1: 2, 2: 3}).undecided is not None
+    assert vote(3, "s", {4: 9}).agreed == {4}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -251,3 +252,24 @@ def test_installed_wheel_sends_and_receives_between_ranks(installed: Installed, 
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert result.stdout.count("P2P OK") == 2, result.stdout[-4000:]
+
+
+def test_installed_wheel_runs_the_live_recovery_example(installed: Installed, tmp_path: Path) -> None:
+    """examples/live_recovery.py's calls (offer_state, updating_state, check_state) from the
+    installed package: two workers under `gradserver run`, outside the source tree, end with one
+    state digest."""
+    script = tmp_path / "live_recovery.py"
+    script.write_text((ROOT / "examples" / "live_recovery.py").read_text())
+    argv = [str(installed.bin_dir / "gradserver"), "run", "--workers", "2", "--run-timeout", "240"]
+    result = subprocess.run(
+        [*argv, "--", str(installed.python), str(script), "--steps", "60"],
+        env=_clean_env(installed.bin_dir),
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    digests = re.findall(r"60 steps, loss \S+, digest (0x[0-9a-f]+)", result.stdout)
+    assert len(digests) == 2 and digests[0] == digests[1], result.stdout[-4000:]
