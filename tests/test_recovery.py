@@ -457,3 +457,25 @@ def test_the_vote_releases_a_strict_majority_only() -> None:
     assert tie.undecided is not None and not tie.agreed and not tie.diverged
     assert vote(3, "s", {0: 1, 1: 2, 2: 3}).undecided is not None
     assert vote(3, "s", {4: 9}).agreed == {4}
+
+
+def test_a_donor_still_serves_long_after_its_receive_timeout(coordinator, monkeypatch) -> None:
+    from gradserver.worker import recovery
+
+    monkeypatch.setattr(recovery, "_IDLE_WAIT_S", 0.1)
+    server = coordinator(world_size=2, on_worker_loss="continue")
+    quick = dataclasses.replace(TEST_TIMEOUTS, receive=0.2)
+    clients = connect_all(server.address, 2, quick)
+    try:
+        _in_threads(*[lambda c=c: c.barrier(0) for c in clients])
+        state = _state(0)
+        clients[0].offer_state(lambda: StateSnapshot(1, state), timeout=5)
+        clients[1].close()
+        time.sleep(1.0)  # many of the donor's waits (and its receive timeout) pass idle
+        newcomer = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+        got = newcomer.recover(timeout=10)
+        assert got.donor == 0 and state_digest(got.tensors) == state_digest(state)
+        newcomer.close()
+    finally:
+        for c in clients:
+            c.close()

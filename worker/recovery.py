@@ -60,6 +60,7 @@ _REQUEST_TAG = RESERVED_TAGS[0]
 _MANIFEST_TAG = RESERVED_TAGS[1]
 _DATA_TAG = RESERVED_TAGS[2]
 _MAX_MANIFEST_BYTES = 64 * 2**20
+_IDLE_WAIT_S = 5.0  # a donor waits for requests in waits this long (the receive stays posted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,13 +203,17 @@ class StateServer:
 
     def _run(self) -> None:
         me = self._mailbox.worker_id
+        request: PeerReceive | None = None
         while True:
             try:
-                request = self._mailbox.receive(None, _REQUEST_TAG)
-                raw = request.wait(None)
+                if request is None:
+                    request = self._mailbox.receive(None, _REQUEST_TAG)
+                raw = request.wait(_IDLE_WAIT_S)
+            except DeadlineExceededError:
+                continue  # no request yet: it stays posted
             except GradServerError:
                 return  # closed, or the link broke: nothing is served any more
-            requester = request.sender
+            requester, request = request.sender, None
             try:
                 step = int(json.loads(bytes(raw))["step"])
             except (ValueError, KeyError, TypeError):
