@@ -479,3 +479,39 @@ def test_a_donor_still_serves_long_after_its_receive_timeout(coordinator, monkey
     finally:
         for c in clients:
             c.close()
+
+
+def test_the_trainers_state_moves_to_another_trainer_bit_for_bit() -> None:
+    """What the built-in trainer offers (`state_tensors`, `state_extra`) loads into a fresh
+    trainer (`load_state`) with the same digest, and both then take identical steps."""
+    torch = pytest.importorskip("torch")
+    from gradserver.train.corpus import TokenWindows, corpus_bytes
+    from gradserver.train.engines import LocalEngine, LocalHub
+    from gradserver.train.model import TransformerLM, model_config
+    from gradserver.train.trainer import DistributedTrainer
+    from gradserver.worker import decode_extra, encode_extra
+
+    cfg = model_config("tiny")
+    data = TokenWindows(corpus_bytes(), cfg.max_seq_len)
+
+    def trainer(seed: int) -> DistributedTrainer:
+        return DistributedTrainer(
+            TransformerLM(cfg, seed=seed), LocalEngine(LocalHub(1), 0), max_grad_norm=1.0
+        )
+
+    donor, fresh = trainer(0), trainer(1)
+    for step in range(3):
+        donor.train_step([data.batch([step, step + 7])])
+    assert state_digest(fresh.state_tensors()) != state_digest(donor.state_tensors())
+    extra = decode_extra(encode_extra(donor.state_extra()))
+    fresh.load_state(donor.step, {k: v.clone() for k, v in donor.state_tensors().items()}, extra)
+    assert fresh.step == 3
+    assert state_digest(fresh.state_tensors()) == state_digest(donor.state_tensors())
+    assert torch.equal(
+        torch.get_rng_state(), torch.frombuffer(bytearray(extra["torch_rng"]), dtype=torch.uint8)
+    )
+    for t in (donor, fresh):
+        t.train_step([data.batch([3, 11])])
+    assert state_digest(fresh.state_tensors()) == state_digest(donor.state_tensors())
+    for name, value in donor.model.state_dict().items():
+        torch.testing.assert_close(fresh.model.state_dict()[name], value, rtol=0, atol=0)
