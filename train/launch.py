@@ -50,6 +50,7 @@ from gradserver.worker.local_coordinator import (
     coordinator_command,
     coordinator_failure,
     coordinator_pid,
+    loss_of,
     remove_leftovers,
     verdict,
 )
@@ -62,6 +63,7 @@ from .plots import plot_metrics
 log = logging.getLogger("gradserver.launch")
 
 _COORDINATOR_EXIT_S = 10.0
+_RESTART_WAIT_S = 1.0  # for the coordinator to record the loss a restart answers
 _STDOUT_LOCK = threading.Lock()
 
 # The worker's settings launch takes as its own flags: the worker's fields themselves, so they
@@ -366,6 +368,7 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
         child.watch(exits)
     running = set(workers)
     restarts_left = job.launch.restart_lost
+    answered: set[int] = set()  # losses (events-file positions) a restart answered
     while running:
         child = next_exit(exits, deadline, job.launch.run_timeout)
         if child is coordinator:
@@ -380,6 +383,9 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
                 # The same command: it joins the running job in its old place and takes the state
                 # of a live worker (docs/RELIABILITY.md "Live recovery").
                 restarts_left -= 1
+                position = loss_of(tmp / "events", child.name, answered, _RESTART_WAIT_S)
+                if position is not None:
+                    answered.add(position)
                 index = workers.index(child)
                 progress.line(
                     "launch:",
@@ -391,7 +397,7 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
                 again.watch(exits)
                 running.add(again)
                 continue
-            return verdict(child, tmp / "events", _node_name, workers)[1]
+            return verdict(child, tmp / "events", _node_name, workers, answered=answered)[1]
     if coordinator is not None:
         return _end_coordinator(coordinator, tmp / "events")
     return ""

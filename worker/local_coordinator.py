@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -94,16 +94,35 @@ def _lost(event: dict[str, Any]) -> LostWorker | None:
         return None
 
 
-def lost_workers(events_file: Path, wait_s: float = 0.0) -> list[LostWorker]:
-    """The workers the coordinator declared lost, in order, from its events file; waits up to
-    `wait_s` for a first one (a survivor may exit a moment before the line is read)."""
+def lost_workers(events_file: Path, wait_s: float = 0.0, answered: Collection[int] = ()) -> list[LostWorker]:
+    """The workers the coordinator declared lost, in order, from its events file, but the
+    losses at the positions `answered` (a supervisor restarted those workers: see `loss_of`);
+    waits up to `wait_s` for a first one (a survivor may exit a moment before the line is read)."""
     deadline = time.monotonic() + wait_s
     while True:
-        lost = [_lost(e) for e in _events(events_file) if e.get("event") == "worker_lost"]
-        found = [w for w in lost if w is not None]
+        found = [w for i, w in enumerate(_all_lost(events_file)) if i not in answered]
         if found or time.monotonic() >= deadline:
             return found
         time.sleep(_POLL_S)
+
+
+def loss_of(events_file: Path, node: str, answered: Collection[int], wait_s: float) -> int | None:
+    """The position in the events file of the first loss of the worker named `node` that is not
+    among `answered` (waits up to `wait_s` for it); None when the coordinator declared none (it
+    failed before it joined)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for i, lost in enumerate(_all_lost(events_file)):
+            if lost.node == node and i not in answered:
+                return i
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(_POLL_S)
+
+
+def _all_lost(events_file: Path) -> list[LostWorker]:
+    lost = [_lost(e) for e in _events(events_file) if e.get("event") == "worker_lost"]
+    return [w for w in lost if w is not None]
 
 
 def job_failure(events_file: Path) -> str:
@@ -140,13 +159,15 @@ def verdict(
     name: Callable[[LostWorker], str],
     others: Iterable[Child] = (),
     unit: str = "step",
+    answered: Collection[int] = (),
 ) -> tuple[Child, str]:
     """The process that ended the job and the last line, for a job that `child` ended by failing.
     When the coordinator had lost another worker first (`events`, its --events-file), that
     worker, named by `name` and found among `others`: if it has exited by itself (crashed, was
     killed), its own ending; else (stopped, hung, cut off) `NAME was lost at <unit> N (why);
-    <child's failure>`. Without such a verdict, the child's failure alone."""
-    lost = lost_workers(events, wait_s=_VERDICT_WAIT_S)
+    <child's failure>`. Without such a verdict, the child's failure alone. The losses at the
+    positions `answered` (workers the supervisor restarted) are not the cause."""
+    lost = lost_workers(events, wait_s=_VERDICT_WAIT_S, answered=answered)
     if not lost or name(lost[0]) == child.name:
         return child, child.failure()
     first = lost[0]
