@@ -114,7 +114,8 @@ def run(model: str, steps: int, kill_at: int, tmp: Path) -> dict[str, object]:
             if line.strip()
         ]
         by_step = {e["step"]: e for e in survivors}
-        before = [e["seconds"] for e in survivors if 5 <= e["step"] < kill_at]
+        warm = min(5, kill_at // 2)  # the first steps pay one-time costs
+        before = [e["seconds"] for e in survivors if warm <= e["step"] < kill_at]
         alone = [e["seconds"] for e in survivors if e["contributors"] == 2 and e["step"] < joined_at]
         after = [e["seconds"] for e in survivors if joined_at < e["step"] <= joined_at + 30]
         paths = [tmp / "out0" / "checkpoint-n0.pt", tmp / "out1" / "checkpoint-n1.pt"]
