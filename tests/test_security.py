@@ -106,6 +106,16 @@ def test_mutual_tls_needs_a_valid_client_certificate(coordinator, pki: Pki) -> N
         run_exchange(client, SHAPES["tiny"], 1)
 
 
+def test_the_library_reads_the_token_from_the_environment_as_the_cli_does(coordinator, monkeypatch) -> None:
+    server = coordinator(world_size=1, auth_token=TOKEN)
+    monkeypatch.setenv("GRADSERVER_AUTH_TOKEN", TOKEN)
+    with WorkerClient.connect(server.address, timeout=QUICK) as client:
+        run_exchange(client, SHAPES["tiny"], 1)
+    # An explicit token (even none) wins over the variable.
+    with pytest.raises(UnauthenticatedError, match="missing or wrong auth token"):
+        WorkerClient.connect(server.address, timeout=QUICK, auth_token="")
+
+
 def test_token_is_required_checked_and_never_logged(coordinator, caplog) -> None:
     caplog.set_level(logging.DEBUG)
     server = coordinator(world_size=1, auth_token=TOKEN)

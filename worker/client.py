@@ -36,7 +36,7 @@ from gradserver.common.components import (
     NonBlockComponent,
     parse_non_block_component,
 )
-from gradserver.common.config import parse_address
+from gradserver.common.config import environment_value, parse_address
 from gradserver.common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -131,7 +131,7 @@ class WorkerClient:
         *,
         backend: str | None = None,
         tls: TlsFiles | None = None,
-        auth_token: str = "",
+        auth_token: str | None = None,
         server_name: str = "",
         committed_step: int | None = None,
         fingerprint: Mapping[str, str] | None = None,
@@ -147,7 +147,8 @@ class WorkerClient:
         """Reaches the coordinator at HOST:PORT, joins (waiting for the whole world) and opens
         the gradient stream. `timeout` is seconds for every wait, or a `Timeouts`. `tls` turns on
         TLS (its `ca` verifies the coordinator; `cert` and `key` are this worker's for mutual
-        TLS); `auth_token` is sent on every call; `server_name` overrides the name the
+        TLS); `auth_token` is sent on every call (None: $GRADSERVER_AUTH_TOKEN, as the CLI reads it;
+        "": none); `server_name` overrides the name the
         coordinator's certificate is checked against. `committed_step` (steps this worker has
         applied) is given when rejoining a restarted coordinator; `resume_step` then says where
         every worker resumes. `fingerprint` maps each setting that must agree across the job's
@@ -186,7 +187,8 @@ class WorkerClient:
             raise InvalidArgumentError(str(exc)) from None
         parse_address(address, what="coordinator address")
         node_id = node_id or socket.gethostname()
-        metadata = bearer_metadata(auth_token)
+        token = environment_value("auth_token") if auth_token is None else auth_token
+        metadata = bearer_metadata(token)
         request = JoinRequestIn(
             node_id,
             gpu_count,
