@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -383,7 +384,7 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
                 # The same command: it joins the running job in its old place and takes the state
                 # of a live worker (docs/RELIABILITY.md "Live recovery").
                 restarts_left -= 1
-                position = loss_of(tmp / "events", child.name, answered, _RESTART_WAIT_S)
+                position = loss_of(tmp / "events", _named(child.name), answered, _RESTART_WAIT_S)
                 if position is not None:
                     answered.add(position)
                 index = workers.index(child)
@@ -416,6 +417,11 @@ def _start_worker(argv: list[str], name: str, progress: _Progress, threads: int)
         os.close(own_end)  # the worker holds it now: the channel ends when the worker does
     progress.follow(channel)
     return child
+
+
+def _named(name: str) -> Callable[[LostWorker], bool]:
+    """Whether a loss is of the worker launch calls `name`."""
+    return lambda lost: lost.node == name
 
 
 def _node_name(lost: LostWorker) -> str:

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -59,6 +59,7 @@ from gradserver.worker.local_coordinator import (
     coordinator_command,
     coordinator_failure,
     coordinator_pid,
+    loss_of,
     lost_workers,
     remove_leftovers,
     verdict,
@@ -99,10 +100,22 @@ class RunConfig:
     run_timeout: float = dataclasses.field(
         default=0.0, metadata={"help": RUN_TIMEOUT_HELP, "deprecated_flag": "--timeout"}
     )
+    restart_lost: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": (
+                "start a rank that fails or is killed again, alone, up to this many times in all "
+                "(0: a lost rank ends the run); for fault-tolerant programs (gradserver.torch.ft): "
+                "the coordinator then lets the others go on and the restarted rank heals from them"
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise InvalidArgumentError(f"--workers must be at least 1, got {self.workers}")
+        if self.restart_lost < 0:
+            raise InvalidArgumentError(f"--restart-lost must not be negative, got {self.restart_lost}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"--port must be in 0..65535, got {self.port}")
         if self.heartbeat_timeout <= 0 or self.run_timeout < 0:
@@ -225,6 +238,8 @@ def _supervise(
     events = tmp / "events"
     options = ["--log-level", "WARNING", "--events-file", str(events)]
     options += ["--heartbeat-timeout", f"{config.heartbeat_timeout:g}"]
+    if config.restart_lost:
+        options += ["--on-worker-loss", "continue"]  # the others go on while a lost rank restarts
     # The token reaches the coordinator through its environment, never its argv (ps shows that).
     secret: dict[str, str | None] = {"GRADSERVER_AUTH_TOKEN": token} if token else {}
     coordinator = start_child(
@@ -241,12 +256,43 @@ def _supervise(
     threads = max(1, available_cores() // config.workers)
     master_port = _free_port()
     ranks = []
-    for rank in range(config.workers):
+
+    def start(rank: int) -> Child:
         env = _rank_env(rank, config.workers, master_port, f"127.0.0.1:{port}", token)
-        ranks.append(start_child(command, f"rank {rank}", _print, threads, env))
-        children.append(ranks[-1])
-        ranks[-1].watch(exits)
-    return _watch(coordinator, ranks, exits, deadline, received, events)
+        child = start_child(command, f"rank {rank}", _print, threads, env)
+        children.append(child)
+        child.watch(exits)
+        return child
+
+    for rank in range(config.workers):
+        ranks.append(start(rank))
+    restarts = _Restarts(config.restart_lost, start, events)
+    return _watch(coordinator, ranks, exits, deadline, received, events, restarts)
+
+
+@dataclasses.dataclass
+class _Restarts:
+    """`--restart-lost`: how many restarts are left, how to start rank r again, and the losses
+    (events-file positions) that restarts answered, which are never a later failure's cause."""
+
+    left: int
+    start: Callable[[int], Child]
+    events: Path
+    answered: set[int] = dataclasses.field(default_factory=set)
+
+    def restart(self, child: Child, ranks: list[Child]) -> Child | None:
+        """Starts the rank of `child` (which failed) again, if restarts are left."""
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        position = loss_of(self.events, lambda w: _rank_name(w) == child.name, self.answered, 1.0)
+        if position is not None:
+            self.answered.add(position)
+        index = ranks.index(child)
+        _print("run:", f"{child.failure()}; starting it again ({self.left} restart(s) left)")
+        again = self.start(index)
+        ranks[index] = again
+        return again
 
 
 def _watch(
@@ -256,6 +302,7 @@ def _watch(
     deadline: float,
     received: list[int],
     events: Path,
+    restarts: _Restarts,
 ) -> tuple[int, str]:
     running = set(ranks)
     while running:
@@ -279,8 +326,14 @@ def _watch(
         running.discard(child)
         if code != 0:
             child.finish_output()
-            culprit, line = verdict(child, events, _rank_name, ranks, unit="operation")
-            lost = {_rank_name(w) for w in lost_workers(events)}
+            again = restarts.restart(child, ranks)
+            if again is not None:
+                running.add(again)
+                continue
+            culprit, line = verdict(
+                child, events, _rank_name, ranks, unit="operation", answered=restarts.answered
+            )
+            lost = {_rank_name(w) for w in lost_workers(events, answered=restarts.answered)}
             _let_survivors_end({c for c in running if c.name not in lost})
             code = culprit.proc.returncode
             return (code if code > 0 else 128 - code), line

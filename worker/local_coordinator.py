@@ -106,14 +106,16 @@ def lost_workers(events_file: Path, wait_s: float = 0.0, answered: Collection[in
         time.sleep(_POLL_S)
 
 
-def loss_of(events_file: Path, node: str, answered: Collection[int], wait_s: float) -> int | None:
-    """The position in the events file of the first loss of the worker named `node` that is not
-    among `answered` (waits up to `wait_s` for it); None when the coordinator declared none (it
-    failed before it joined)."""
+def loss_of(
+    events_file: Path, matches: Callable[[LostWorker], bool], answered: Collection[int], wait_s: float
+) -> int | None:
+    """The position in the events file of the first loss that `matches` (the worker a supervisor
+    restarts) and is not among `answered` (waits up to `wait_s` for it); None when the coordinator
+    declared none (it failed before it joined)."""
     deadline = time.monotonic() + wait_s
     while True:
         for i, lost in enumerate(_all_lost(events_file)):
-            if lost.node == node and i not in answered:
+            if matches(lost) and i not in answered:
                 return i
         if time.monotonic() >= deadline:
             return None

@@ -1,0 +1,331 @@
+"""Fault-tolerant data parallelism for torch programs: a lost rank does not end the job.
+
+    from gradserver.torch import ft
+
+    job = ft.Replica(model, optimizer)          # joins; heals from a live rank when the job runs
+    ddp = job.ddp()                             # DistributedDataParallel averaging across replicas
+    for step in job.steps(1000):                # the step is also the data position
+        optimizer.zero_grad()
+        loss_fn(ddp(inputs(step)), targets(step)).backward()
+        job.commit()                            # the optimizer steps only if every participant did
+
+Each rank is one replica of the model. Gradients are averaged, bucket by bucket as DDP produces
+them, over the ranks that take part in the step (a DDP communication hook sending each bucket as
+one REDUCE collective of the coordinator), so a step a rank was lost in completes with the others
+and is averaged over them. `commit()` passes the step's commit barrier before the optimizer steps:
+a step whose averages could not be made from one set of ranks fails for everyone, and then every
+rank discards it (no replica applies a step another did not). A rank started again with the same
+command joins the running job in the lost rank's place, takes the model, the optimizer state and
+the step from a live rank (gradserver.worker.recovery: checked byte for byte) and takes part from
+the next step. The coordinator must run with `--on-worker-loss continue` (`gradserver run
+--restart-lost K` starts it so, and restarts lost ranks).
+
+No torch.distributed process group is needed: DDP runs over a private group of one (its start-up
+broadcasts are local), and every cross-rank byte goes through gradserver. Settings come from the
+environment as for the torch backend (GRADSERVER_COORDINATOR, GRADSERVER_AUTH_TOKEN, TLS; RANK
+asks for that worker id).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradserver.common.errors import (
+    FailedPreconditionError,
+    GradServerError,
+    InvalidArgumentError,
+    StepFailed,
+)
+from gradserver.common.messages import KeyKind, ReduceOp, TensorKey
+from gradserver.common.security import TlsFiles
+from gradserver.common.timeouts import Timeouts
+from gradserver.worker import (
+    RecoveredState,
+    StateSnapshot,
+    WorkerClient,
+    decode_extra,
+    encode_extra,
+    state_digest,
+)
+
+from ._settings import rank_settings
+
+__all__ = ["Replica", "load_state", "state_tensors"]
+
+log = logging.getLogger("gradserver.torch.ft")
+
+_GRADIENTS_GROUP = 1  # the collective group of the steps' gradients
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The replicated state by name, no copies: the model's (`model/NAME`) and the optimizer's
+    tensors (`optimizer/PARAM/NAME`)."""
+    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+    for index, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{index}/{name}"] = value
+    return tensors
+
+
+def _optimizer_extra(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        f"{index}/{name}": value
+        for index, state in optimizer.state_dict()["state"].items()
+        for name, value in state.items()
+        if not isinstance(value, torch.Tensor)
+    }
+
+
+def load_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, Any],
+    other: dict[str, Any] | None = None,
+) -> None:
+    """Loads what `state_tensors` (and `other`: the optimizer's non-tensor values) gave on
+    another replica."""
+    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer/"):
+            _, index, key = name.split("/", 2)
+            state.setdefault(int(index), {})[key] = value.clone()
+    for name, value in (other or {}).items():
+        index, key = name.split("/", 1)
+        state.setdefault(int(index), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def _private_group() -> dist.ProcessGroup:
+    """A process group of this process alone: DDP's start-up collectives stay local."""
+    from torch._C._distributed_c10d import HashStore
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    store = HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    backend = ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=60))
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+class Replica:
+    """This rank's replica of a fault-tolerant data-parallel job."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        coordinator: str | None = None,
+        min_replicas: int = 1,
+        timeout: float | Timeouts | None = None,
+    ) -> None:
+        """Joins the job's coordinator (`coordinator`, default GRADSERVER_COORDINATOR) and, when
+        the job is already running, takes the state of a live replica into `model` and
+        `optimizer`. `min_replicas`: a step averaged over fewer ranks stops the job with an
+        error naming how many took part."""
+        if min_replicas < 1:
+            raise InvalidArgumentError(f"min_replicas must be at least 1, got {min_replicas}")
+        self.model = model
+        self.optimizer = optimizer
+        self.min_replicas = min_replicas
+        self.step = 0
+        self.committed = 0  # steps applied
+        self.contributors: int | None = None  # ranks the last step was averaged over
+        self.healed: RecoveredState | None = None  # the state taken when it joined a running job
+        self._error: GradServerError | None = None
+        self._pending: queue.Queue[list[tuple[torch.futures.Future[torch.Tensor], Any]] | None] = (
+            queue.Queue()
+        )
+        # Every gradient's place in one flat float32 vector, in parameter order.
+        self._places: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for param in model.parameters():
+            if param.requires_grad:
+                self._places[id(param)] = (offset, param.numel())
+                offset += param.numel()
+        self._flat = torch.zeros(offset, dtype=torch.float32)
+        self._filled = 0
+        self._waiting: list[tuple[torch.futures.Future[torch.Tensor], Any]] = []
+        self.client = self._connect(coordinator, timeout)
+        self._receiver = threading.Thread(target=self._receive, name="gradserver-ft", daemon=True)
+        self._receiver.start()
+        if self.client.recovery_step is not None:
+            self._heal()
+        self.client.offer_state(self._snapshot)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def ddp(self, **options: Any) -> torch.nn.parallel.DistributedDataParallel:
+        """`DistributedDataParallel(model)` whose gradients are averaged across the replicas
+        that take part in each step (`options` go to DDP; not `process_group`)."""
+        if "process_group" in options:
+            raise InvalidArgumentError("ft.Replica.ddp chooses its own process_group")
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            self.model, process_group=_private_group(), **options
+        )
+
+        # DDP compares the annotation of `bucket` with the class itself, which a postponed
+        # (string) annotation never equals: so none.
+        def hook(state: object, bucket):  # type: ignore[no-untyped-def]
+            return self._hook(bucket)
+
+        wrapped.register_comm_hook(None, hook)
+        return wrapped
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The steps to run, from where this replica is (a healed one starts past 0) to `total`."""
+        while self.step < total:
+            self._error = None
+            yield self.step
+
+    def commit(self) -> bool:
+        """Ends the step: when every rank taking part finished it, the optimizer steps (True);
+        when the step failed (a rank was lost after part of an average used it), every rank
+        discards it (False). Either way the next step follows."""
+        step = self.step
+        error = self._error
+        if error is None:
+            try:
+                self.client.barrier(step, "commit")
+            except StepFailed as exc:
+                error = exc
+        if error is not None and not isinstance(error, StepFailed):
+            raise error  # the coordinator is gone, or this rank was refused: nothing to go on with
+        if error is None and self.contributors is not None and self.contributors < self.min_replicas:
+            raise FailedPreconditionError(
+                f"step {step} was averaged over {self.contributors} replicas, fewer than "
+                f"min_replicas {self.min_replicas}: the job stops"
+            )
+        # The step number and the state change together: a rank joining reads them as one.
+        with self.client.updating_state():
+            if error is None:
+                self.optimizer.step()
+                self.committed += 1
+            self.step = step + 1
+        if error is not None:
+            log.warning("step %d discarded on every rank: %s", step, error.message)
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Leaves the job."""
+        self._pending.put(None)
+        self.client.close()
+        self._receiver.join(5.0)
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- averaging --------------------------------------------------------------------------------
+
+    def _hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """One DDP bucket: its gradients go to their places in one flat vector of the whole
+        model, in parameter order (DDP lays buckets out differently in its first iteration than
+        later, and a replica that joins is in its first while the others are not); the last
+        bucket of the step sends the vector as one REDUCE (average) of the step, and the
+        receiver thread hands the average back to every bucket of the step."""
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        flat = self._flat
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            start, size = self._places[id(param)]
+            flat[start : start + size].copy_(grad.reshape(-1))
+            self._filled += size
+        self._waiting.append((future, bucket))
+        if self._filled < flat.numel():
+            return future
+        waiting, self._waiting, self._filled = self._waiting, [], 0
+        if self._error is None:
+            array = flat.numpy()
+            try:
+                self.client.send(
+                    TensorKey.collective(self.step, _GRADIENTS_GROUP, ReduceOp.AVG), array, into=array
+                )
+            except GradServerError as exc:
+                self._error = exc
+        if self._error is not None:
+            for waiter, done in waiting:
+                waiter.set_result(done.buffer())  # the step is discarded: its gradients do not matter
+            return future
+        self._pending.put(waiting)
+        return future
+
+    def _receive(self) -> None:
+        while (waiting := self._pending.get()) is not None:
+            try:
+                result = self.client.receive(KeyKind.COLLECTIVE)
+                self.contributors = result.num_contributors
+                for _, bucket in waiting:
+                    for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                        start, size = self._places[id(param)]
+                        grad.copy_(self._flat[start : start + size].view_as(grad))
+            except GradServerError as exc:
+                self._error = exc
+            for waiter, bucket in waiting:
+                waiter.set_result(bucket.buffer())
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def _snapshot(self) -> StateSnapshot:
+        extra = {"step": self.step, "optimizer": _optimizer_extra(self.optimizer)}
+        return StateSnapshot(self.step, state_tensors(self.model, self.optimizer), encode_extra(extra))
+
+    def _heal(self) -> None:
+        got = self.healed = self.client.recover()
+        extra = decode_extra(got.extra)
+        with self.client.updating_state():
+            load_state(self.model, self.optimizer, got.tensors, dict(extra.get("optimizer", {})))
+            self.step = got.step
+        loaded = state_digest(state_tensors(self.model, self.optimizer))
+        if loaded != got.digest:
+            raise FailedPreconditionError(
+                f"the state taken from rank {got.donor} at step {got.step} loaded as digest "
+                f"{loaded:#018x}, not its {got.digest:#018x}"
+            )
+        log.warning(
+            "rank %d joined the running job at step %d: took the state from rank %d (%d bytes, %.2f s)",
+            self.client.worker_id,
+            got.step,
+            got.donor,
+            got.nbytes,
+            got.seconds,
+        )
+
+    @staticmethod
+    def _connect(coordinator: str | None, timeout: float | Timeouts | None) -> WorkerClient:
+        settings = rank_settings()
+        address = coordinator or settings.coordinator
+        if not address:
+            raise InvalidArgumentError(
+                "ft.Replica needs the coordinator's address: coordinator=... or GRADSERVER_COORDINATOR "
+                "(gradserver run sets it)"
+            )
+        tls = TlsFiles.load(
+            settings.tls_ca, settings.tls_client_cert, settings.tls_client_key, what="ft.Replica TLS"
+        )
+        rank = os.environ.get("RANK")
+        return WorkerClient.connect(
+            address,
+            node_id=f"{os.uname().nodename}/pid{os.getpid()}",
+            device_type="torch-ft",
+            timeout=timeout,
+            tls=tls,
+            auth_token=settings.auth_token or None,
+            server_name=settings.tls_server_name,
+            rank=int(rank) if rank is not None and rank.isdigit() else None,
+            transport="grpc",
+        )
