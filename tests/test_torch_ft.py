@@ -1,0 +1,149 @@
+"""Fault-tolerant DDP (`gradserver.torch.ft`) over real processes, as a user runs it:
+`gradserver run --workers 3 --restart-lost K -- python examples/ft_ddp.py`. A rank killed or
+stopped mid-job is started again alone, heals from a live rank, and every rank ends with the same
+state digest; steps a rank missed are averaged over the ranks that took part. In one process:
+the bound on live replicas."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import threading
+
+import pytest
+import torch
+
+from gradserver.torch import ft
+
+from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
+
+STEPS = 2500
+STARTED = re.compile(r"started (rank \d+) \(pid (\d+)\)")
+FINAL = re.compile(r"rank (\d): (\d+) steps \((\d+) applied here\), digest (0x[0-9a-f]+)")
+
+
+def _pids(run: ManagedProcess) -> dict[str, int]:
+    """The latest pid of each rank, from run's own 'started rank N (pid P)' lines."""
+    return {m[1]: int(m[2]) for m in map(STARTED.search, run.lines) if m}
+
+
+@contextlib.contextmanager
+def _ft_run(processes: ProcessGroup, *run_flags: str, steps: int = STEPS):
+    script = str(ROOT / "examples" / "ft_ddp.py")
+    run = processes.gradserver(
+        "run",
+        "--workers",
+        "3",
+        *run_flags,
+        "--",
+        sys.executable,
+        script,
+        "--steps",
+        str(steps),
+        name="run",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    try:
+        yield run
+    finally:
+        run.ensure_ended()
+        for pid in _pids(run).values():
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _assert_one_state(run: ManagedProcess, steps: int = STEPS) -> dict[int, tuple[int, str]]:
+    finals = {int(m[1]): (int(m[3]), m[4]) for m in map(FINAL.search, run.lines) if m and int(m[2]) == steps}
+    assert sorted(finals) == [0, 1, 2], run.output
+    assert len({digest for _, digest in finals.values()}) == 1, finals
+    return finals
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rank_is_restarted_alone_and_heals_to_the_same_state(processes: ProcessGroup) -> None:
+    with _ft_run(processes, "--restart-lost", "1") as run:
+        run.wait_for(r"\[rank 1\] rank 1 step 300:", timeout=120)
+        os.kill(_pids(run)["rank 1"], signal.SIGKILL)
+        run.wait_for(r"^run: rank 1 was killed by SIGKILL; starting it again \(0 restart\(s\) left\)", 30)
+        joined = run.wait_for(r"rank 1: joined the running job at step (\d+), state from rank (\d)", 120)
+        assert int(joined[1]) > 300 and joined[2] in ("0", "2")
+        assert run.wait(180) == 0, run.output
+        assert run.lines[-1] == "run: all 3 ranks finished", run.output
+        finals = _assert_one_state(run)
+        assert finals[1][0] == STEPS - int(joined[1])  # the healed rank applied only its own steps
+        # While it was gone, the others' steps were averaged over the two of them.
+        assert re.search(r"\[rank [02]\] rank [02] step \d+: loss \S+, averaged over 2", run.output), (
+            run.output
+        )
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_is_evicted_then_restarted_and_heals(processes: ProcessGroup) -> None:
+    with _ft_run(processes, "--restart-lost", "1", "--heartbeat-timeout", "2") as run:
+        run.wait_for(r"\[rank 2\] rank 2 step 300:", timeout=120)
+        stopped = _pids(run)["rank 2"]
+        os.kill(stopped, signal.SIGSTOP)
+        run.wait_for(r"worker 2 .*lost: no message for", timeout=60)
+        os.kill(stopped, signal.SIGCONT)  # it finds itself evicted and exits; run starts it again
+        run.wait_for(r"^run: rank 2 exited with code \d+.*; starting it again", 60)
+        run.wait_for(r"rank 2: joined the running job at step \d+, state from rank \d", 120)
+        assert run.wait(180) == 0, run.output
+        _assert_one_state(run)
+
+
+@pytest.mark.timeout(240)
+def test_without_restarts_left_a_second_loss_ends_the_run_naming_it(processes: ProcessGroup) -> None:
+    with _ft_run(processes, "--restart-lost", "1", steps=100_000) as run:
+        run.wait_for(r"\[rank 1\] rank 1 step 200:", timeout=120)
+        os.kill(_pids(run)["rank 1"], signal.SIGKILL)
+        run.wait_for(r"rank 1: joined the running job", 120)
+        os.kill(_pids(run)["rank 0"], signal.SIGKILL)
+        assert run.wait(60) != 0, run.output
+        assert run.lines[-1] == "run: rank 0 was killed by SIGKILL", run.output
+
+
+def test_a_step_over_fewer_than_min_replicas_stops_the_job(coordinator) -> None:
+    server = coordinator(world_size=2, on_worker_loss="continue")
+    errors: list[BaseException] = []
+    ready = threading.Barrier(2)
+
+    def replica(rank: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            job = ft.Replica(model, optimizer, coordinator=server.address, min_replicas=2, timeout=20.0)
+        except BaseException as exc:
+            errors.append(exc)
+            return
+        ddp = job.ddp()
+        try:
+            for step in job.steps(3):
+                optimizer.zero_grad()
+                ddp(torch.full((2, 4), float(step + rank))).sum().backward()
+                assert job.commit()
+            ready.wait(20)
+            if rank == 1:
+                job.close()  # leaves: the next step is averaged over rank 0 alone
+                return
+            for _ in job.steps(4):
+                optimizer.zero_grad()
+                ddp(torch.ones(2, 4)).sum().backward()
+                job.commit()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            with contextlib.suppress(Exception):
+                job.close()
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(errors) == 1, errors
+    assert "step 3 was averaged over 1 replicas, fewer than min_replicas 2: the job stops" in str(errors[0])
