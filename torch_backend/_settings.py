@@ -9,6 +9,7 @@ never `os.environ` directly, so every name is enumerated and means one thing to 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 
 from gradserver.common.config import AUTH_TOKEN_HELP, LOG_LEVEL_HELP, client_setting, config_from_sources
@@ -39,3 +40,9 @@ def rank_settings(environ: Mapping[str, str] | None = None) -> RankSettings:
     """This rank's settings from `environ` (default: the process environment)."""
     settings: RankSettings = config_from_sources(RankSettings, None, environ)
     return settings
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """The rank a launcher gave this process (torch's RANK: torchrun, `gradserver run`), or None."""
+    value = (os.environ if environ is None else environ).get("RANK", "")
+    return int(value) if value.isdigit() else None

@@ -57,7 +57,7 @@ from gradserver.worker import (
     state_digest,
 )
 
-from ._settings import rank_settings
+from ._settings import launcher_rank, rank_settings
 
 __all__ = ["Replica", "load_state", "state_tensors"]
 
@@ -317,7 +317,6 @@ class Replica:
         tls = TlsFiles.load(
             settings.tls_ca, settings.tls_client_cert, settings.tls_client_key, what="ft.Replica TLS"
         )
-        rank = os.environ.get("RANK")
         return WorkerClient.connect(
             address,
             node_id=f"{os.uname().nodename}/pid{os.getpid()}",
@@ -326,6 +325,6 @@ class Replica:
             tls=tls,
             auth_token=settings.auth_token or None,
             server_name=settings.tls_server_name,
-            rank=int(rank) if rank is not None and rank.isdigit() else None,
+            rank=launcher_rank(),
             transport="grpc",
         )
