@@ -72,6 +72,11 @@ _STDOUT_LOCK = threading.Lock()
 SHARED_WITH_WORKER = ("job", "model", "steps", "engine", "batch_size", "lr", "out", "timeout")
 WORKERS_HELP = "number of worker processes (ranks) to start"
 RUN_TIMEOUT_HELP = "seconds for the whole run, a last resort (0: none)"
+RESTART_LOST_HELP = (
+    "start a worker or rank that fails or is killed again, alone, with its command, up to this many "
+    "times in all (0: a loss ends the job); the coordinator then lets the others go on, and the "
+    "restarted one takes the state of a live one (launch: the trainer; run: gradserver.torch.ft programs)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +92,7 @@ class LaunchConfig:
         default=False,
         metadata={"help": "run the workers as threads of this process (no coordinator, no processes)"},
     )
-    restart_lost: int = dataclasses.field(
-        default=0,
-        metadata={
-            "help": (
-                "restart a worker that fails or is killed, up to this many times in all (0: a "
-                "lost worker ends the job); the others go on and the restarted one takes the "
-                "state of a live one (--engine remote)"
-            )
-        },
-    )
+    restart_lost: int = dataclasses.field(default=0, metadata={"help": RESTART_LOST_HELP})
 
     def __post_init__(self) -> None:
         if self.workers < 1:

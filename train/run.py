@@ -67,7 +67,7 @@ from gradserver.worker.local_coordinator import (
 from gradserver.worker.supervisor import STOP_GRACE_S, Child, start_child, stop
 
 from .cli import WorkerConfig, available_cores
-from .launch import RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
+from .launch import RESTART_LOST_HELP, RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
 
 _START_TIMEOUT_S = 60.0
 _POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal
@@ -100,16 +100,7 @@ class RunConfig:
     run_timeout: float = dataclasses.field(
         default=0.0, metadata={"help": RUN_TIMEOUT_HELP, "deprecated_flag": "--timeout"}
     )
-    restart_lost: int = dataclasses.field(
-        default=0,
-        metadata={
-            "help": (
-                "start a rank that fails or is killed again, alone, up to this many times in all "
-                "(0: a lost rank ends the run); for fault-tolerant programs (gradserver.torch.ft): "
-                "the coordinator then lets the others go on and the restarted rank heals from them"
-            )
-        },
-    )
+    restart_lost: int = dataclasses.field(default=0, metadata={"help": RESTART_LOST_HELP})
 
     def __post_init__(self) -> None:
         if self.workers < 1:
