@@ -31,16 +31,15 @@ def _pids(run: ManagedProcess) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _ft_run(processes: ProcessGroup, *run_flags: str, steps: int = STEPS):
-    script = str(ROOT / "examples" / "ft_ddp.py")
+def _ft_run(processes: ProcessGroup, *run_flags: str, steps: int = STEPS, script: tuple[str, ...] = ()):
+    command = script or (sys.executable, str(ROOT / "examples" / "ft_ddp.py"))
     run = processes.gradserver(
         "run",
         "--workers",
         "3",
         *run_flags,
         "--",
-        sys.executable,
-        script,
+        *command,
         "--steps",
         str(steps),
         name="run",
@@ -147,3 +146,22 @@ def test_a_step_over_fewer_than_min_replicas_stops_the_job(coordinator) -> None:
         t.join(60)
     assert len(errors) == 1, errors
     assert "step 3 was averaged over 1 replicas, fewer than min_replicas 2: the job stops" in str(errors[0])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("phase", ["forward", "averaging", "commit", "optimizer"])
+def test_a_rank_killed_at_any_point_of_a_step_leaves_no_replica_that_differs(
+    processes: ProcessGroup, phase: str
+) -> None:
+    """Rank 1 kills itself at `phase` of step 150 (tests/helpers/ft_rank.py): in forward; with its
+    gradients sent and their average not back (mid-collective); before the commit barrier; or
+    with the step committed for every rank but not applied by it. The others' step completes (or
+    is discarded by all), run restarts rank 1, it heals, and every rank ends with one state."""
+    script = (sys.executable, "-m", "tests.helpers.ft_rank", "--die", f"1:150:{phase}")
+    with _ft_run(processes, "--restart-lost", "1", steps=1500, script=script) as run:
+        run.wait_for(rf"rank 1: dying in step 150 at {phase}", timeout=120)
+        run.wait_for(r"^run: rank 1 was killed by SIGKILL; starting it again", 60)
+        joined = run.wait_for(r"rank 1: joined the running job at step (\d+), state from rank \d", 120)
+        assert int(joined[1]) > 150
+        assert run.wait(180) == 0, run.output
+        _assert_one_state(run, steps=1500)
