@@ -186,7 +186,8 @@ class Replica:
     def steps(self, total: int) -> Iterator[int]:
         """The steps to run, from where this replica is (a healed one starts past 0) to `total`."""
         while self.step < total:
-            self._error = None
+            # A backward that raised (the script's error) leaves nothing behind for this step.
+            self._error, self._filled, self._waiting = None, 0, []
             yield self.step
 
     def commit(self) -> bool:
