@@ -29,7 +29,7 @@ from gradserver.server.membership import Member
 from gradserver.server.recovery import recovery_offer
 from gradserver.worker import StateSnapshot, WorkerClient, state_digest
 
-from .helpers.server import TEST_TIMEOUTS, connect_all, run_each, run_each_outcome
+from .helpers.server import TEST_TIMEOUTS, connect_all, run_each, run_each_outcome, wait_pending
 
 SIZES = compute_block_sizes(8, 4, 16)
 TOTAL = sum(SIZES)
@@ -406,19 +406,27 @@ def test_without_a_majority_the_step_fails_for_everyone_naming_each_digest(worke
         )
 
 
-def test_a_digest_barrier_takes_digests_from_every_arrival_or_none(workers) -> None:
-    a, b = workers(2)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first = pool.submit(a.check_state, 0, 7)
-        with pytest.raises(
-            InvalidArgumentError,
-            match=re.escape("worker 1 arrived at step 0 barrier 'gradserver.state' without a state digest"),
-        ):
-            b.barrier(0, "gradserver.state")
-        b.check_state(0, 7)
-        first.result(20)
-    with pytest.raises(InvalidArgumentError, match="a state digest is a 64-bit unsigned integer"):
-        a.check_state(1, -1)
+def test_a_digest_barrier_takes_digests_from_every_arrival_or_none(coordinator) -> None:
+    server = coordinator(world_size=2)
+    a, b = connect_all(server.address, 2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(a.check_state, 0, 7)
+            wait_pending(server, 0)  # a's arrival (with a digest) opened the barrier
+            with pytest.raises(
+                InvalidArgumentError,
+                match=re.escape(
+                    "worker 1 arrived at step 0 barrier 'gradserver.state' without a state digest"
+                ),
+            ):
+                b.barrier(0, "gradserver.state")
+            b.check_state(0, 7)
+            first.result(20)
+        with pytest.raises(InvalidArgumentError, match="a state digest is a 64-bit unsigned integer"):
+            a.check_state(1, -1)
+    finally:
+        for c in (a, b):
+            c.close()
 
 
 # --- the coordinator's pure parts -----------------------------------------------------------------

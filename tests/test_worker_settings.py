@@ -259,6 +259,7 @@ SHARED_SETTINGS = {
     **{f"GRADSERVER_{name.upper()}": f"the worker's --{name}" for name in SHARED_WITH_WORKER},
     "GRADSERVER_WORKERS": "number of worker processes (launch, run)",
     "GRADSERVER_RUN_TIMEOUT": "seconds for the whole run (launch, run)",
+    "GRADSERVER_RESTART_LOST": "restarts of lost workers or ranks in all (launch, run)",
     "GRADSERVER_HEARTBEAT_TIMEOUT": "the coordinator's, passed on to it by run",
 }
 
