@@ -175,7 +175,6 @@ class StateServer:
         self._serving = False
         self._updating = False
         self._closed = False
-        self.served: list[tuple[int, int]] = []  # (worker, step) of every transfer completed
         self._thread = threading.Thread(target=self._run, name="gradserver-state-server", daemon=True)
         self._thread.start()
 
@@ -232,13 +231,14 @@ class StateServer:
 
     def _serve(self, requester: int, step: int) -> None:
         me = self._mailbox.worker_id
-        refusal = self._begin(step)
-        if refusal is not None:
-            self._mailbox.send(requester, _MANIFEST_TAG, _json_bytes({"refused": refusal})).wait(self.timeout)
-            log.warning("worker %d: refused worker %d its state: %s", me, requester, refusal)
+        snapshot = self._begin(step)
+        if isinstance(snapshot, str):
+            self._mailbox.send(requester, _MANIFEST_TAG, _json_bytes({"refused": snapshot})).wait(
+                self.timeout
+            )
+            log.warning("worker %d: refused worker %d its state: %s", me, requester, snapshot)
             return
         try:
-            snapshot = self._snapshot()
             started = time.perf_counter()
             entries = _entries(snapshot.tensors)
             extra = np.frombuffer(snapshot.extra, np.uint8)
@@ -263,7 +263,6 @@ class StateServer:
                 sends.append(self._mailbox.send(requester, _DATA_TAG, extra))
             for send in sends:
                 send.wait(self.timeout)
-            self.served.append((requester, step))
             log.info(
                 "worker %d: worker %d has the state of step %d (%.3f s)",
                 me,
@@ -276,19 +275,20 @@ class StateServer:
                 self._serving = False
                 self._cond.notify_all()
 
-    def _begin(self, step: int) -> str | None:
-        """Waits until the offered state is at `step`'s boundary and marks it being read;
-        returns why it cannot be served instead."""
+    def _begin(self, step: int) -> StateSnapshot | str:
+        """Waits until the offered state is at `step`'s boundary, marks it being read (it stays
+        as it is until `_serve` ends) and returns it; else why it cannot be served."""
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while True:
                 if self._closed:
                     return f"worker {self._mailbox.worker_id} is closing"
                 if not self._updating:
-                    have = self._snapshot().step
+                    snapshot = self._snapshot()
+                    have = snapshot.step
                     if have == step:
                         self._serving = True
-                        return None
+                        return snapshot
                     if have > step:
                         return (
                             f"worker {self._mailbox.worker_id} has applied {have} steps, past the "
