@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from gradserver.torch.ft import load_state, state_tensors
 from gradserver.worker import StateSnapshot, WorkerClient, decode_extra, encode_extra, state_digest
 
 CHECK_EVERY = 25
@@ -42,25 +43,6 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The replicated state by name (no copies: gradserver reads it while no update runs)."""
-    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
-    for index, state in optimizer.state_dict()["state"].items():
-        for name, value in state.items():
-            tensors[f"optimizer/{index}/{name}"] = value
-    return tensors
-
-
-def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
-        if name.startswith("optimizer/"):
-            _, index, key = name.split("/", 2)
-            state.setdefault(int(index), {})[key] = value.clone()
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -75,7 +57,7 @@ def main() -> None:
     with WorkerClient.connect(args.coordinator, timeout=60.0) as client:
         if client.recovery_step is not None:
             got = client.recover()
-            load(model, optimizer, got.tensors)
+            load_state(model, optimizer, got.tensors)
             step = int(decode_extra(got.extra)["step"])
             assert state_digest(state_tensors(model, optimizer)) == got.digest
             print(
