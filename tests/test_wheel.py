@@ -187,20 +187,29 @@ def test_install_script_gives_cpu_torch_and_no_bare_modules(installed: Installed
     assert cli.returncode == 0 and "HOST:PORT" in cli.stdout
 
 
+def _succeeds(
+    installed: Installed, cwd: Path, argv: list[str], *, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Runs `argv` with the installed environment's PATH in `cwd` (outside the source tree) and
+    asserts it exits 0, showing the end of its output if not."""
+    result = subprocess.run(
+        argv,
+        env=_clean_env(installed.bin_dir),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
 def test_installed_wheel_trains_outside_the_source_tree(installed: Installed, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = [str(installed.bin_dir / "gradserver"), "launch", "--workers", "2", "--steps", "2"]
     argv += ["--out", str(out), "--no-progress", "--timeout", "300"]
-    result = subprocess.run(
-        argv,
-        env=_clean_env(installed.bin_dir),
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    _succeeds(installed, tmp_path, argv, timeout=420)
     assert (out / "metrics.jsonl").read_text().count("\n") == 4  # 2 steps x 2 workers
     assert (out / "checkpoint-local-0.pt").is_file() and (out / "checkpoint-local-1.pt").is_file()
 
@@ -241,16 +250,7 @@ def test_installed_wheel_sends_and_receives_between_ranks(installed: Installed, 
     script = tmp_path / "p2p.py"
     script.write_text(P2P_SCRIPT)
     argv = [str(installed.bin_dir / "gradserver"), "run", "--workers", "2", "--run-timeout", "240"]
-    result = subprocess.run(
-        [*argv, "--", str(installed.python), str(script)],
-        env=_clean_env(installed.bin_dir),
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    result = _succeeds(installed, tmp_path, [*argv, "--", str(installed.python), str(script)], timeout=300)
     assert result.stdout.count("P2P OK") == 2, result.stdout[-4000:]
 
 
@@ -261,15 +261,7 @@ def test_installed_wheel_runs_the_live_recovery_example(installed: Installed, tm
     script = tmp_path / "live_recovery.py"
     script.write_text((ROOT / "examples" / "live_recovery.py").read_text())
     argv = [str(installed.bin_dir / "gradserver"), "run", "--workers", "2", "--run-timeout", "240"]
-    result = subprocess.run(
-        [*argv, "--", str(installed.python), str(script), "--steps", "60"],
-        env=_clean_env(installed.bin_dir),
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    command = [*argv, "--", str(installed.python), str(script), "--steps", "60"]
+    result = _succeeds(installed, tmp_path, command, timeout=300)
     digests = re.findall(r"60 steps, loss \S+, digest (0x[0-9a-f]+)", result.stdout)
     assert len(digests) == 2 and digests[0] == digests[1], result.stdout[-4000:]
