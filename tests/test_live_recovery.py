@@ -337,3 +337,28 @@ def test_launch_names_the_second_lost_worker_when_the_restarts_are_spent(
     assert launch.output.count("restarting it") == 1, launch.output
     assert not [pid for pid in started if pid_alive(pid)], launch.output
     assert launch.lines[-1] == "launch: local-2 was killed by SIGKILL", launch.output
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--restart-lost", "-1"], "--restart-lost must not be negative, got -1"),
+        (
+            ["--restart-lost", "1", "--in-process"],
+            "--restart-lost needs worker processes that train through a coordinator",
+        ),
+        (
+            ["--restart-lost", "1", "--engine", "gloo"],
+            "--restart-lost needs worker processes that train through a coordinator",
+        ),
+    ],
+)
+def test_launch_refuses_restarts_it_cannot_heal(
+    processes: ProcessGroup, flags: list[str], message: str
+) -> None:
+    launch = processes.gradserver(
+        "launch", "--workers", "2", "--steps", "2", "--no-progress", *flags, name="launch"
+    )
+    assert launch.wait(60) == 2, launch.output
+    lines = [line for line in launch.lines if line.strip()]
+    assert len(lines) == 1 and message in lines[0], launch.output

@@ -145,6 +145,10 @@ def test_sigterm_to_run_stops_every_rank_and_the_coordinator(processes: ProcessG
         (["--workers", "2"], "no command to run"),
         (["--workers", "0", "--", "true"], "--workers must be at least 1, got 0"),
         (["--workers", "1", "--token-file", "/nonexistent/token", "--", "true"], "--token-file /nonexistent"),
+        (
+            ["--workers", "1", "--restart-lost", "-1", "--", "true"],
+            "--restart-lost must not be negative, got -1",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(processes: ProcessGroup, args: list[str], message: str) -> None:

@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 
+from gradserver.common.errors import InvalidArgumentError
 from gradserver.torch import ft
 
 from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
@@ -165,3 +166,19 @@ def test_a_rank_killed_at_any_point_of_a_step_leaves_no_replica_that_differs(
         assert int(joined[1]) > 150
         assert run.wait(180) == 0, run.output
         _assert_one_state(run, steps=1500)
+
+
+def test_bad_settings_are_refused_naming_them(coordinator, monkeypatch) -> None:
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InvalidArgumentError, match="min_replicas must be at least 1, got 0"):
+        ft.Replica(model, optimizer, min_replicas=0)
+    monkeypatch.delenv("GRADSERVER_COORDINATOR", raising=False)
+    with pytest.raises(InvalidArgumentError, match=re.escape("ft.Replica needs the coordinator's address")):
+        ft.Replica(model, optimizer)
+    server = coordinator(world_size=1, on_worker_loss="continue")
+    with (
+        ft.Replica(model, optimizer, coordinator=server.address, timeout=20.0) as job,
+        pytest.raises(InvalidArgumentError, match=re.escape("ft.Replica.ddp chooses its own process_group")),
+    ):
+        job.ddp(process_group=None)
