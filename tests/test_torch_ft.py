@@ -182,3 +182,32 @@ def test_bad_settings_are_refused_naming_them(coordinator, monkeypatch) -> None:
         pytest.raises(InvalidArgumentError, match=re.escape("ft.Replica.ddp chooses its own process_group")),
     ):
         job.ddp(process_group=None)
+
+
+def test_a_heal_that_fails_leaves_no_member_and_no_thread(coordinator) -> None:
+    from gradserver.common.errors import AbortedError
+    from gradserver.worker import Timeouts, WorkerClient
+
+    from .helpers.server import TEST_TIMEOUTS, connect_all
+
+    server = coordinator(world_size=2, on_worker_loss="continue")
+    silent, leaving = connect_all(server.address, 2)
+    try:
+        done = [threading.Thread(target=c.barrier, args=(0,)) for c in (silent, leaving)]
+        for t in done:
+            t.start()
+        for t in done:
+            t.join(20)
+        leaving.close()
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        quick = Timeouts(connect=10.0, join=20.0, receive=1.0, send=10.0, close=5.0)
+        with pytest.raises(AbortedError, match="worker 0 sent no state within 1 s"):
+            ft.Replica(model, optimizer, coordinator=server.address, timeout=quick)
+        assert not [t for t in threading.enumerate() if t.name == "gradserver-ft" and t.is_alive()]
+        # Its place is free again: another worker can take it.
+        again = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+        assert again.worker_id == 1
+        again.close()
+    finally:
+        silent.close()

@@ -160,9 +160,13 @@ class Replica:
         self.client = self._connect(coordinator, timeout)
         self._receiver = threading.Thread(target=self._receive, name="gradserver-ft", daemon=True)
         self._receiver.start()
-        if self.client.recovery_step is not None:
-            self._heal()
-        self.client.offer_state(self._snapshot)
+        try:
+            if self.client.recovery_step is not None:
+                self._heal()
+            self.client.offer_state(self._snapshot)
+        except BaseException:
+            self.close()  # a failed heal leaves neither a member nor a thread behind
+            raise
 
     # --- the loop -------------------------------------------------------------------------------
 
