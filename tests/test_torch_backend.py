@@ -224,18 +224,22 @@ class _SmallCnn(torch.nn.Module):
 
 
 def _flat(tensors: Any) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    return torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
 
 
-def _train_rank(rank: int, backend: str, store_path: str, out_dir: str, die_at: int) -> None:
-    """One DDP rank: STEPS steps; odd steps accumulate two micro-batches under no_sync()."""
+def _train_rank(
+    rank: int, backend: str, store_path: str, out_dir: str, die_at: int, device: str = "cpu"
+) -> None:
+    """One DDP rank on `device`: STEPS steps; odd steps accumulate two micro-batches under no_sync()."""
     import gradserver.torch  # noqa: F401 - registers "gradserver"
 
     dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=2)
     out = Path(out_dir)
     try:
         torch.manual_seed(0)
-        model = DistributedDataParallel(_SmallCnn(), find_unused_parameters=True)
+        module = _SmallCnn().to(device)
+        device_ids = [module.head.weight.device.index] if device != "cpu" else None
+        model = DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         generator = torch.Generator().manual_seed(100 + rank)
         params, buffers = [], []
@@ -245,8 +249,8 @@ def _train_rank(rank: int, backend: str, store_path: str, out_dir: str, die_at: 
             optimizer.zero_grad()
             micro_batches = 2 if step % 2 else 1
             for micro in range(micro_batches):
-                x = torch.randn(6, 3, 8, 8, generator=generator)
-                y = torch.randint(0, 4, (6,), generator=generator)
+                x = torch.randn(6, 3, 8, 8, generator=generator).to(device)
+                y = torch.randint(0, 4, (6,), generator=generator).to(device)
                 context = model.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext()
                 with context:
                     torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -267,9 +271,11 @@ def _train_rank(rank: int, backend: str, store_path: str, out_dir: str, die_at: 
         dist.destroy_process_group()
 
 
-def _run_ranks(tmp: Path, backend: str, die_at: int = -1) -> list[mp.process.BaseProcess]:
+def _run_ranks(
+    tmp: Path, backend: str, die_at: int = -1, device: str = "cpu"
+) -> list[mp.process.BaseProcess]:
     tmp.mkdir()
-    argss = [(r, backend, str(tmp / "store"), str(tmp), die_at) for r in range(2)]
+    argss = [(r, backend, str(tmp / "store"), str(tmp), die_at, device) for r in range(2)]
     return spawn_and_join(_train_rank, argss, check_exits=die_at < 0)
 
 
@@ -293,6 +299,22 @@ def test_ddp_trains_identically_on_every_rank_and_like_gloo(tmp_path: Path) -> N
     for result in ours:
         assert [t.tolist() for t in result["gathered"]] == [[0, 1], [1, 8]]
         assert result["flag"].tolist() == [True, True]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ddp_on_cuda_tensors_trains_identically_on_every_rank_and_like_gloo(tmp_path: Path) -> None:
+    """Both ranks share the GPU; DDP's buckets are CUDA tensors, which the backend copies to the
+    host and back on the caller's stream."""
+    _run_ranks(tmp_path / "gradserver", "gradserver", device="cuda")
+    _run_ranks(tmp_path / "gloo", "gloo", device="cuda")
+    ours, gloo = _results(tmp_path / "gradserver"), _results(tmp_path / "gloo")
+    assert torch.equal(ours[0]["params"], ours[1]["params"])
+    assert not torch.equal(ours[0]["params"][0], ours[0]["params"][-1])
+    for rank in range(2):
+        torch.testing.assert_close(ours[rank]["params"], gloo[rank]["params"])
+        torch.testing.assert_close(ours[rank]["buffers"], gloo[rank]["buffers"])
 
 
 @pytest.mark.processes

@@ -57,6 +57,24 @@ class StepResult:
     contributors: int | None = None
 
 
+def _read_later(value: torch.Tensor) -> Callable[[], float]:
+    """Reads a 0-d tensor's value when called. On a GPU the value is copied to pinned memory
+    now, and reading waits for that copy alone, not for the work queued after it (the optimizer
+    step): reporting the gradient norm never drains the stream."""
+    if value.device.type != "cuda":
+        return lambda: float(value)
+    host = torch.empty((), dtype=value.dtype, pin_memory=True)
+    host.copy_(value, non_blocking=True)
+    copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    copied.record()
+
+    def read() -> float:
+        copied.synchronize()
+        return float(host)
+
+    return read
+
+
 def _pair(component: NonBlockComponent, data: torch.Tensor) -> tuple[NonBlockComponent, torch.Tensor]:
     return component, data
 
@@ -206,6 +224,14 @@ class DistributedTrainer:
 
     # --- a step ---------------------------------------------------------------------------------
 
+    def _on_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """`batch` on the training device. A host batch goes to a GPU through pinned memory without
+        blocking: a plain `.to("cuda")` of pageable memory synchronises the stream, once per
+        micro-batch and tensor."""
+        if self.device.type != "cuda" or batch.device.type != "cpu":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
+
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """One optimizer step over `micro_batches` (inputs, targets), averaged with every worker."""
         if not micro_batches:
@@ -222,7 +248,7 @@ class DistributedTrainer:
         for i, (inputs, targets) in enumerate(micro_batches):
             self._remaining = [9] * num_blocks
             self._last_micro = i == len(micro_batches) - 1
-            loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
+            loss = self.model.loss(self._on_device(inputs), self._on_device(targets))
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
             tokens += targets.numel()
@@ -242,10 +268,10 @@ class DistributedTrainer:
         if self._sender is not None:
             self._sender.drain()
         self._apply(self.engine.finish())
-        grad_norm = None
+        grad_norm: Callable[[], float] | None = None
         if self.max_grad_norm is not None:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            grad_norm = clip_by_global_norm_(grads, self.max_grad_norm)
+            grad_norm = _read_later(clip_by_global_norm_(grads, self.max_grad_norm))
         if self.keep_snapshot:
             self._snapshot = (
                 {k: v.detach().clone() for k, v in self.model.state_dict().items()},
@@ -267,7 +293,7 @@ class DistributedTrainer:
             seconds=time.perf_counter() - started,
             compute_s=compute_done - started,
             comm_s=comm_done - compute_done,
-            grad_norm=float(grad_norm) if grad_norm is not None else None,
+            grad_norm=grad_norm() if grad_norm is not None else None,
             contributors=self.engine.contributors,
         )
         return result
