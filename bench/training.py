@@ -20,12 +20,21 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 
 def run(
-    backend: str, workers: int, model: str, steps: int, batch: int, warmup: int, transport: str = "auto"
+    backend: str,
+    workers: int,
+    model: str,
+    steps: int,
+    batch: int,
+    warmup: int,
+    transport: str = "auto",
+    extra: Sequence[str] = (),
 ) -> tuple[float, float]:
+    """Median global tokens/s and communication fraction; `extra` are more training flags."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [
             sys.executable,
@@ -45,6 +54,7 @@ def run(
             "--out",
             out,
             "--no-progress",
+            *extra,
         ]
         # The launched workers read their transport from the environment (remote backend only).
         env = dict(os.environ, GRADSERVER_TRANSPORT=transport)
