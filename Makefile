@@ -5,14 +5,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TYPECHECK_ROOT := build/typecheck
 
-.PHONY: demo test lint typecheck pytest proto proto-check bench venv clean docker-check
+.PHONY: demo test lint typecheck pytest proto proto-check bench venv clean docker-check docs docs-serve docs-src
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: a looser spec would pull a CUDA build of several GB.
 	$(BIN)/python -m pip install -q -c constraints.txt torch
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[train,dev,frameworks]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[train,dev,frameworks,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -37,6 +37,21 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/pytest
+
+# The documentation site (mkdocs.yml), built strictly: a broken link, a missing page or an API
+# reference that does not resolve fails it. mkdocstrings reads the package's sources through a
+# tree of links that mirrors its installed layout, as mypy does.
+DOCS_SRC := build/docs-src
+docs-src:
+	rm -rf $(DOCS_SRC) && mkdir -p $(DOCS_SRC)/gradserver
+	for part in common server worker train cli; do ln -s ../../../$$part $(DOCS_SRC)/gradserver/$$part; done
+	ln -s ../../../torch_backend $(DOCS_SRC)/gradserver/torch
+
+docs: $(STAMP) docs-src
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
+docs-serve: $(STAMP) docs-src
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
