@@ -58,6 +58,7 @@ from .messages import (
     ServerEvent,
     ShmRef,
     ShutdownOut,
+    StartAtIn,
     StepFailureIn,
     TensorKey,
     WorkerEvent,
@@ -464,6 +465,8 @@ def encode_worker_event(event: WorkerEvent) -> bytes:
         )
     elif isinstance(event, HeartbeatIn):
         msg = pb.WorkerMessage(heartbeat=pb.Heartbeat(worker_id=event.worker_id, sequence=event.sequence))
+    elif isinstance(event, StartAtIn):
+        msg = pb.WorkerMessage(start_at=pb.StartAt(worker_id=event.worker_id, step=event.step))
     elif isinstance(event, StepFailureIn):
         failure = pb.Error(code=event.code, message=event.message, step=event.step, step_failed=True)
         if event.key is not None:
@@ -517,6 +520,8 @@ def decode_worker_message(raw: bytes, limits: WireLimits) -> WorkerEvent:
         return _decode_step_failure(msg.step_failure, limits)
     if kind == "peer_message":
         return _decode_peer_piece(msg.peer_message, limits, None)
+    if kind == "start_at":
+        return StartAtIn(msg.start_at.worker_id, msg.start_at.step)
     raise InvalidArgumentError("WorkerMessage carries no message kind")
 
 

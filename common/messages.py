@@ -198,6 +198,14 @@ class BarrierIn:
 
 
 @dataclasses.dataclass(frozen=True)
+class StartAtIn:
+    """A worker that joined a running job takes part from `step`, later than its plan's."""
+
+    worker_id: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SampleRangeRequestIn:
     worker_id: int
     step: int
@@ -245,7 +253,9 @@ class PeerPiece:
     data: bytes | memoryview = b""
 
 
-WorkerEvent = ChunkIn | BarrierIn | SampleRangeRequestIn | HeartbeatIn | LeaveIn | StepFailureIn | PeerPiece
+WorkerEvent = (
+    ChunkIn | BarrierIn | SampleRangeRequestIn | HeartbeatIn | LeaveIn | StepFailureIn | PeerPiece | StartAtIn
+)
 
 
 @dataclasses.dataclass(frozen=True)

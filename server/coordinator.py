@@ -40,6 +40,7 @@ from gradserver.common.messages import (
     PeerPiece,
     SampleRangeRequestIn,
     ShutdownOut,
+    StartAtIn,
     StepFailureIn,
 )
 from gradserver.common.rpc import SERVICE_NAME, to_grpc
@@ -466,10 +467,10 @@ class GradientServer:
     def _handle(
         self,
         stream: WorkerStream,
-        event: ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn | PeerPiece,
+        event: ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn | PeerPiece | StartAtIn,
     ) -> None:
-        """Hands one contribution, barrier arrival, request or host group's report to the table,
-        and a point-to-point piece to the relay."""
+        """Hands one contribution, barrier arrival, request, host group's report or later first
+        step to the table, and a point-to-point piece to the relay."""
         if isinstance(event, ChunkIn):
             chunk = self._outboxes.resolve(event, stream.member)
             self.metrics.payload_received(chunk.worker_id, len(chunk.data))
@@ -478,6 +479,8 @@ class GradientServer:
             self._deliver(self._table.barrier(event))
         elif isinstance(event, StepFailureIn):
             self._deliver(self._table.step_failure_reported(event))
+        elif isinstance(event, StartAtIn):
+            self._deliver(self._table.start_at(event))
         elif isinstance(event, PeerPiece):
             self._relayed(self._relay.forward(stream.member.worker_id, event))
         else:

@@ -30,6 +30,10 @@ class Participation:
         if self._rejoin_next_step and self._high_step >= 0:
             self._first_step[worker_id] = self._high_step + 1
 
+    def start_at(self, worker_id: int, step: int) -> None:
+        """`worker_id` (which joined a running job) takes part from `step` instead."""
+        self._first_step[worker_id] = step
+
     def saw_step(self, step: int) -> None:
         """A key or barrier of `step` opened."""
         self._high_step = max(self._high_step, step)

@@ -50,10 +50,12 @@ from gradserver.common.messages import (
     DType,
     ErrorOut,
     KeyKind,
+    MemberJoinedOut,
     MemberLeftOut,
     ReduceOp,
     SampleRangeRequestIn,
     SampleStats,
+    StartAtIn,
     StepFailureIn,
     TensorKey,
 )
@@ -337,38 +339,71 @@ class ReductionTable:
         for slot in list(self._pending.values()):
             if lost not in slot.expected or len(slot.received[lost]) == slot.chunks_of(lost):
                 continue
-            step = slot.key.step
-            if slot.key.kind is KeyKind.COLLECTIVE and slot.key.collective_kind is not CollectiveKind.REDUCE:
-                out += self._fail_step(
-                    step,
-                    f"step {step} aborted: worker {lost} {reason}; {slot.key} needs every rank",
-                    culprit=lost,
-                )
-                continue
-            if slot.reduced or slot.inflight:
-                out += self._fail_step(
-                    step,
-                    f"step {step} aborted: worker {lost} {reason} after part of {slot.key} was "
-                    "averaged with its data",
-                    culprit=lost,
-                )
-                continue
-            slot.expected = slot.expected - {lost}
-            for index, parts in slot.chunks.items():
-                self._buffered[lost] -= slot.charged[index][lost]
-                slot.charged[index][lost] = 0
-                parts[lost] = None
-            slot.received[lost].clear()
-            if not slot.expected:
-                out += self._fail_step(step, f"step {step} aborted: every contributor of {slot.key} is lost")
-                continue
-            for index in sorted(slot.chunks):
-                if slot.key.slot in self._pending and slot.chunk_complete(index):
-                    out += self._reduce(slot, index)
+            out += self._stop_expecting(slot, lost, f"worker {lost} {reason}")
         for bar in list(self._barriers.values()):
             if lost in bar.expected and lost not in bar.arrived:
                 bar.expected = bar.expected - {lost}
                 out += self._maybe_release(bar)
+        return out
+
+    def _stop_expecting(self, slot: _Slot, worker: int, why: str) -> list[Outgoing]:
+        """`slot` completes without `worker` (its partial contribution dropped), or its step fails
+        when that would mix averages with and without it, or leave no contributor."""
+        step = slot.key.step
+        if slot.key.kind is KeyKind.COLLECTIVE and slot.key.collective_kind is not CollectiveKind.REDUCE:
+            return self._fail_step(
+                step, f"step {step} aborted: {why}; {slot.key} needs every rank", culprit=worker
+            )
+        if slot.reduced or slot.inflight:
+            return self._fail_step(
+                step,
+                f"step {step} aborted: {why} after part of {slot.key} was averaged with its data",
+                culprit=worker,
+            )
+        slot.expected = slot.expected - {worker}
+        for index, parts in slot.chunks.items():
+            self._buffered[worker] -= slot.charged[index][worker]
+            slot.charged[index][worker] = 0
+            parts[worker] = None
+        slot.received[worker].clear()
+        if not slot.expected:
+            return self._fail_step(step, f"step {step} aborted: every contributor of {slot.key} is lost")
+        out: list[Outgoing] = []
+        for index in sorted(slot.chunks):
+            if slot.key.slot in self._pending and slot.chunk_complete(index):
+                out += self._reduce(slot, index)
+        return out
+
+    def start_at(self, request: StartAtIn) -> list[Outgoing]:
+        """A worker that joined a running job takes part from a later step (before it sent
+        anything): what waits for it in earlier steps completes without it, and every other member
+        hears its new first step."""
+        w, step = request.worker_id, request.step
+        first = self._roster.first_step(w)
+        problem = None
+        if step < first:
+            problem = f"worker {w} asked to take part from step {step}, before its first step {first}"
+        elif self._worker_step[w] is not None:
+            problem = (
+                f"worker {w} asked to take part from step {step} after it sent step "
+                f"{self._worker_step[w]}: a worker moves its first step before it contributes"
+            )
+        if problem is not None:
+            return [error_to(w, step, _PRECONDITION, problem, "start_at")]
+        self._roster.start_at(w, step)
+        out: list[Outgoing] = []
+        why = f"worker {w} takes part from step {step}"
+        for slot in list(self._pending.values()):
+            if slot.key.step < step and w in slot.expected:
+                out += self._stop_expecting(slot, w, why)
+        for bar in list(self._barriers.values()):
+            if bar.step < step and w in bar.expected:
+                bar.expected = bar.expected - {w}
+                out += self._maybe_release(bar)
+        others = tuple(v for v in sorted(self.live_workers()) if v != w)
+        if others:
+            out.append(Outgoing(others, MemberJoinedOut(w, step)))
+        self._settle_steps()
         return out
 
     # --- contributions ------------------------------------------------------------------------

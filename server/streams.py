@@ -32,6 +32,7 @@ from gradserver.common.messages import (
     LeaveIn,
     PeerPiece,
     SampleRangeRequestIn,
+    StartAtIn,
     StepFailureIn,
     TensorKey,
 )
@@ -95,7 +96,7 @@ class WorkerStream:
 
 
 # What the coordinator does with one decoded contribution, barrier arrival or request.
-Handled = ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn | PeerPiece
+Handled = ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn | PeerPiece | StartAtIn
 Handle = Callable[[WorkerStream, Handled], None]
 # Frees the member's place: (stream, why it ended, whether that was expected).
 Ended = Callable[[WorkerStream, str, bool], None]
@@ -343,7 +344,7 @@ class Streams:
         if isinstance(event, PeerPiece):
             self._handle(stream, event)  # from the stream's member, for the worker it names
             return False
-        assert isinstance(event, HeartbeatIn | ChunkIn | BarrierIn | SampleRangeRequestIn)
+        assert isinstance(event, HeartbeatIn | ChunkIn | BarrierIn | SampleRangeRequestIn | StartAtIn)
         if event.worker_id != w:
             raise FailedPreconditionError(
                 f"message names worker {event.worker_id}, but this stream belongs to worker {w}",

@@ -24,9 +24,11 @@ from gradserver.common.errors import (
     GradServerError,
     InvalidArgumentError,
 )
+from gradserver.common.messages import BarrierIn, StartAtIn
 from gradserver.server.digests import vote
 from gradserver.server.membership import Member
 from gradserver.server.recovery import recovery_offer
+from gradserver.server.reduction import ReductionTable
 from gradserver.worker import StateSnapshot, WorkerClient, state_digest
 
 from .helpers.server import TEST_TIMEOUTS, connect_all, run_each, run_each_outcome, wait_pending
@@ -523,3 +525,86 @@ def test_the_trainers_state_moves_to_another_trainer_bit_for_bit() -> None:
     assert state_digest(fresh.state_tensors()) == state_digest(donor.state_tensors())
     for name, value in donor.model.state_dict().items():
         torch.testing.assert_close(fresh.model.state_dict()[name], value, rtol=0, atol=0)
+
+
+# --- a replacement that takes part from a later step (replica groups: issue 37) ------------------
+
+
+def test_a_replacement_that_starts_later_is_not_waited_for_and_takes_that_steps_state(coordinator) -> None:
+    server = coordinator(world_size=3, on_worker_loss="continue")
+    clients = connect_all(server.address, 3)
+    replicas = [Replica(c) for c in clients]
+    try:
+        _in_threads(*[lambda r=r: r.run_until(2) for r in replicas])
+        clients[2].close()
+        newcomer = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+        planned = newcomer.recovery_step
+        assert planned is not None
+        last = planned + 4
+        # The survivors' steps `planned` and `planned + 1` would wait for the newcomer; after
+        # start_at they complete without it.
+        survivors = [threading.Thread(target=r.run_until, args=(last,), daemon=True) for r in replicas[:2]]
+        for t in survivors:
+            t.start()
+        newcomer.start_at(planned + 2)
+        assert newcomer.recovery_step == planned + 2
+        got = newcomer.recover()
+        assert got.step == planned + 2 and got.extra == b"position %d" % got.step
+        late = Replica(newcomer, {k: np.array(v) for k, v in got.tensors.items()}, got.step)
+        late.run_until(last)
+        for t in survivors:
+            t.join(60)
+            assert not t.is_alive()
+        everyone = [replicas[0], replicas[1], late]
+        assert len({state_digest(r.state) for r in everyone}) == 1
+        assert int(late.state["count"][0]) == last + 1
+        # Every survivor heard the later first step, in place of the first announcement.
+        for c in clients[:2]:
+            assert c.replacements() == [(2, planned + 2)]
+        newcomer.close()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_start_at_refuses_an_earlier_step_a_worker_that_began_the_job_and_one_that_contributed(
+    coordinator,
+) -> None:
+    server = coordinator(world_size=2, on_worker_loss="continue")
+    clients = connect_all(server.address, 2)
+    try:
+        with pytest.raises(FailedPreconditionError, match="worker 0 joined as the job began"):
+            clients[0].start_at(5)
+        _in_threads(*[lambda c=c: c.barrier(0) for c in clients])
+        clients[1].close()
+        newcomer = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+        assert newcomer.recovery_step == 1
+        with pytest.raises(InvalidArgumentError, match="takes part from step 1: it cannot start at step 0"):
+            newcomer.start_at(0)
+        newcomer.start_at(1)  # its own step: nothing to do
+        _in_threads(lambda: clients[0].barrier(1), lambda: newcomer.barrier(1))
+        with pytest.raises(
+            FailedPreconditionError, match="already took part in a step: start_at comes before"
+        ):
+            newcomer.start_at(3)
+        _in_threads(lambda: clients[0].barrier(2), lambda: newcomer.barrier(2))  # nothing changed
+        newcomer.close()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_the_table_refuses_a_later_first_step_from_a_worker_that_sent_something() -> None:
+    """The coordinator's own check (the client library checks first, so only another client
+    reaches it): a worker that already arrived at a barrier cannot move its first step."""
+    table = ReductionTable(2, 1024, 10.0, on_worker_loss="continue")
+    table.barrier(BarrierIn(0, 0, ""))
+    table.worker_lost(1, "left")
+    table.worker_joined(1)
+    assert table.first_step(1) == 1
+    [refusal] = table.start_at(StartAtIn(1, 0))
+    assert "before its first step 1" in refusal.event.message
+    table.barrier(BarrierIn(1, 1, ""))
+    [refusal] = table.start_at(StartAtIn(1, 3))
+    assert refusal.to == (1,) and "after it sent step 1" in refusal.event.message
+    assert table.first_step(1) == 1

@@ -53,6 +53,7 @@ from gradserver.common.messages import (
     KeyKind,
     SampleRangeRequestIn,
     SampleStats,
+    StartAtIn,
     TensorKey,
 )
 from gradserver.common.security import TlsFiles, bearer_metadata
@@ -118,6 +119,7 @@ class WorkerClient:
         self._pool: dict[tuple[KeyKind, int], np.ndarray] = {}
         self._pool_lock = threading.Lock()
         self._closed = False
+        self._stepped = False  # something of a step was sent or asked for (start_at is too late)
         self._state_server: StateServer | None = None
 
     @classmethod
@@ -498,6 +500,41 @@ class WorkerClient:
         as the job began)."""
         return self._accepted.recovery_step
 
+    def start_at(self, step: int) -> None:
+        """Takes part from `step` instead of `recovery_step` (not earlier), before this worker
+        sends anything: what waits for it in earlier steps completes without it, and `recover`
+        then takes the state at `step`. The members of a replica group that join one job per
+        shard at once (HSDP) agree on the latest of their recovery steps and all start there."""
+        stepped, self._stepped = self._stepped, False
+        self._check_step(step)
+        self._stepped = stepped
+        planned = self._accepted.recovery_step
+        if planned is None:
+            raise FailedPreconditionError(
+                f"worker {self.worker_id} joined as the job began: it takes part in every step",
+                worker_id=self.worker_id,
+            )
+        if step < planned:
+            raise InvalidArgumentError(
+                f"worker {self.worker_id} takes part from step {planned}: it cannot start at step {step}",
+                worker_id=self.worker_id,
+            )
+        if self._accepted.partition_map:
+            raise FailedPreconditionError(
+                f"worker {self.worker_id}: start_at needs one coordinator, not partitioned ones",
+                worker_id=self.worker_id,
+            )
+        if self._stepped:
+            raise FailedPreconditionError(
+                f"worker {self.worker_id} already took part in a step: start_at comes before it "
+                "sends anything",
+                worker_id=self.worker_id,
+            )
+        if step == planned:
+            return
+        self._link.send(StartAtIn(self.worker_id, step))
+        self._accepted = dataclasses.replace(self._accepted, recovery_step=step)
+
     def recover(
         self, timeout: float | None = None, progress: Callable[[int, int], None] | None = None
     ) -> RecoveredState:
@@ -625,6 +662,7 @@ class WorkerClient:
             raise UnavailableError("this WorkerClient is closed")
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative integer, got {step!r}")
+        self._stepped = True
 
     def _send_tensor(
         self,

@@ -386,7 +386,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown", "step_failure", "peer_message")
+    __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown", "step_failure", "peer_message", "start_at")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +394,7 @@ class WorkerMessage(_message.Message):
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     STEP_FAILURE_FIELD_NUMBER: _ClassVar[int]
     PEER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    START_AT_FIELD_NUMBER: _ClassVar[int]
     chunk: GradientChunk
     barrier: Barrier
     sample_range_request: SampleRangeRequest
@@ -401,7 +402,16 @@ class WorkerMessage(_message.Message):
     shutdown: Shutdown
     step_failure: Error
     peer_message: PeerMessage
-    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_failure: _Optional[_Union[Error, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ...) -> None: ...
+    start_at: StartAt
+    def __init__(self, chunk: _Optional[_Union[GradientChunk, _Mapping]] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_failure: _Optional[_Union[Error, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., start_at: _Optional[_Union[StartAt, _Mapping]] = ...) -> None: ...
+
+class StartAt(_message.Message):
+    __slots__ = ("worker_id", "step")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    step: int
+    def __init__(self, worker_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
     __slots__ = ("peer", "tag", "sequence", "total_bytes", "offset", "data")

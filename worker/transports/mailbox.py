@@ -435,10 +435,15 @@ class Mailbox:
         self._bell.ring()
 
     def peer_joined(self, worker_id: int, first_step: int) -> None:
-        """A worker took the place of one that left, from step `first_step`: messages to and
-        from it go through the coordinator (a replacement joins no host's memory)."""
+        """A worker took the place of one that left, from step `first_step` (announced again when
+        it moves its first step later): messages to and from it go through the coordinator (a
+        replacement joins no host's memory)."""
         with self._lock:
-            self._gone.pop(worker_id, None)
+            left = self._gone.pop(worker_id, None) is not None
+            mine = [i for i, (w, _) in enumerate(self._joins) if w == worker_id]
+            if mine and not left:  # a later first step of the same replacement (StartAt)
+                self._joins[mine[-1]] = (worker_id, first_step)
+                return
             self._joins.append((worker_id, first_step))
             del self._joins[:-_JOINS_KEPT]
 
