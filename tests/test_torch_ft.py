@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
 from gradserver.torch import ft
 
 from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
@@ -32,12 +32,19 @@ def _pids(run: ManagedProcess) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _ft_run(processes: ProcessGroup, *run_flags: str, steps: int = STEPS, script: tuple[str, ...] = ()):
-    command = script or (sys.executable, str(ROOT / "examples" / "ft_ddp.py"))
+def _ft_run(
+    processes: ProcessGroup,
+    *run_flags: str,
+    steps: int = STEPS,
+    script: tuple[str, ...] = (),
+    workers: int = 3,
+    example: str = "ft_ddp.py",
+):
+    command = script or (sys.executable, str(ROOT / "examples" / example))
     run = processes.gradserver(
         "run",
         "--workers",
-        "3",
+        str(workers),
         *run_flags,
         "--",
         *command,
@@ -83,16 +90,18 @@ def test_a_killed_rank_is_restarted_alone_and_heals_to_the_same_state(processes:
 
 @pytest.mark.timeout(240)
 def test_a_stopped_rank_is_evicted_then_restarted_and_heals(processes: ProcessGroup) -> None:
+    """SIGSTOP beyond the heartbeat: the coordinator declares it lost, run stops it for good and
+    starts it again (it is never continued)."""
     with _ft_run(processes, "--restart-lost", "1", "--heartbeat-timeout", "2") as run:
         run.wait_for(r"\[rank 2\] rank 2 step 300:", timeout=120)
         stopped = _pids(run)["rank 2"]
         os.kill(stopped, signal.SIGSTOP)
-        run.wait_for(r"worker 2 .*lost: no message for", timeout=60)
-        os.kill(stopped, signal.SIGCONT)  # it finds itself evicted and exits; run starts it again
-        run.wait_for(r"^run: rank 2 exited with code \d+.*; starting it again", 60)
+        run.wait_for(r"^run: rank 2 was lost \(lost: no message for [\d.]+ s.*\); stopping it", 60)
+        run.wait_for(r"^run: rank 2 was killed by SIGKILL; starting it again", 60)
         run.wait_for(r"rank 2: joined the running job at step \d+, state from rank \d", 120)
         assert run.wait(180) == 0, run.output
         _assert_one_state(run)
+        assert not pid_alive(stopped)
 
 
 @pytest.mark.timeout(240)
@@ -211,3 +220,122 @@ def test_a_heal_that_fails_leaves_no_member_and_no_thread(coordinator) -> None:
         again.close()
     finally:
         silent.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_donor_killed_as_it_serves_the_heal_is_followed_by_the_next_donor(processes: ProcessGroup) -> None:
+    """Rank 1 is killed; as rank 0 begins to give it the state, rank 0 dies too
+    (tests/helpers/ft_rank.py --die-serving 0): rank 1 takes the state from rank 2, and run
+    restarts rank 0, which heals in turn."""
+    script = (sys.executable, "-m", "tests.helpers.ft_rank", "--die-serving", "0")
+    with _ft_run(processes, "--restart-lost", "2", steps=1500, script=script) as run:
+        run.wait_for(r"\[rank 1\] rank 1 step 200:", timeout=120)
+        os.kill(_pids(run)["rank 1"], signal.SIGKILL)
+        run.wait_for(r"rank 0: dying as it serves its state of step \d+", 120)
+        run.wait_for(r"rank 1: joined the running job at step \d+, state from rank 2", 120)
+        run.wait_for(r"rank 0: joined the running job at step \d+, state from rank [12]", 120)
+        assert run.wait(180) == 0, run.output
+        _assert_one_state(run, steps=1500)
+
+
+# --- HSDP: replica groups of FSDP2-sharded ranks ------------------------------------------------------
+
+HSDP = re.compile(r"replica group (\d) shard (\d): (\d+) steps \((\d+) applied here\), digest (0x[0-9a-f]+)")
+
+
+def _assert_one_state_per_shard(run: ManagedProcess, steps: int) -> dict[tuple[int, int], int]:
+    """Both replica groups end with the same state of each shard; (group, shard) -> steps applied."""
+    finals = [m for m in map(HSDP.search, run.lines) if m and int(m[3]) == steps]
+    assert sorted((int(m[1]), int(m[2])) for m in finals) == [(0, 0), (0, 1), (1, 0), (1, 1)], run.output
+    for shard in (0, 1):
+        assert len({m[5] for m in finals if int(m[2]) == shard}) == 1, finals
+    return {(int(m[1]), int(m[2])): int(m[4]) for m in finals}
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_a_rank_killed_in_backward_restarts_its_replica_group_which_heals(
+    processes: ProcessGroup,
+) -> None:
+    """The issue's check: 4 ranks, 2 replica groups x 2 FSDP2 shards, one rank SIGKILLed in
+    backward; run restarts its whole group, both its ranks start at one step with their shards'
+    state from the live group, and every shard ends identical in both groups. While the group was
+    gone, the other's steps were averaged over itself alone."""
+    script = (
+        sys.executable,
+        "-m",
+        "tests.helpers.ft_rank",
+        "--example",
+        "ft_hsdp.py",
+        "--die",
+        "3:120:backward",
+    )
+    flags = ("--replica-group-size", "2", "--restart-lost", "1")
+    with _ft_run(processes, *flags, steps=800, script=script, workers=4) as run:
+        run.wait_for(r"rank 3: dying in step 120 at backward", timeout=120)
+        run.wait_for(
+            r"^run: rank 3 was killed by SIGKILL; starting it again with its replica group \(ranks 2-3\)", 60
+        )
+        first = run.wait_for(
+            r"replica group 1 shard (\d): joined the running job at step (\d+), state from group 0", 120
+        )
+        second = run.wait_for(
+            rf"replica group 1 shard {1 - int(first[1])}: joined the running job at step (\d+)", 60
+        )
+        assert int(first[2]) == int(second[1]) > 120  # the group's ranks start at one step
+        assert run.wait(200) == 0, run.output
+        applied = _assert_one_state_per_shard(run, 800)
+        assert applied[(0, 0)] == applied[(0, 1)] == 800
+        assert applied[(1, 0)] == applied[(1, 1)] == 800 - int(first[2])
+        assert re.search(r"replica group 0 shard \d step \d+: loss \S+, averaged over 1", run.output), (
+            run.output
+        )
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_a_stopped_rank_has_its_replica_group_restarted(processes: ProcessGroup) -> None:
+    """SIGSTOP beyond the heartbeat: its partner waits in their group's collective, the
+    coordinator declares it lost, run stops it and its partner and restarts the group."""
+    flags = ("--replica-group-size", "2", "--restart-lost", "1", "--heartbeat-timeout", "2")
+    with _ft_run(processes, *flags, steps=1200, workers=4, example="ft_hsdp.py") as run:
+        run.wait_for(r"\[rank 1\] replica group 0 shard 1 step 200:", timeout=120)
+        stopped = _pids(run)["rank 1"]
+        os.kill(stopped, signal.SIGSTOP)
+        run.wait_for(r"^run: rank 1 was lost \(lost: no message for [\d.]+ s.*\); stopping it", 60)
+        run.wait_for(r"starting it again with its replica group \(ranks 0-1\)", 60)
+        run.wait_for(r"replica group 0 shard \d: joined the running job at step \d+, state from group 1", 120)
+        assert run.wait(200) == 0, run.output
+        _assert_one_state_per_shard(run, 1200)
+        assert not pid_alive(stopped)
+
+
+def test_hsdp_a_replica_group_half_new_is_refused(coordinator, monkeypatch) -> None:
+    """A rank that joined a running job while the other rank of its replica group began it (not
+    a group restarted whole) is refused, naming it; it leaves nothing behind. The group's other
+    rank is played by the patched collectives: it contributes "not new" to the count."""
+    from gradserver.worker import WorkerClient
+
+    from .helpers.server import TEST_TIMEOUTS, connect_all
+
+    server = coordinator(world_size=2, on_worker_loss="continue")
+    staying, leaving = connect_all(server.address, 2)
+    try:
+        done = [threading.Thread(target=c.barrier, args=(0,)) for c in (staying, leaving)]
+        for t in done:
+            t.start()
+        for t in done:
+            t.join(20)
+        leaving.close()
+        monkeypatch.setattr(ft.dist, "all_reduce", lambda tensor, op=None, group=None: None)
+        monkeypatch.setattr(ft.dist, "get_world_size", lambda group=None: 2)
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        group = object()
+        with pytest.raises(
+            FailedPreconditionError, match="1 of the 2 ranks of this replica group joined a running"
+        ):
+            ft.Replica(model, optimizer, coordinator=server.address, timeout=20.0, replica_group=group)  # type: ignore[arg-type]
+        again = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+        assert again.worker_id == 1
+        again.close()
+    finally:
+        staying.close()

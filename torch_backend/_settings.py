@@ -42,6 +42,13 @@ def rank_settings(environ: Mapping[str, str] | None = None) -> RankSettings:
     return settings
 
 
+def replica_group_index(environ: Mapping[str, str] | None = None) -> int | None:
+    """The replica group a launcher put this process in (GRADSERVER_REPLICA_GROUP: `gradserver
+    run --replica-group-size`), or None."""
+    value = (os.environ if environ is None else environ).get("GRADSERVER_REPLICA_GROUP", "")
+    return int(value) if value.isdigit() else None
+
+
 def launcher_rank(environ: Mapping[str, str] | None = None) -> int | None:
     """The rank a launcher gave this process (torch's RANK: torchrun, `gradserver run`), or None."""
     value = (os.environ if environ is None else environ).get("RANK", "")

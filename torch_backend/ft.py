@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from gradserver.common.errors import (
     FailedPreconditionError,
@@ -57,7 +58,7 @@ from gradserver.worker import (
     state_digest,
 )
 
-from ._settings import launcher_rank, rank_settings
+from ._settings import launcher_rank, rank_settings, replica_group_index
 
 __all__ = ["Replica", "load_state", "state_tensors"]
 
@@ -66,14 +67,19 @@ log = logging.getLogger("gradserver.torch.ft")
 _GRADIENTS_GROUP = 1  # the collective group of the steps' gradients
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) value; a plain tensor as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The replicated state by name, no copies: the model's (`model/NAME`) and the optimizer's
-    tensors (`optimizer/PARAM/NAME`)."""
-    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+    tensors (`optimizer/PARAM/NAME`); of a sharded model (FSDP2), this rank's shards."""
+    tensors = {f"model/{k}": _local(v) for k, v in model.state_dict().items()}
     for index, state in optimizer.state_dict()["state"].items():
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"optimizer/{index}/{name}"] = value
+                tensors[f"optimizer/{index}/{name}"] = _local(value)
     return tensors
 
 
@@ -93,17 +99,43 @@ def load_state(
     other: dict[str, Any] | None = None,
 ) -> None:
     """Loads what `state_tensors` (and `other`: the optimizer's non-tensor values) gave on
-    another replica."""
-    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
+    another replica; a sharded model takes them into its shards in place."""
+    current = model.state_dict()
+    weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    if any(isinstance(v, DTensor) for v in current.values()):
+        missing = sorted(set(current) - set(weights))
+        if missing:
+            raise FailedPreconditionError(f"the state taken has no {', '.join(missing)}")
+        with torch.no_grad():
+            for name, target in current.items():
+                _local(target).copy_(torch.as_tensor(weights[name]))
+    else:
+        model.load_state_dict(weights)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         if name.startswith("optimizer/"):
             _, index, key = name.split("/", 2)
-            state.setdefault(int(index), {})[key] = value.clone()
+            state.setdefault(int(index), {})[key] = _like_param(value.clone(), params[int(index)])
     for name, value in (other or {}).items():
         index, key = name.split("/", 1)
         state.setdefault(int(index), {})[key] = value
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def _like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor shaped as its parameter's shard, sharded as the parameter is (a
+    sharded parameter's moments are DTensors); anything else (AdamW's step) as it is."""
+    if isinstance(param, DTensor) and value.shape == param.to_local().shape:
+        return DTensor.from_local(
+            value,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return value
 
 
 def _private_group() -> dist.ProcessGroup:
@@ -129,15 +161,24 @@ class Replica:
         coordinator: str | None = None,
         min_replicas: int = 1,
         timeout: float | Timeouts | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Joins the job's coordinator (`coordinator`, default GRADSERVER_COORDINATOR) and, when
         the job is already running, takes the state of a live replica into `model` and
         `optimizer`. `min_replicas`: a step averaged over fewer ranks stops the job with an
-        error naming how many took part."""
+        error naming how many took part.
+
+        `replica_group` (HSDP): the process group of the ranks that together hold one replica
+        of a sharded model (FSDP2 over them). Each rank then joins the job of its shard (its
+        coordinator: one per shard index, each with one member per replica group), replica groups
+        are lost and restarted whole, and a step is applied by a replica group only when every
+        one of its shards committed it."""
         if min_replicas < 1:
             raise InvalidArgumentError(f"min_replicas must be at least 1, got {min_replicas}")
         self.model = model
         self.optimizer = optimizer
+        self.replica_group = replica_group
+        self._hooked = False  # ddp(): DDP's hook averages; otherwise commit() does
         self.min_replicas = min_replicas
         self.step = 0
         self.committed = 0  # steps applied
@@ -148,20 +189,21 @@ class Replica:
             queue.Queue()
         )
         # Every gradient's place in one flat float32 vector, in parameter order.
+        self._params = [p for p in model.parameters() if p.requires_grad]
         self._places: dict[int, tuple[int, int]] = {}
         offset = 0
-        for param in model.parameters():
-            if param.requires_grad:
-                self._places[id(param)] = (offset, param.numel())
-                offset += param.numel()
+        for param in self._params:
+            size = _local(param).numel()
+            self._places[id(param)] = (offset, size)
+            offset += size
         self._flat = torch.zeros(offset, dtype=torch.float32)
         self._filled = 0
         self._waiting: list[tuple[torch.futures.Future[torch.Tensor], Any]] = []
-        self.client = self._connect(coordinator, timeout)
+        self.client = self._connect(coordinator, timeout, replica_group is not None)
         self._receiver = threading.Thread(target=self._receive, name="gradserver-ft", daemon=True)
         self._receiver.start()
         try:
-            if self.client.recovery_step is not None:
+            if self._line_up() is not None:
                 self._heal()
             self.client.offer_state(self._snapshot)
         except BaseException:
@@ -185,6 +227,7 @@ class Replica:
             return self._hook(bucket)
 
         wrapped.register_comm_hook(None, hook)
+        self._hooked = True
         return wrapped
 
     def steps(self, total: int) -> Iterator[int]:
@@ -200,11 +243,14 @@ class Replica:
         discards it (False). Either way the next step follows."""
         step = self.step
         error = self._error
+        if error is None and not self._hooked:
+            error = self._average()
         if error is None:
             try:
                 self.client.barrier(step, "commit")
             except StepFailed as exc:
                 error = exc
+        error = self._agree(step, error)
         if error is not None and not isinstance(error, StepFailed):
             raise error  # the coordinator is gone, or this rank was refused: nothing to go on with
         if error is None and self.contributors is not None and self.contributors < self.min_replicas:
@@ -237,6 +283,72 @@ class Replica:
         self.close()
 
     # --- averaging --------------------------------------------------------------------------------
+
+    def _average(self) -> GradServerError | None:
+        """Averages every gradient (this rank's shards of them) across the replicas taking part,
+        in place, as one REDUCE of the step; None, or why it failed. A parameter without a
+        gradient contributes zeros and gets the average, as every replica must."""
+        flat = self._flat
+        with torch.no_grad():
+            for param in self._params:
+                start, size = self._places[id(param)]
+                if param.grad is None:
+                    flat[start : start + size].zero_()
+                else:
+                    flat[start : start + size].copy_(_local(param.grad).reshape(-1))
+        array = flat.numpy()
+        try:
+            self.client.send(
+                TensorKey.collective(self.step, _GRADIENTS_GROUP, ReduceOp.AVG), array, into=array
+            )
+            self.contributors = self.client.receive(KeyKind.COLLECTIVE).num_contributors
+        except GradServerError as exc:
+            return exc
+        with torch.no_grad():
+            for param in self._params:
+                start, size = self._places[id(param)]
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                _local(param.grad).copy_(flat[start : start + size].view_as(_local(param.grad)))
+        return None
+
+    def _agree(self, step: int, error: GradServerError | None) -> GradServerError | None:
+        """With a replica group: the group applies the step only if every shard committed it, and
+        goes on only if none lost its coordinator (all ranks of the group decide alike)."""
+        if self.replica_group is None:
+            return error
+        mine = 0 if error is None else 1 if isinstance(error, StepFailed) else 2
+        worst = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.replica_group)
+        if int(worst) == mine:
+            return error
+        if int(worst) == 1:
+            return StepFailed(f"step {step} failed on another shard of this replica group", step=step)
+        return FailedPreconditionError(
+            f"step {step}: another shard of this replica group lost its coordinator", step=step
+        )
+
+    def _line_up(self) -> int | None:
+        """The step this rank takes part from when it joined a running job (None: it began the
+        job). The ranks of a replica group join their shards' jobs at once, each at the next step
+        its job had not begun: they all start at the latest of those (`WorkerClient.start_at`)."""
+        planned = self.client.recovery_step
+        if self.replica_group is None:
+            return planned
+        values = torch.tensor([-1 if planned is None else planned, 0 if planned is None else 1])
+        latest, newcomers = values.clone()[:1], values.clone()[1:]
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self.replica_group)
+        dist.all_reduce(newcomers, op=dist.ReduceOp.SUM, group=self.replica_group)
+        size = dist.get_world_size(self.replica_group)
+        if 0 < int(newcomers) < size:
+            raise FailedPreconditionError(
+                f"{int(newcomers)} of the {size} ranks of this replica group joined a running job and the "
+                "others began it: a replica group is restarted whole"
+            )
+        if planned is None:
+            return None
+        self.client.start_at(int(latest))
+        return int(latest)
 
     def _hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """One DDP bucket: its gradients go to their places in one flat vector of the whole
@@ -301,17 +413,20 @@ class Replica:
                 f"the state taken from rank {got.donor} at step {got.step} loaded as digest "
                 f"{loaded:#018x}, not its {got.digest:#018x}"
             )
+        who = "replica group" if self.replica_group is not None else "rank"
         log.warning(
-            "rank %d joined the running job at step %d: took the state from rank %d (%d bytes, %.2f s)",
+            "%s %d joined the running job at step %d: took the state from %s %d (%d bytes, %.2f s)",
+            who,
             self.client.worker_id,
             got.step,
+            who,
             got.donor,
             got.nbytes,
             got.seconds,
         )
 
     @staticmethod
-    def _connect(coordinator: str | None, timeout: float | Timeouts | None) -> WorkerClient:
+    def _connect(coordinator: str | None, timeout: float | Timeouts | None, grouped: bool) -> WorkerClient:
         settings = rank_settings()
         address = coordinator or settings.coordinator
         if not address:
@@ -330,6 +445,8 @@ class Replica:
             tls=tls,
             auth_token=settings.auth_token or None,
             server_name=settings.tls_server_name,
-            rank=launcher_rank(),
+            # In a replica group, RANK is the rank within the group; the job's worker id is the
+            # replica group's (GRADSERVER_REPLICA_GROUP, which `gradserver run` sets).
+            rank=replica_group_index() if grouped else launcher_rank(),
             transport="grpc",
         )

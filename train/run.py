@@ -40,7 +40,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -58,7 +60,6 @@ from gradserver.worker.local_coordinator import (
     LostWorker,
     coordinator_command,
     coordinator_failure,
-    coordinator_pid,
     loss_of,
     lost_workers,
     remove_leftovers,
@@ -70,6 +71,7 @@ from .cli import WorkerConfig, available_cores
 from .launch import RESTART_LOST_HELP, RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
 
 _START_TIMEOUT_S = 60.0
+_PID_IN_NODE = re.compile(r"/pid(\d+)$")  # gradserver.torch.ft's node name: HOST/pidPID
 _POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 # After the first failure the other ranks get this long to end on their own (a lost rank or
@@ -101,10 +103,30 @@ class RunConfig:
         default=0.0, metadata={"help": RUN_TIMEOUT_HELP, "deprecated_flag": "--timeout"}
     )
     restart_lost: int = dataclasses.field(default=0, metadata={"help": RESTART_LOST_HELP})
+    replica_group_size: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "ranks per replica group, for HSDP with gradserver.torch.ft (0: none): ranks "
+            "r*G..r*G+G-1 form replica group r with a torch.distributed environment of their own "
+            "(RANK 0..G-1), one coordinator per shard index joins the groups' ranks of that "
+            "index, and a lost rank's whole group is restarted (one of --restart-lost)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise InvalidArgumentError(f"--workers must be at least 1, got {self.workers}")
+        if self.replica_group_size < 0 or (
+            self.replica_group_size and self.workers % self.replica_group_size
+        ):
+            raise InvalidArgumentError(
+                f"--replica-group-size {self.replica_group_size} must be 0 or divide --workers "
+                f"{self.workers} into whole replica groups"
+            )
+        if self.replica_group_size and self.port:
+            raise InvalidArgumentError(
+                "--port picks one coordinator's port: with --replica-group-size, leave it 0"
+            )
         if self.restart_lost < 0:
             raise InvalidArgumentError(f"--restart-lost must not be negative, got {self.restart_lost}")
         if not 0 <= self.port <= 65535:
@@ -146,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
             code, message = _supervise(config, command, token, Path(tmp), children, received)
         finally:
             stop(children)
-            remove_leftovers(Path(tmp) / "events", coordinator_pid(children))
+            for child in children:
+                if child.name.startswith("coordinator"):
+                    remove_leftovers(Path(tmp) / "events", child.proc.pid)
     for child in children:
         child.finish_output()
     # Last, after the other processes' final lines: the one line that says how the run ended.
@@ -193,21 +217,53 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_env(rank: int, world: int, master_port: int, coordinator: str, token: str) -> dict[str, str | None]:
-    env: dict[str, str | None] = {name: None for name in _RANK_ENV_REMOVED}
-    env |= {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world),
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        "GRADSERVER_COORDINATOR": coordinator,
-    }
-    if token:
-        env["GRADSERVER_AUTH_TOKEN"] = token
-    return env
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where rank r runs: its torch.distributed environment and its coordinator. Without replica
+    groups every rank is in one world and joins the one coordinator; with groups of G ranks, rank
+    r is rank r % G of replica group r // G (a world of its own) and joins shard r % G's
+    coordinator as that group's member."""
+
+    workers: int
+    group_size: int  # 0: no replica groups
+
+    @property
+    def coordinators(self) -> int:
+        return self.group_size or 1
+
+    @property
+    def members(self) -> int:
+        """Workers per coordinator."""
+        return self.workers // self.group_size if self.group_size else self.workers
+
+    def group_of(self, rank: int) -> list[int]:
+        """The ranks restarted with `rank`: its replica group, or itself alone."""
+        if not self.group_size:
+            return [rank]
+        first = rank - rank % self.group_size
+        return list(range(first, first + self.group_size))
+
+    def env(
+        self, rank: int, master_port: int, coordinators: list[str], token: str, threads: int
+    ) -> dict[str, str | None]:
+        env: dict[str, str | None] = {name: None for name in _RANK_ENV_REMOVED}
+        shard = rank % self.group_size if self.group_size else 0
+        world_rank, world = (shard, self.group_size) if self.group_size else (rank, self.workers)
+        env |= {
+            "RANK": str(world_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(self.workers),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port),
+            "GRADSERVER_COORDINATOR": coordinators[shard],
+        }
+        if self.group_size:
+            env["GRADSERVER_REPLICA_GROUP"] = str(rank // self.group_size)
+        if token:
+            env["GRADSERVER_AUTH_TOKEN"] = token
+        return env
 
 
 def _print(prefix: str, line: str) -> None:
@@ -225,7 +281,9 @@ def _supervise(
     """Starts the coordinator and the ranks and watches them; returns (exit code, last line). The
     caller stops whatever still runs."""
     deadline = time.monotonic() + (config.run_timeout or float("inf"))
-    port_file = tmp / "port"
+    layout = _Layout(config.workers, config.replica_group_size)
+    # Every coordinator appends its verdicts to the one events file (a line is one write); a
+    # lost worker is told apart by its node name, which holds its process id.
     events = tmp / "events"
     options = ["--log-level", "WARNING", "--events-file", str(events)]
     options += ["--heartbeat-timeout", f"{config.heartbeat_timeout:g}"]
@@ -233,32 +291,45 @@ def _supervise(
         options += ["--on-worker-loss", "continue"]  # the others go on while a lost rank restarts
     # The token reaches the coordinator through its environment, never its argv (ps shows that).
     secret: dict[str, str | None] = {"GRADSERVER_AUTH_TOKEN": token} if token else {}
-    coordinator = start_child(
-        coordinator_command(config.workers, port_file, *options, port=config.port),
-        "coordinator",
-        _print,
-        None,
-        secret,
-    )
-    children.append(coordinator)
-    port = await_coordinator(coordinator, port_file, min(deadline, time.monotonic() + _START_TIMEOUT_S))
     exits: queue.Queue[Child] = queue.Queue()
-    coordinator.watch(exits)
+    coordinators: list[Child] = []
+    addresses: list[str] = []
+    for shard in range(layout.coordinators):
+        port_file = tmp / f"port{shard}"
+        name = "coordinator" if layout.coordinators == 1 else f"coordinator {shard}"
+        argv = coordinator_command(layout.members, port_file, *options, port=config.port)
+        coordinator = start_child(argv, name, _print, None, secret)
+        children.append(coordinator)
+        coordinators.append(coordinator)
+        port = await_coordinator(coordinator, port_file, min(deadline, time.monotonic() + _START_TIMEOUT_S))
+        addresses.append(f"127.0.0.1:{port}")
+        coordinator.watch(exits)
     threads = max(1, available_cores() // config.workers)
-    master_port = _free_port()
-    ranks = []
+    master_ports: dict[int, int] = {}  # the first rank of each world -> its torch Store's port
+    names: dict[int, str] = {}  # pid -> rank name, of every rank started
 
     def start(rank: int) -> Child:
-        env = _rank_env(rank, config.workers, master_port, f"127.0.0.1:{port}", token)
+        first = layout.group_of(rank)[0] if layout.group_size else 0
+        if first not in master_ports or (layout.group_size and first == rank):
+            master_ports[first] = _free_port()  # a restarted replica group gets a Store of its own
+        env = layout.env(rank, master_ports[first], addresses, token, threads)
         child = start_child(command, f"rank {rank}", _print, threads, env)
         children.append(child)
+        names[child.proc.pid] = child.name
         child.watch(exits)
         return child
 
-    for rank in range(config.workers):
-        ranks.append(start(rank))
-    restarts = _Restarts(config.restart_lost, start, events)
-    return _watch(coordinator, ranks, exits, deadline, received, events, restarts)
+    def rank_name(lost: LostWorker) -> str:
+        """Under the torch backend a rank joins as worker id = its rank; under replica groups
+        the node name says which process it was."""
+        found = _PID_IN_NODE.search(lost.node)
+        if layout.group_size and found and int(found[1]) in names:
+            return names[int(found[1])]
+        return f"rank {lost.worker}"
+
+    ranks = [start(rank) for rank in range(config.workers)]
+    restarts = _Restarts(config.restart_lost, start, events, layout, rank_name)
+    return _watch(coordinators, ranks, exits, deadline, received, restarts)
 
 
 @dataclasses.dataclass
@@ -269,32 +340,66 @@ class _Restarts:
     left: int
     start: Callable[[int], Child]
     events: Path
+    layout: _Layout
+    name: Callable[[LostWorker], str]
     answered: set[int] = dataclasses.field(default_factory=set)
+    stopped: set[Child] = dataclasses.field(default_factory=set)  # stopped here: their exits are not failures
 
-    def restart(self, child: Child, ranks: list[Child]) -> Child | None:
-        """Starts the rank of `child` (which failed) again, if restarts are left."""
+    def stop_lost(self, ranks: list[Child]) -> None:
+        """A rank a coordinator declared lost that still runs (stopped, hung, cut off) is
+        stopped, so that it is restarted like one that died, while restarts are left."""
         if self.left <= 0:
-            return None
+            return
+        for lost in lost_workers(self.events, answered=self.answered):
+            name = self.name(lost)
+            child = next((c for c in ranks if c.name == name and c.proc.poll() is None), None)
+            if child is not None and child not in self.stopped:
+                _print("run:", f"{name} was lost ({lost.reason}); stopping it")
+                child.proc.kill()
+
+    def _is(self, name: str, lost: LostWorker) -> bool:
+        return self.name(lost) == name
+
+    def restart(self, child: Child, ranks: list[Child]) -> list[Child]:
+        """Starts the rank of `child` (which failed) again, with the rest of its replica group
+        (stopped first), if restarts are left; the ranks started."""
+        if self.left <= 0:
+            return []
         self.left -= 1
-        position = loss_of(self.events, lambda w: _rank_name(w) == child.name, self.answered, 1.0)
-        if position is not None:
-            self.answered.add(position)
         index = ranks.index(child)
-        _print("run:", f"{child.failure()}; starting it again ({self.left} restart(s) left)")
-        again = self.start(index)
-        ranks[index] = again
-        return again
+        group = self.layout.group_of(index)
+        # Every other rank of the group goes, also one that already ended on its own (its
+        # group's collective failed): none of their exits is a failure of its own.
+        siblings = [ranks[i] for i in group if i != index]
+        for sibling in siblings:
+            self.stopped.add(sibling)
+            if sibling.proc.poll() is None:
+                sibling.proc.kill()
+        for sibling in siblings:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                sibling.proc.wait(STOP_GRACE_S)
+        for gone in [child, *siblings]:
+            position = loss_of(self.events, functools.partial(self._is, gone.name), self.answered, 1.0)
+            if position is not None:
+                self.answered.add(position)
+        again = f" with its replica group (ranks {group[0]}-{group[-1]})" if len(group) > 1 else ""
+        _print("run:", f"{child.failure()}; starting it again{again} ({self.left} restart(s) left)")
+        started = []
+        for i in group:
+            ranks[i] = self.start(i)
+            started.append(ranks[i])
+        return started
 
 
 def _watch(
-    coordinator: Child,
+    coordinators: list[Child],
     ranks: list[Child],
     exits: queue.Queue[Child],
     deadline: float,
     received: list[int],
-    events: Path,
     restarts: _Restarts,
 ) -> tuple[int, str]:
+    events = restarts.events
     running = set(ranks)
     while running:
         if received:
@@ -304,36 +409,35 @@ def _watch(
         try:
             child = exits.get(timeout=min(_POLL_S, max(0.0, deadline - time.monotonic())))
         except queue.Empty:
+            restarts.stop_lost(ranks)
             continue
         if received:  # this exit is the forwarded signal's doing, not the rank's failure
             return _after_signal(ranks, received[0])
         code = child.proc.returncode
-        if child is coordinator:
+        if child in coordinators:
             child.finish_output()
             _let_survivors_end(running)
             if code:
                 return 1, f"the {coordinator_failure(child, events)}"
-            return 1, "the coordinator ended before the ranks"
+            return 1, f"the {child.name} ended before the ranks"
+        if child in restarts.stopped:  # stopped with its replica group, which starts again
+            running.discard(child)
+            continue
         running.discard(child)
         if code != 0:
             child.finish_output()
             again = restarts.restart(child, ranks)
-            if again is not None:
-                running.add(again)
+            if again:
+                running.difference_update(restarts.stopped)
+                running.update(again)
                 continue
-            culprit, line = verdict(
-                child, events, _rank_name, ranks, unit="operation", answered=restarts.answered
-            )
-            lost = {_rank_name(w) for w in lost_workers(events, answered=restarts.answered)}
+            name = restarts.name
+            culprit, line = verdict(child, events, name, ranks, unit="operation", answered=restarts.answered)
+            lost = {name(w) for w in lost_workers(events, answered=restarts.answered)}
             _let_survivors_end({c for c in running if c.name not in lost})
             code = culprit.proc.returncode
             return (code if code > 0 else 128 - code), line
-    return _end_coordinator(coordinator, len(ranks))
-
-
-def _rank_name(lost: LostWorker) -> str:
-    """Under the torch backend a rank joins as worker id = its rank."""
-    return f"rank {lost.worker}"
+    return _end_coordinators(coordinators, len(ranks))
 
 
 def _let_survivors_end(running: set[Child]) -> None:
@@ -354,15 +458,17 @@ def _after_signal(ranks: list[Child], signum: int) -> tuple[int, str]:
     return 128 + signum, f"stopped by {signal.Signals(signum).name}"
 
 
-def _end_coordinator(coordinator: Child, ranks: int) -> tuple[int, str]:
-    """Every rank exited 0: the coordinator has no end of its own here (no step count), so it is
+def _end_coordinators(coordinators: list[Child], ranks: int) -> tuple[int, str]:
+    """Every rank exited 0: a coordinator has no end of its own here (no step count), so each is
     asked to stop, and must."""
-    coordinator.proc.terminate()
-    try:
-        code = coordinator.proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:  # the caller kills it
-        return 1, f"the coordinator did not stop within {STOP_GRACE_S:g} s of SIGTERM"
-    if code not in (0, -signal.SIGTERM):
-        coordinator.finish_output()
-        return 1, f"every rank finished, but the {coordinator.failure()}"
+    for coordinator in coordinators:
+        coordinator.proc.terminate()
+    for coordinator in coordinators:
+        try:
+            code = coordinator.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:  # the caller kills it
+            return 1, f"the {coordinator.name} did not stop within {STOP_GRACE_S:g} s of SIGTERM"
+        if code not in (0, -signal.SIGTERM):
+            coordinator.finish_output()
+            return 1, f"every rank finished, but the {coordinator.failure()}"
     return 0, f"all {ranks} ranks finished"

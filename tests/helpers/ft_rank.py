@@ -1,13 +1,19 @@
-"""examples/ft_ddp.py with a fault: the rank kills itself at one point of one step, keyed by rank
-and step (fault injection for tests/test_torch_ft.py).
+"""examples/ft_ddp.py (or examples/ft_hsdp.py) with a fault: a rank kills itself at one point of
+one step, or when it serves its state to a replacement, keyed by rank and step (fault injection
+for tests/test_torch_ft.py).
 
     python -m tests.helpers.ft_rank --die RANK:STEP:PHASE --steps 600
+    python -m tests.helpers.ft_rank --example ft_hsdp.py --die RANK:STEP:backward --steps 600
+    python -m tests.helpers.ft_rank --die-serving RANK --steps 600
 
-PHASE is where in step STEP rank RANK gets SIGKILL: `forward` (as the model runs), `averaging`
-(its gradients sent, their average not back: mid-collective), `commit` (before the commit
-barrier) or `optimizer` (the step committed for every rank, not yet applied here). Only the first
-incarnation dies: a restarted rank (it healed) runs to the end. The example itself runs, its
-`ft.Replica` replaced by one that carries the fault; the other flags go to the example.
+RANK is the rank `gradserver run` started (LOCAL_RANK: the global rank, also under replica
+groups). PHASE is where in step STEP it gets SIGKILL: `forward` (as the model runs), `backward`
+(as the first gradient is computed), `averaging` (its gradients sent, their average not back:
+mid-collective), `commit` (before the commit barrier) or `optimizer` (the step committed for
+every rank, not yet applied here). `--die-serving` kills the rank as it begins to give its state
+to a replacement (a donor lost mid-heal). Only the first incarnation dies: a restarted rank (it
+healed) runs to the end. The example itself runs, its `ft.Replica` replaced by one that carries
+the fault; the other flags go to the example.
 """
 
 from __future__ import annotations
@@ -22,17 +28,21 @@ from typing import Any
 import torch
 
 from gradserver.torch import ft
+from gradserver.worker import StateSnapshot
 
 from .processes import ROOT
 
-PHASES = ("forward", "averaging", "commit", "optimizer")
+PHASES = ("forward", "backward", "averaging", "commit", "optimizer")
 
 
-def _dying_replica(die_rank: int, die_step: int, phase: str) -> type[ft.Replica]:
+def _dying_replica(die_rank: int, die_step: int, phase: str, serving: bool) -> type[ft.Replica]:
+    rank = int(os.environ.get("LOCAL_RANK", "-1"))
+
     class DyingReplica(ft.Replica):
         def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options: Any) -> None:
             super().__init__(model, optimizer, **options)
-            if self.healed is not None or self.client.worker_id != die_rank:
+            self._dies = self.healed is None and rank == die_rank
+            if not self._dies or serving:
                 return
             send, barrier, apply = self.client.send, self.client.barrier, optimizer.step
 
@@ -52,24 +62,40 @@ def _dying_replica(die_rank: int, die_step: int, phase: str) -> type[ft.Replica]
             self.client.barrier = commit_barrier  # type: ignore[method-assign]
             optimizer.step = applied  # type: ignore[method-assign]
             model.register_forward_pre_hook(lambda *_: self._at("forward"))
+            # As the gradient of a layer's output arrives: in backward, before any averaging of
+            # the step (with FSDP2, before its reduce-scatter too).
+            for module in model.modules():
+                if not list(module.children()):
+                    module.register_full_backward_pre_hook(lambda *_: self._at("backward"))
 
         def _at(self, point: str) -> None:
             if self.step == die_step and point == phase:
                 print(f"rank {die_rank}: dying in step {self.step} at {point}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
+        def _snapshot(self) -> StateSnapshot:
+            if serving and getattr(self, "_dies", False):
+                print(f"rank {die_rank}: dying as it serves its state of step {self.step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super()._snapshot()
+
     return DyingReplica
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--die", required=True, help="RANK:STEP:PHASE")
+    parser.add_argument("--example", default="ft_ddp.py", choices=("ft_ddp.py", "ft_hsdp.py"))
+    parser.add_argument("--die", default="", help="RANK:STEP:PHASE")
+    parser.add_argument("--die-serving", type=int, default=-1, help="RANK")
     args, rest = parser.parse_known_args()
-    rank, step, phase = [*args.die.split(":"), "", "", ""][:3]
-    if phase not in PHASES:
-        parser.error(f"PHASE is one of {', '.join(PHASES)}")
-    ft.Replica = _dying_replica(int(rank), int(step), phase)  # type: ignore[misc]
-    script = ROOT / "examples" / "ft_ddp.py"
+    if args.die_serving >= 0:
+        ft.Replica = _dying_replica(args.die_serving, -1, "", serving=True)  # type: ignore[misc]
+    else:
+        rank, step, phase = [*args.die.split(":"), "", "", ""][:3]
+        if phase not in PHASES:
+            parser.error(f"--die RANK:STEP:PHASE, PHASE one of {', '.join(PHASES)}")
+        ft.Replica = _dying_replica(int(rank), int(step), phase, serving=False)  # type: ignore[misc]
+    script = ROOT / "examples" / args.example
     sys.argv = [str(script), *rest]
     runpy.run_path(str(script), run_name="__main__")
 
