@@ -339,3 +339,42 @@ def test_hsdp_a_replica_group_half_new_is_refused(coordinator, monkeypatch) -> N
         again.close()
     finally:
         staying.close()
+
+
+def test_hsdp_a_step_another_shard_failed_is_discarded_and_a_lost_one_ends_the_rank(
+    coordinator, monkeypatch
+) -> None:
+    """The group's agreement (row FT9): this shard committed its step, the patched collective
+    plays the other shard's answer. "Failed" there: this rank discards the step too. "Lost its
+    coordinator" there: this rank stops with an error saying so."""
+    server = coordinator(world_size=1, on_worker_loss="continue")
+    answers: list[int] = []
+
+    def other_shard(tensor: torch.Tensor, op: object = None, group: object = None) -> None:
+        if answers and tensor.dtype == torch.int64 and tensor.numel() == 1:
+            tensor.fill_(max(int(tensor), answers.pop(0)))
+
+    monkeypatch.setattr(ft.dist, "all_reduce", other_shard)
+    monkeypatch.setattr(ft.dist, "get_world_size", lambda group=None: 2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    group = object()
+    with ft.Replica(model, optimizer, coordinator=server.address, timeout=20.0, replica_group=group) as job:  # type: ignore[arg-type]
+        before = [p.detach().clone() for p in model.parameters()]
+        for answer in (0, 1):
+            answers.append(answer)
+            optimizer.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            assert job.commit() is (answer == 0)
+        assert job.committed == 1 and job.step == 2
+        changed = [p.detach().clone() for p in model.parameters()]
+        assert not all(torch.equal(a, b) for a, b in zip(before, changed, strict=True))
+        answers.append(2)
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        with pytest.raises(
+            FailedPreconditionError, match="step 2: another shard of this replica group lost its coordinator"
+        ):
+            job.commit()
+        assert all(torch.equal(a, p) for a, p in zip(changed, model.parameters(), strict=True))
