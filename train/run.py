@@ -71,7 +71,8 @@ from .cli import WorkerConfig, available_cores
 from .launch import RESTART_LOST_HELP, RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
 
 _START_TIMEOUT_S = 60.0
-_PID_IN_NODE = re.compile(r"/pid(\d+)$")  # gradserver.torch.ft's node name: HOST/pidPID
+# A rank's node name holds its process id: HOST/pidPID (gradserver.torch.ft), HOST/pidPID/rankN.
+_PID_IN_NODE = re.compile(r"/pid(\d+)(?:/|$)")
 _POLL_S = 0.5  # how often the supervision loop looks at a forwarded signal
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 # After the first failure the other ranks get this long to end on their own (a lost rank or
@@ -352,8 +353,15 @@ class _Restarts:
             return
         for lost in lost_workers(self.events, answered=self.answered):
             name = self.name(lost)
-            child = next((c for c in ranks if c.name == name and c.proc.poll() is None), None)
-            if child is not None and child not in self.stopped:
+            # The very process that was lost (its node name holds its pid), never a restarted
+            # one that took its name; by name only when the node does not say.
+            found = _PID_IN_NODE.search(lost.node)
+            alive = [c for c in ranks if c.proc.poll() is None and c not in self.stopped]
+            if found:
+                child = next((c for c in alive if c.proc.pid == int(found[1])), None)
+            else:
+                child = next((c for c in alive if c.name == name), None)
+            if child is not None:
                 _print("run:", f"{name} was lost ({lost.reason}); stopping it")
                 child.proc.kill()
 
