@@ -335,8 +335,8 @@ class Replica:
         planned = self.client.recovery_step
         if self.replica_group is None:
             return planned
-        values = torch.tensor([-1 if planned is None else planned, 0 if planned is None else 1])
-        latest, newcomers = values.clone()[:1], values.clone()[1:]
+        latest = torch.tensor([-1 if planned is None else planned])
+        newcomers = torch.tensor([0 if planned is None else 1])
         dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self.replica_group)
         dist.all_reduce(newcomers, op=dist.ReduceOp.SUM, group=self.replica_group)
         size = dist.get_world_size(self.replica_group)

@@ -505,9 +505,7 @@ class WorkerClient:
         sends anything: what waits for it in earlier steps completes without it, and `recover`
         then takes the state at `step`. The members of a replica group that join one job per
         shard at once (HSDP) agree on the latest of their recovery steps and all start there."""
-        stepped, self._stepped = self._stepped, False
-        self._check_step(step)
-        self._stepped = stepped
+        self._check_step(step, takes_part=False)
         planned = self._accepted.recovery_step
         if planned is None:
             raise FailedPreconditionError(
@@ -657,12 +655,14 @@ class WorkerClient:
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _check_step(self, step: int) -> None:
+    def _check_step(self, step: int, *, takes_part: bool = True) -> None:
+        """Refuses a closed client and a bad step; `takes_part`: the call sends or asks for
+        something of the step (after which `start_at` is too late)."""
         if self._closed:
             raise UnavailableError("this WorkerClient is closed")
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative integer, got {step!r}")
-        self._stepped = True
+        self._stepped = self._stepped or takes_part
 
     def _send_tensor(
         self,
