@@ -262,14 +262,26 @@ def test_a_donor_waits_for_its_step_and_a_transfer_holds_its_update_back(coordin
             c.close()
 
 
-def test_the_newcomer_lost_mid_transfer_leaves_the_job_going(coordinator) -> None:
+def _replicas_then_a_newcomer(coordinator) -> tuple[list[WorkerClient], list[Replica], WorkerClient]:
+    """Three replicas run steps 0-2; worker 2 leaves, and a newcomer joins in its place (the
+    caller closes every client)."""
     server = coordinator(world_size=3, on_worker_loss="continue")
     clients = connect_all(server.address, 3)
-    replicas = [Replica(c) for c in clients]
     try:
+        replicas = [Replica(c) for c in clients]
         _in_threads(*[lambda r=r: r.run_until(2) for r in replicas])
         clients[2].close()
         newcomer = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+    except BaseException:
+        for c in clients:
+            c.close()
+        raise
+    return clients, replicas, newcomer
+
+
+def test_the_newcomer_lost_mid_transfer_leaves_the_job_going(coordinator) -> None:
+    clients, replicas, newcomer = _replicas_then_a_newcomer(coordinator)
+    try:
 
         def leave(done: int, total: int) -> None:
             newcomer.close()  # dies with part of the state
@@ -531,13 +543,8 @@ def test_the_trainers_state_moves_to_another_trainer_bit_for_bit() -> None:
 
 
 def test_a_replacement_that_starts_later_is_not_waited_for_and_takes_that_steps_state(coordinator) -> None:
-    server = coordinator(world_size=3, on_worker_loss="continue")
-    clients = connect_all(server.address, 3)
-    replicas = [Replica(c) for c in clients]
+    clients, replicas, newcomer = _replicas_then_a_newcomer(coordinator)
     try:
-        _in_threads(*[lambda r=r: r.run_until(2) for r in replicas])
-        clients[2].close()
-        newcomer = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
         planned = newcomer.recovery_step
         assert planned is not None
         last = planned + 4
@@ -563,7 +570,7 @@ def test_a_replacement_that_starts_later_is_not_waited_for_and_takes_that_steps_
             assert c.replacements() == [(2, planned + 2)]
         newcomer.close()
     finally:
-        for c in clients:
+        for c in [*clients, newcomer]:
             c.close()
 
 

@@ -16,10 +16,12 @@ import threading
 import pytest
 import torch
 
-from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
+from gradserver.common.errors import AbortedError, FailedPreconditionError, InvalidArgumentError
 from gradserver.torch import ft
+from gradserver.worker import Timeouts, WorkerClient
 
 from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
+from .helpers.server import TEST_TIMEOUTS, connect_all
 
 STEPS = 2500
 STARTED = re.compile(r"started (rank \d+) \(pid (\d+)\)")
@@ -193,29 +195,31 @@ def test_bad_settings_are_refused_naming_them(coordinator, monkeypatch) -> None:
         job.ddp(process_group=None)
 
 
-def test_a_heal_that_fails_leaves_no_member_and_no_thread(coordinator) -> None:
-    from gradserver.common.errors import AbortedError
-    from gradserver.worker import Timeouts, WorkerClient
-
-    from .helpers.server import TEST_TIMEOUTS, connect_all
-
+def _a_place_left(coordinator) -> tuple[str, WorkerClient]:
+    """A running job of two workers (step 0's barrier passed) whose worker 1 left: a rank that
+    joins takes its place. The address, and the member that stays (the caller closes it)."""
     server = coordinator(world_size=2, on_worker_loss="continue")
-    silent, leaving = connect_all(server.address, 2)
+    staying, leaving = connect_all(server.address, 2)
+    done = [threading.Thread(target=c.barrier, args=(0,)) for c in (staying, leaving)]
+    for t in done:
+        t.start()
+    for t in done:
+        t.join(20)
+    leaving.close()
+    return server.address, staying
+
+
+def test_a_heal_that_fails_leaves_no_member_and_no_thread(coordinator) -> None:
+    address, silent = _a_place_left(coordinator)
     try:
-        done = [threading.Thread(target=c.barrier, args=(0,)) for c in (silent, leaving)]
-        for t in done:
-            t.start()
-        for t in done:
-            t.join(20)
-        leaving.close()
         model = torch.nn.Linear(4, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         quick = Timeouts(connect=10.0, join=20.0, receive=1.0, send=10.0, close=5.0)
         with pytest.raises(AbortedError, match="worker 0 sent no state within 1 s"):
-            ft.Replica(model, optimizer, coordinator=server.address, timeout=quick)
+            ft.Replica(model, optimizer, coordinator=address, timeout=quick)
         assert not [t for t in threading.enumerate() if t.name == "gradserver-ft" and t.is_alive()]
         # Its place is free again: another worker can take it.
-        again = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+        again = WorkerClient.connect(address, timeout=TEST_TIMEOUTS)
         assert again.worker_id == 1
         again.close()
     finally:
@@ -312,19 +316,8 @@ def test_hsdp_a_replica_group_half_new_is_refused(coordinator, monkeypatch) -> N
     """A rank that joined a running job while the other rank of its replica group began it (not
     a group restarted whole) is refused, naming it; it leaves nothing behind. The group's other
     rank is played by the patched collectives: it contributes "not new" to the count."""
-    from gradserver.worker import WorkerClient
-
-    from .helpers.server import TEST_TIMEOUTS, connect_all
-
-    server = coordinator(world_size=2, on_worker_loss="continue")
-    staying, leaving = connect_all(server.address, 2)
+    address, staying = _a_place_left(coordinator)
     try:
-        done = [threading.Thread(target=c.barrier, args=(0,)) for c in (staying, leaving)]
-        for t in done:
-            t.start()
-        for t in done:
-            t.join(20)
-        leaving.close()
         monkeypatch.setattr(ft.dist, "all_reduce", lambda tensor, op=None, group=None: None)
         monkeypatch.setattr(ft.dist, "get_world_size", lambda group=None: 2)
         model = torch.nn.Linear(4, 1)
@@ -333,8 +326,8 @@ def test_hsdp_a_replica_group_half_new_is_refused(coordinator, monkeypatch) -> N
         with pytest.raises(
             FailedPreconditionError, match="1 of the 2 ranks of this replica group joined a running"
         ):
-            ft.Replica(model, optimizer, coordinator=server.address, timeout=20.0, replica_group=group)  # type: ignore[arg-type]
-        again = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+            ft.Replica(model, optimizer, coordinator=address, timeout=20.0, replica_group=group)  # type: ignore[arg-type]
+        again = WorkerClient.connect(address, timeout=TEST_TIMEOUTS)
         assert again.worker_id == 1
         again.close()
     finally:
