@@ -323,14 +323,20 @@ def _supervise(
     def rank_name(lost: LostWorker) -> str:
         """Under the torch backend a rank joins as worker id = its rank; under replica groups
         the node name says which process it was."""
-        found = _PID_IN_NODE.search(lost.node)
-        if layout.group_size and found and int(found[1]) in names:
-            return names[int(found[1])]
+        pid = _lost_pid(lost)
+        if layout.group_size and pid in names:
+            return names[pid]
         return f"rank {lost.worker}"
 
     ranks = [start(rank) for rank in range(config.workers)]
     restarts = _Restarts(config.restart_lost, start, events, layout, rank_name)
     return _watch(coordinators, ranks, exits, deadline, received, restarts)
+
+
+def _lost_pid(lost: LostWorker) -> int | None:
+    """The process id a lost worker's node name holds, if it holds one."""
+    found = _PID_IN_NODE.search(lost.node)
+    return int(found[1]) if found else None
 
 
 @dataclasses.dataclass
@@ -355,10 +361,10 @@ class _Restarts:
             name = self.name(lost)
             # The very process that was lost (its node name holds its pid), never a restarted
             # one that took its name; by name only when the node does not say.
-            found = _PID_IN_NODE.search(lost.node)
+            pid = _lost_pid(lost)
             alive = [c for c in ranks if c.proc.poll() is None and c not in self.stopped]
-            if found:
-                child = next((c for c in alive if c.proc.pid == int(found[1])), None)
+            if pid is not None:
+                child = next((c for c in alive if c.proc.pid == pid), None)
             else:
                 child = next((c for c in alive if c.name == name), None)
             if child is not None:
