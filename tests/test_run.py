@@ -149,6 +149,18 @@ def test_sigterm_to_run_stops_every_rank_and_the_coordinator(processes: ProcessG
             ["--workers", "1", "--restart-lost", "-1", "--", "true"],
             "--restart-lost must not be negative, got -1",
         ),
+        (
+            ["--workers", "4", "--replica-group-size", "3", "--", "true"],
+            "--replica-group-size 3 must be 0 or divide --workers 4 into whole replica groups",
+        ),
+        (
+            ["--workers", "4", "--replica-group-size", "-1", "--", "true"],
+            "--replica-group-size -1 must be 0 or divide --workers 4",
+        ),
+        (
+            ["--workers", "4", "--replica-group-size", "2", "--port", "50123", "--", "true"],
+            "--port picks one coordinator's port: with --replica-group-size, leave it 0",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(processes: ProcessGroup, args: list[str], message: str) -> None:

@@ -327,6 +327,7 @@ def test_hsdp_a_replica_group_half_new_is_refused(coordinator, monkeypatch) -> N
             FailedPreconditionError, match="1 of the 2 ranks of this replica group joined a running"
         ):
             ft.Replica(model, optimizer, coordinator=address, timeout=20.0, replica_group=group)  # type: ignore[arg-type]
+        assert not [t for t in threading.enumerate() if t.name == "gradserver-ft" and t.is_alive()]
         again = WorkerClient.connect(address, timeout=TEST_TIMEOUTS)
         assert again.worker_id == 1
         again.close()
