@@ -8,7 +8,8 @@ on synthetic images generated here. Only the backend string differs between
 ("gradserver" is registered by the installed package when torch is imported; with
 TORCH_DEVICE_BACKEND_AUTOLOAD=0, `import gradserver.torch` first). It prints the loss every
 `--log-every` steps and, on rank 0, the training throughput (median samples/s over the steps after
-the first few).
+the first few); every rank ends with its RESULT line (examples/_result.py), whose parameter digest
+is the same on every rank of a correct run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _result import end_process_group
+from _result import end_process_group, print_result
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -75,6 +76,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     generator = torch.Generator().manual_seed(1000 + rank)
     step_times = []
+    losses = []
     for step in range(args.steps):
         started = time.perf_counter()
         images, labels = synthetic_batch(generator, args.batch_size, 10)
@@ -83,13 +85,15 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         step_times.append(time.perf_counter() - started)
+        losses.append(loss.item())
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+            print(f"step {step} loss {losses[-1]:.4f}", flush=True)
     dist.barrier()
     if rank == 0:
         measured = step_times[WARMUP_STEPS:] or step_times
         samples_per_s = args.batch_size * world / statistics.median(measured)
         print(f"backend {args.backend} world {world}: {samples_per_s:.1f} samples/s (median)", flush=True)
+    print_result(rank, args.backend, losses, model.module.named_parameters())
     end_process_group()
 
 

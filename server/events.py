@@ -7,10 +7,13 @@ instead of parsing the coordinator's log. One object per line, appended and flus
     {"event": "serving", "port": 40123, "shm_socket": "/tmp/gradserver-shm-4711-k2v9x1y2/sock"}
     {"event": "worker_lost", "worker": 1, "node": "host/pid12/rank1", "reason": "lost: no message ...",
      "step": 25}
+    {"event": "every_worker_left"}
     {"event": "job_ended", "state": "failed", "reason": "..."}
 
 `step` is the lowest step in flight when the worker was lost (the torch backend's operation
-number), null when none was.
+number), null when none was. `every_worker_left`: each worker left with a goodbye and none was
+lost, in a job with no --max-steps (which then waits for a new one): `gradserver run` as task 0 of
+a SLURM step keeps its coordinator until then for the other tasks' ranks.
 
 A worker_lost line is written before the other workers are told their step failed, so a
 supervisor that sees a survivor exit already finds the verdict. A failed write is logged once and

@@ -182,6 +182,8 @@ class Job:
             self.last_completed_step = None
             if not self._had_loss and self.final_step is None:
                 self.departures.clear()
+                # A supervisor whose own workers are done learns here that the others left too.
+                effects.append(WriteEvent("every_worker_left", ()))
                 return effects + self._set_state(
                     JobState.WAITING, "every worker left; the next Join starts a new job"
                 )

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import os
 import queue
 import re
 import signal
@@ -60,6 +61,7 @@ from gradserver.worker.local_coordinator import (
     LostWorker,
     coordinator_command,
     coordinator_failure,
+    every_worker_left,
     loss_of,
     lost_workers,
     remove_leftovers,
@@ -69,6 +71,7 @@ from gradserver.worker.supervisor import STOP_GRACE_S, Child, start_child, stop
 
 from .cli import WorkerConfig, available_cores
 from .launch import RESTART_LOST_HELP, RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
+from .slurm import SlurmStep, slurm_step
 
 _START_TIMEOUT_S = 60.0
 # A rank's node name holds its process id: HOST/pidPID (gradserver.torch.ft), HOST/pidPID/rankN.
@@ -79,6 +82,9 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 # coordinator fails their next collective within moments, and each prints its own error) before
 # they are stopped.
 SURVIVOR_GRACE_S = 5.0
+# Under SLURM, how long task 0's coordinator waits for the other tasks' ranks to leave once its own
+# finished (they passed the same last collective, so only their own ending is left).
+OTHER_TASKS_S = 60.0
 # Old names a worker still reads for one release, which now are the coordinator's alone: under
 # run they are the coordinator's, so a rank must not take them for its own.
 _COORDINATORS_NOW = tuple(name for name in deprecated_names_of(WorkerConfig) if not name.startswith("--"))
@@ -104,6 +110,13 @@ class RunConfig:
         default=0.0, metadata={"help": RUN_TIMEOUT_HELP, "deprecated_flag": "--timeout"}
     )
     restart_lost: int = dataclasses.field(default=0, metadata={"help": RESTART_LOST_HELP})
+    no_slurm: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "inside a SLURM job step (srun), run on this machine alone instead of as one "
+            "task of the step's job (see docs/slurm.md)"
+        },
+    )
     replica_group_size: int = dataclasses.field(
         default=0,
         metadata={
@@ -219,6 +232,25 @@ def _free_port() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where this run's ranks sit in the whole job: alone on one machine, or task `task` of a
+    SLURM step's `tasks` (each with the same --workers), `local_task` of `local_tasks` on the
+    step's node `node`, the first node (task 0's, with the coordinator and rank 0's torch Store)
+    being `first_host`."""
+
+    tasks: int = 1
+    task: int = 0
+    local_task: int = 0
+    local_tasks: int = 1
+    node: int = 0
+    first_host: str = "127.0.0.1"
+
+    @classmethod
+    def of(cls, step: SlurmStep) -> _Place:
+        return cls(step.tasks, step.task, step.local_task, step.local_tasks, step.node, step.first_host)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Layout:
     """Where rank r runs: its torch.distributed environment and its coordinator. Without replica
     groups every rank is in one world and joins the one coordinator; with groups of G ranks, rank
@@ -227,6 +259,16 @@ class _Layout:
 
     workers: int
     group_size: int  # 0: no replica groups
+    place: _Place = _Place()
+
+    @property
+    def world(self) -> int:
+        """Ranks in the whole job, this run's and other SLURM tasks'."""
+        return self.workers * self.place.tasks
+
+    def global_rank(self, rank: int) -> int:
+        """The job's rank of this run's rank `rank` (0..workers-1)."""
+        return self.place.task * self.workers + rank
 
     @property
     def coordinators(self) -> int:
@@ -235,7 +277,7 @@ class _Layout:
     @property
     def members(self) -> int:
         """Workers per coordinator."""
-        return self.workers // self.group_size if self.group_size else self.workers
+        return self.workers // self.group_size if self.group_size else self.world
 
     def group_of(self, rank: int) -> list[int]:
         """The ranks restarted with `rank`: its replica group, or itself alone."""
@@ -249,14 +291,17 @@ class _Layout:
     ) -> dict[str, str | None]:
         env: dict[str, str | None] = {name: None for name in _RANK_ENV_REMOVED}
         shard = rank % self.group_size if self.group_size else 0
-        world_rank, world = (shard, self.group_size) if self.group_size else (rank, self.workers)
+        place = self.place
+        world_rank, world = (
+            (shard, self.group_size) if self.group_size else (self.global_rank(rank), self.world)
+        )
         env |= {
             "RANK": str(world_rank),
             "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(self.workers),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
+            "LOCAL_RANK": str(place.local_task * self.workers + rank),
+            "LOCAL_WORLD_SIZE": str(place.local_tasks * self.workers),
+            "GROUP_RANK": str(place.node),
+            "MASTER_ADDR": place.first_host,
             "MASTER_PORT": str(master_port),
             "GRADSERVER_COORDINATOR": coordinators[shard],
         }
@@ -282,7 +327,8 @@ def _supervise(
     """Starts the coordinator and the ranks and watches them; returns (exit code, last line). The
     caller stops whatever still runs."""
     deadline = time.monotonic() + (config.run_timeout or float("inf"))
-    layout = _Layout(config.workers, config.replica_group_size)
+    step = _slurm_step(config)
+    layout = _Layout(config.workers, config.replica_group_size, _Place.of(step) if step else _Place())
     # Every coordinator appends its verdicts to the one events file (a line is one write); a
     # lost worker is told apart by its node name, which holds its process id.
     events = tmp / "events"
@@ -295,18 +341,24 @@ def _supervise(
     exits: queue.Queue[Child] = queue.Queue()
     coordinators: list[Child] = []
     addresses: list[str] = []
-    for shard in range(layout.coordinators):
+    master_ports: dict[int, int] = {}  # the first rank of each world -> its torch Store's port
+    bind, port = "127.0.0.1", config.port
+    if step is not None:
+        # Every task knows both ports from the job id alone; only task 0 serves them.
+        bind, (port, master_ports[0]) = "0.0.0.0", step.ports(config.port)
+        if step.task:
+            addresses.append(f"{step.first_host}:{port}")
+    for shard in range(layout.coordinators if not addresses else 0):
         port_file = tmp / f"port{shard}"
         name = "coordinator" if layout.coordinators == 1 else f"coordinator {shard}"
-        argv = coordinator_command(layout.members, port_file, *options, port=config.port)
+        argv = coordinator_command(layout.members, port_file, *options, port=port, host=bind)
         coordinator = start_child(argv, name, _print, None, secret)
         children.append(coordinator)
         coordinators.append(coordinator)
         port = await_coordinator(coordinator, port_file, min(deadline, time.monotonic() + _START_TIMEOUT_S))
-        addresses.append(f"127.0.0.1:{port}")
+        addresses.append(f"{layout.place.first_host}:{port}")
         coordinator.watch(exits)
     threads = max(1, available_cores() // config.workers)
-    master_ports: dict[int, int] = {}  # the first rank of each world -> its torch Store's port
     names: dict[int, str] = {}  # pid -> rank name, of every rank started
 
     def start(rank: int) -> Child:
@@ -314,7 +366,7 @@ def _supervise(
         if first not in master_ports or (layout.group_size and first == rank):
             master_ports[first] = _free_port()  # a restarted replica group gets a Store of its own
         env = layout.env(rank, master_ports[first], addresses, token, threads)
-        child = start_child(command, f"rank {rank}", _print, threads, env)
+        child = start_child(command, f"rank {layout.global_rank(rank)}", _print, threads, env)
         children.append(child)
         names[child.proc.pid] = child.name
         child.watch(exits)
@@ -331,6 +383,20 @@ def _supervise(
     ranks = [start(rank) for rank in range(config.workers)]
     restarts = _Restarts(config.restart_lost, start, events, layout, rank_name)
     return _watch(coordinators, ranks, exits, deadline, received, restarts)
+
+
+def _slurm_step(config: RunConfig) -> SlurmStep | None:
+    """The SLURM step task this run is, when it is one of several (a one-task step is a run on
+    one machine like any other)."""
+    step = None if config.no_slurm else slurm_step(os.environ)
+    if step is None or step.tasks == 1:
+        return None
+    if config.replica_group_size:
+        raise InvalidArgumentError(
+            f"--replica-group-size runs replica groups on one machine, and this SLURM step has "
+            f"{step.tasks} tasks: start one task, or give --no-slurm"
+        )
+    return step
 
 
 def _lost_pid(lost: LostWorker) -> int | None:
@@ -451,7 +517,35 @@ def _watch(
             _let_survivors_end({c for c in running if c.name not in lost})
             code = culprit.proc.returncode
             return (code if code > 0 else 128 - code), line
-    return _end_coordinators(coordinators, len(ranks))
+    place = restarts.layout.place
+    if place.tasks == 1:
+        return _end_coordinators(coordinators, f"all {len(ranks)} ranks finished")
+    if coordinators:
+        why = _await_other_tasks(coordinators[0], restarts, deadline)
+        if why:
+            return 1, why
+    return _end_coordinators(coordinators, f"all {len(ranks)} ranks of SLURM task {place.task} finished")
+
+
+def _await_other_tasks(coordinator: Child, restarts: _Restarts, deadline: float) -> str:
+    """Task 0 of a SLURM step, its own ranks done: its coordinator still serves the other tasks'
+    ranks, so it stays until every one of them left (or one was lost, or OTHER_TASKS_S passed);
+    '' when they all left, else why not."""
+    end = min(deadline, time.monotonic() + OTHER_TASKS_S)
+    while time.monotonic() < end:
+        if every_worker_left(restarts.events):
+            return ""
+        lost = lost_workers(restarts.events, answered=restarts.answered)
+        if lost:
+            return f"{restarts.name(lost[0])} was lost after this task's ranks finished ({lost[0].reason})"
+        if coordinator.proc.poll() is not None:
+            coordinator.finish_output()
+            return f"the {coordinator_failure(coordinator, restarts.events)} while other tasks' ranks ran"
+        time.sleep(_POLL_S)
+    return (
+        f"the other SLURM tasks' ranks did not leave the coordinator within {OTHER_TASKS_S:g} s "
+        "of this task's"
+    )
 
 
 def _let_survivors_end(running: set[Child]) -> None:
@@ -472,7 +566,7 @@ def _after_signal(ranks: list[Child], signum: int) -> tuple[int, str]:
     return 128 + signum, f"stopped by {signal.Signals(signum).name}"
 
 
-def _end_coordinators(coordinators: list[Child], ranks: int) -> tuple[int, str]:
+def _end_coordinators(coordinators: list[Child], finished: str) -> tuple[int, str]:
     """Every rank exited 0: a coordinator has no end of its own here (no step count), so each is
     asked to stop, and must."""
     for coordinator in coordinators:
@@ -485,4 +579,4 @@ def _end_coordinators(coordinators: list[Child], ranks: int) -> tuple[int, str]:
         if code not in (0, -signal.SIGTERM):
             coordinator.finish_output()
             return 1, f"every rank finished, but the {coordinator.failure()}"
-    return 0, f"all {ranks} ranks finished"
+    return 0, finished

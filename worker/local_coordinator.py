@@ -35,8 +35,10 @@ _POLL_S = 0.05
 _VERDICT_WAIT_S = 1.0
 
 
-def coordinator_command(world_size: int, port_file: Path, *options: str, port: int = 0) -> list[str]:
-    """The argv of a coordinator for `world_size` workers on 127.0.0.1:`port` that reports its
+def coordinator_command(
+    world_size: int, port_file: Path, *options: str, port: int = 0, host: str = "127.0.0.1"
+) -> list[str]:
+    """The argv of a coordinator for `world_size` workers on `host`:`port` that reports its
     port in `port_file`; `options` are further `gradserver coordinator` flags. It chooses its
     chunk size itself (32 MiB when every worker joins over loopback and uses shared memory, as
     they do here by default, 8 MiB over loopback gRPC; 0.25 MiB when one joins from another host,
@@ -48,7 +50,7 @@ def coordinator_command(world_size: int, port_file: Path, *options: str, port: i
         "gradserver.cli",
         "coordinator",
         "--bind",
-        f"127.0.0.1:{port}",
+        f"{host}:{port}",
         "--world-size",
         str(world_size),
         "--port-file",
@@ -125,6 +127,12 @@ def loss_of(
 def _all_lost(events_file: Path) -> list[LostWorker]:
     lost = [_lost(e) for e in _events(events_file) if e.get("event") == "worker_lost"]
     return [w for w in lost if w is not None]
+
+
+def every_worker_left(events_file: Path) -> bool:
+    """Whether the coordinator saw every worker leave with a goodbye (and none lost) since its
+    job began."""
+    return any(e.get("event") == "every_worker_left" for e in _events(events_file))
 
 
 def job_failure(events_file: Path) -> str:
