@@ -11,9 +11,9 @@ instead of parsing the coordinator's log. One object per line, appended and flus
     {"event": "job_ended", "state": "failed", "reason": "..."}
 
 `step` is the lowest step in flight when the worker was lost (the torch backend's operation
-number), null when none was. `every_worker_left`: each worker left with a goodbye and none was
-lost, in a job with no --max-steps (which then waits for a new one): `gradserver run` as task 0 of
-a SLURM step keeps its coordinator until then for the other tasks' ranks.
+number), null when none was. `every_worker_left`: the last member left with a goodbye (earlier ones
+may have been lost and replaced): `gradserver run` as task 0 of a SLURM step keeps its coordinator
+until then for the other tasks' ranks.
 
 A worker_lost line is written before the other workers are told their step failed, so a
 supervisor that sees a survivor exit already finds the verdict. A failed write is logged once and

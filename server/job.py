@@ -173,17 +173,19 @@ class Job:
             return []
         self._had_loss = self._had_loss or lost
         empty = members_left == 0
+        effects: list[JobEffect] = []
+        if empty and not lost:
+            # The last member said goodbye: a supervisor whose own workers are done learns here
+            # that the others left too (`gradserver run` as task 0 of a SLURM step).
+            effects.append(WriteEvent("every_worker_left", ()))
         if empty and self.done():
             why = f"step {self.final_step} (--max-steps {self.max_steps}) done and every worker left"
-            return self._set_state(JobState.FINISHED, why)
-        effects: list[JobEffect] = []
+            return effects + self._set_state(JobState.FINISHED, why)
         if empty:
             effects.append(ResetJob())
             self.last_completed_step = None
             if not self._had_loss and self.final_step is None:
                 self.departures.clear()
-                # A supervisor whose own workers are done learns here that the others left too.
-                effects.append(WriteEvent("every_worker_left", ()))
                 return effects + self._set_state(
                     JobState.WAITING, "every worker left; the next Join starts a new job"
                 )

@@ -264,6 +264,7 @@ def test_everyone_left_cleanly_without_max_steps_makes_way_for_a_fresh_job() -> 
     cores.depart(1, "left the job", lost=False)
     assert cores.job.state is JobState.WAITING and cores.table is not old_table
     assert cores.events("worker_lost") == [] and not cores.stopped
+    assert cores.events("every_worker_left") == [{}]  # once, for the last goodbye
     cores.join(0)
     cores.join(1)
     assert cores.job.state is JobState.RUNNING and cores.job.departures == []
@@ -274,11 +275,21 @@ def test_everyone_left_after_a_loss_keeps_waiting_for_the_lost_one_until_the_dea
     cores.depart(0, "disconnected", lost=True)
     cores.depart(1, "left the job", lost=False)
     assert cores.job.state is JobState.RESTARTING
+    # The last member said goodbye: a supervisor waiting for that hears it all the same.
+    assert cores.events("every_worker_left") == [{}]
     cores.advance(3.0)
     assert cores.job.state is JobState.FAILED
 
 
 # --- --max-steps ---------------------------------------------------------------------------------
+
+
+def test_a_last_member_lost_is_no_goodbye() -> None:
+    cores = running(2, rejoin_timeout=3.0)
+    cores.depart(1, "left the job", lost=False)
+    cores.depart(0, "disconnected", lost=True)
+    assert cores.events("every_worker_left") == []
+    assert [e["worker"] for e in cores.events("worker_lost")] == [0]
 
 
 def test_max_steps_refuses_later_steps_and_finishes_when_everyone_left() -> None:

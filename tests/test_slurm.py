@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,8 @@ from .helpers.processes import ROOT, ProcessGroup
 from .helpers.slurm_cluster import SlurmCluster
 
 EXAMPLE = ROOT / "examples" / "slurm" / "ddp.sbatch"
+FT_EXAMPLE = ROOT / "examples" / "slurm" / "ft_ddp.sbatch"
+DIGEST = re.compile(r"rank (\d+): (\d+) steps \((\d+) applied here\), digest (0x[0-9a-f]+)")
 RESULT = re.compile(r"RESULT (\{.*\})")
 
 
@@ -286,23 +289,29 @@ def test_the_sbatch_example_trains_identically_on_every_rank(cluster: SlurmClust
     assert "run: all 2 ranks of SLURM task 1 finished" in text
 
 
-def _token_of_a_rank(root_pid: int) -> tuple[str, list[str]]:
-    """GRADSERVER_AUTH_TOKEN from the environment of a process under `root_pid`, and the command
-    lines of every process under it."""
-    token, lines, todo = "", [], [root_pid]
+def _processes_under(root_pid: int) -> list[tuple[int, str, dict[str, str]]]:
+    """(pid, command line, environment) of `root_pid` and every process under it."""
+    found, todo = [], [root_pid]
     while todo:
         pid = todo.pop()
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             for task in Path(f"/proc/{pid}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             continue
-        for entry in environ:
-            if entry.startswith(b"GRADSERVER_AUTH_TOKEN="):
-                token = entry.split(b"=", 1)[1].decode()
-    return token, lines
+        env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
+        found.append((pid, line, env))
+    return found
+
+
+def _token_of_a_rank(root_pid: int) -> tuple[str, list[str]]:
+    """GRADSERVER_AUTH_TOKEN from the environment of a process under `root_pid`, and the command
+    lines of every process under it."""
+    under = _processes_under(root_pid)
+    tokens = [env["GRADSERVER_AUTH_TOKEN"] for _, _, env in under if "GRADSERVER_AUTH_TOKEN" in env]
+    return (tokens[0] if tokens else ""), [line for _, line, _ in under]
 
 
 @needs_cluster
@@ -324,3 +333,29 @@ def test_a_lost_node_fails_the_job_naming_the_lost_rank(cluster: SlurmCluster, t
     # Ranks 2 and 3 ran on node2; task 0's run names the one the coordinator lost first.
     assert re.search(r"^run: rank [23] was lost at operation \d+ \(", text, re.MULTILINE), text
     assert "RESULT" not in text
+
+
+@needs_cluster
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_rank_killed_inside_the_allocation_is_restarted_on_its_node_and_heals(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    out = tmp_path / "job.out"
+    job = cluster.sbatch(FT_EXAMPLE, f"--output={out}", env=_job_env(STEPS="3000"), cwd=ROOT)
+    _wait_for_text(out, "step 100:", timeout=120)
+    [rank2] = [
+        pid
+        for pid, line, env in _processes_under(cluster.daemon_pid("node2"))
+        if env.get("RANK") == "2" and "ft_ddp.py" in line and "gradserver" not in line
+    ]
+    os.kill(rank2, signal.SIGKILL)
+    state = cluster.wait(job, timeout=240)
+    text = out.read_text(errors="replace")
+    assert state == "COMPLETED", text
+    # node2's run restarted it; it healed from a live rank and finished with the others.
+    assert "run: rank 2 was killed by SIGKILL; starting it again" in text
+    finals = {int(m[1]): (int(m[3]), m[4]) for m in DIGEST.finditer(text)}
+    assert sorted(finals) == [0, 1, 2, 3], text
+    assert len({digest for _, digest in finals.values()}) == 1, text
+    assert finals[2][0] < 3000 <= min(applied for rank, (applied, _) in finals.items() if rank != 2)

@@ -532,10 +532,12 @@ def _await_other_tasks(coordinator: Child, restarts: _Restarts, deadline: float)
     ranks, so it stays until every one of them left (or one was lost, or OTHER_TASKS_S passed);
     '' when they all left, else why not."""
     end = min(deadline, time.monotonic() + OTHER_TASKS_S)
+    # Losses before now were answered, if at all, by the run of the lost rank's task (a restart).
+    earlier = len(lost_workers(restarts.events))
     while time.monotonic() < end:
         if every_worker_left(restarts.events):
             return ""
-        lost = lost_workers(restarts.events, answered=restarts.answered)
+        lost = lost_workers(restarts.events)[earlier:]
         if lost:
             return f"{restarts.name(lost[0])} was lost after this task's ranks finished ({lost[0].reason})"
         if coordinator.proc.poll() is not None:
