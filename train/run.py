@@ -355,8 +355,8 @@ def _supervise(
         coordinator = start_child(argv, name, _print, None, secret)
         children.append(coordinator)
         coordinators.append(coordinator)
-        port = await_coordinator(coordinator, port_file, min(deadline, time.monotonic() + _START_TIMEOUT_S))
-        addresses.append(f"{layout.place.first_host}:{port}")
+        bound = await_coordinator(coordinator, port_file, min(deadline, time.monotonic() + _START_TIMEOUT_S))
+        addresses.append(f"{layout.place.first_host}:{bound}")
         coordinator.watch(exits)
     threads = max(1, available_cores() // config.workers)
     names: dict[int, str] = {}  # pid -> rank name, of every rank started
@@ -400,9 +400,12 @@ def _slurm_step(config: RunConfig) -> SlurmStep | None:
 
 
 def _lost_pid(lost: LostWorker) -> int | None:
-    """The process id a lost worker's node name holds, if it holds one."""
+    """The process id a lost worker's node name holds, if it holds one and names this machine
+    (a process of another SLURM node is none of this run's, whatever its number)."""
     found = _PID_IN_NODE.search(lost.node)
-    return int(found[1]) if found else None
+    if not found or lost.node[: found.start()] != os.uname().nodename:
+        return None
+    return int(found[1])
 
 
 @dataclasses.dataclass
