@@ -5,12 +5,15 @@ SLURM cluster.
   hostnames` does (checked against it where the SLURM client is installed), tasks per node, the
   variables and the errors that name a missing or malformed one, the ports every task derives.
 - Two tasks of one step on this machine (their SLURM variables set by the test): two `gradserver
-  run` processes make one job of 4 ranks that trains bit-identically. Runs wherever torch does.
-- The example on a real cluster (tests/helpers/slurm_cluster.py: Debian's slurmctld and two
-  slurmd, each node its own network namespace): submitted with sbatch as a user would, it trains
-  with the same parameter digest on every rank; the job's token is on no command line; a node
-  lost mid-job (its slurmd and every process on it killed) fails the job with the lost rank named.
-  Skipped, naming what is missing, without root or the packages slurm-wlm and munge.
+  run` processes make one job of 4 ranks that trains bit-identically, and two `gradserver launch`
+  processes one trainer job. Runs wherever torch does.
+- The examples/slurm/ scripts on a real cluster (tests/helpers/slurm_cluster.py: Debian's
+  slurmctld and two slurmd, each node its own network namespace), submitted with sbatch as a user
+  would: ddp.sbatch trains with the same parameter digest on every rank; the job's token is on no
+  command line; a node lost mid-job (its slurmd and every process on it killed) fails the job with
+  the lost rank named; ft_ddp.sbatch restarts a killed rank on its node, which heals; launch.sbatch
+  (both engines) leaves one checkpoint per worker, all with the same weights. Skipped, naming what
+  is missing, without root or the packages slurm-wlm and munge.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .helpers.slurm_cluster import SlurmCluster
 
 EXAMPLE = ROOT / "examples" / "slurm" / "ddp.sbatch"
 FT_EXAMPLE = ROOT / "examples" / "slurm" / "ft_ddp.sbatch"
+LAUNCH_EXAMPLE = ROOT / "examples" / "slurm" / "launch.sbatch"
 DIGEST = re.compile(r"rank (\d+): (\d+) steps \((\d+) applied here\), digest (0x[0-9a-f]+)")
 RESULT = re.compile(r"RESULT (\{.*\})")
 
@@ -220,6 +224,52 @@ def test_two_tasks_of_a_step_make_one_job_that_trains_identically(processes: Pro
     assert "started coordinator" in runs[0].output and "started coordinator" not in runs[1].output
 
 
+def _free_job_id() -> str:
+    """A job id whose two derived ports are free here now."""
+    for job_id in range(20000, 29000, 7):
+        step = slurm_step(_step_env(SLURM_JOB_ID=str(job_id)))
+        assert step is not None
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", step.ports()[0]))
+                b.bind(("127.0.0.1", step.ports()[1]))
+        except OSError:
+            continue
+        return str(job_id)
+    raise AssertionError("no job id with two free ports")
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(180)
+def test_two_launch_tasks_of_a_step_train_one_job(processes: ProcessGroup, tmp_path: Path) -> None:
+    import torch
+
+    from gradserver.train.checkpoint import load_checkpoint
+
+    step = _step_env(
+        SLURM_JOB_ID=_free_job_id(), SLURM_STEP_NODELIST="localhost,localhost", GRADSERVER_AUTH_TOKEN="t" * 32
+    )
+    argv = ["launch", "--workers", "1", "--steps", "4", "--out", str(tmp_path)]
+    tasks = [
+        processes.gradserver(
+            *argv, name=f"task {t}", env={**step, "SLURM_PROCID": str(t), "SLURM_NODEID": str(t)}
+        )
+        for t in range(2)
+    ]
+    for task in tasks:
+        assert task.wait(150) == 0, task.output
+    zero, one = (load_checkpoint(tmp_path / f"checkpoint-worker-{r}.pt").model_state for r in range(2))
+    assert all(torch.equal(zero[name], one[name]) for name in zero)
+    assert "launch: 4 steps in" in tasks[0].output and "launch: 4 steps in" not in tasks[1].output
+
+
+@pytest.mark.processes
+def test_in_process_launch_is_refused_across_tasks(processes: ProcessGroup) -> None:
+    run = processes.gradserver("launch", "--in-process", name="launch", env=_step_env())
+    assert run.wait(60) == 2
+    assert "--in-process runs every worker in one process, and this SLURM step has 2 tasks" in run.output
+
+
 @pytest.mark.processes
 def test_task_0_without_a_token_is_refused_saying_so(processes: ProcessGroup) -> None:
     env: dict[str, str | None] = {
@@ -304,6 +354,37 @@ def _processes_under(root_pid: int) -> list[tuple[int, str, dict[str, str]]]:
         env = dict(e.decode(errors="replace").split("=", 1) for e in environ if b"=" in e)
         found.append((pid, line, env))
     return found
+
+
+@needs_cluster
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("engine", ["remote", "gloo"])
+def test_the_trainers_launch_example_trains_identically_on_every_worker(
+    cluster: SlurmCluster, tmp_path: Path, engine: str
+) -> None:
+    import torch
+
+    from gradserver.train.checkpoint import load_checkpoint
+
+    out, run_dir = tmp_path / "job.out", tmp_path / "run"
+    env = _job_env(STEPS="12", OUT=str(run_dir), GRADSERVER_ENGINE=engine)
+    job = cluster.sbatch(LAUNCH_EXAMPLE, f"--output={out}", env=env, cwd=ROOT)
+    state = cluster.wait(job, timeout=180)
+    text = out.read_text(errors="replace")
+    assert state == "COMPLETED", text
+    # One checkpoint per worker of the job, named by its rank, all with the same weights.
+    paths = sorted(run_dir.glob("checkpoint-*.pt"))
+    assert [p.name for p in paths] == [f"checkpoint-worker-{r}.pt" for r in range(4)], text
+    first, *others = (load_checkpoint(p).model_state for p in paths)
+    for other in others:
+        assert first.keys() == other.keys()
+        for name, tensor in first.items():
+            assert torch.equal(tensor, other[name]), name
+    # Task 0 plotted the whole job's metrics once every task's workers were done.
+    assert (run_dir / "loss.png").exists()
+    assert text.count("launch: 12 steps in") == 1
+    assert text.count("launch: all processes finished") == 2
 
 
 def _token_of_a_rank(root_pid: int) -> tuple[str, list[str]]:

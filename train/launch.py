@@ -22,6 +22,12 @@ defaults, choices and meanings, read from the same GRADSERVER_ variables): a sha
 launch is passed on to every worker; the flags after `--` go to every worker as they are.
 `--in-process` replaces the old `--backend local`, and `--engine` the old `--backend` (both still
 accepted, with a warning).
+
+Started by srun as one of several tasks of a SLURM step (gradserver.train.slurm), launch starts
+its share of the job: task t's workers are the job's ranks t*N..t*N+N-1, with node ids
+`worker-<rank>`; task 0 (on the first node) runs the coordinator on all interfaces at a port every
+task derives from the job id (with `--engine gloo`, rank 0's torch Store at the next port), and
+alone clears and plots --out's metrics. `--no-slurm` runs on this machine alone instead.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from gradserver.worker.supervisor import STOP_GRACE_S, Child, await_port, start_
 from .cli import WorkerConfig, available_cores, worker_parser
 from .extra import require_training_extra
 from .plots import plot_metrics
+from .slurm import NO_SLURM_HELP, OTHER_TASKS_S, SlurmStep, several_tasks
 
 log = logging.getLogger("gradserver.launch")
 
@@ -93,6 +100,7 @@ class LaunchConfig:
         metadata={"help": "run the workers as threads of this process (no coordinator, no processes)"},
     )
     restart_lost: int = dataclasses.field(default=0, metadata={"help": RESTART_LOST_HELP})
+    no_slurm: bool = dataclasses.field(default=False, metadata={"help": NO_SLURM_HELP})
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -147,22 +155,41 @@ class _Job:
     launch: LaunchConfig
     worker_flags: tuple[str, ...]
     worker: WorkerConfig
+    step: SlurmStep | None = None  # this launch as one task of a SLURM step
 
     @property
     def processes(self) -> bool:
         return not self.launch.in_process
+
+    @property
+    def first(self) -> int:
+        """The job's rank of this launch's first worker (0 but in a SLURM step)."""
+        return self.step.task * self.launch.workers if self.step else 0
+
+    @property
+    def world(self) -> int:
+        return self.launch.workers * (self.step.tasks if self.step else 1)
+
+    @property
+    def task_zero(self) -> bool:
+        """Whether this launch runs the coordinator, the progress bar and the plot."""
+        return self.step is None or self.step.task == 0
+
+    def node_id(self, i: int) -> str:
+        # Checkpoints are found by it on --resume, not by join order: in a SLURM step by the
+        # job's rank, the same whichever nodes the next allocation has.
+        return f"worker-{self.first + i}" if self.step else f"local-{i}"
 
     def argvs(self, target: str) -> list[list[str]]:
         """Each worker's `gradserver worker` arguments; `target` is the coordinator's address
         (remote) or the torch.distributed init method (gloo, nccl)."""
         argvs = []
         for i in range(self.launch.workers):
-            # A node id per worker: checkpoints are found by it on --resume, not by join order.
-            own = ["--node-id", f"local-{i}"]
+            own = ["--node-id", self.node_id(i)]
             if self.worker.engine == "remote":
                 own += ["--coordinator", target]
             else:
-                own += ["--dist-rank", str(i), "--dist-world-size", str(self.launch.workers)]
+                own += ["--dist-rank", str(self.first + i), "--dist-world-size", str(self.world)]
                 own += ["--dist-init", target]
             argvs.append([*own, *self.worker_flags])
         return argvs
@@ -193,7 +220,13 @@ def _job(args: argparse.Namespace) -> _Job:
             shared += [flag_name(name), str(value)]
     flags = (*shared, *(a for a in args.worker_args if a != "--"))
     worker: WorkerConfig = config_from_sources(WorkerConfig, worker_parser().parse_args(list(flags)))
-    job = _Job(config, flags, worker)
+    step = None if config.no_slurm else several_tasks(os.environ)
+    if step is not None and config.in_process:
+        raise InvalidArgumentError(
+            f"--in-process runs every worker in one process, and this SLURM step has {step.tasks} "
+            "tasks: start one task, or give --no-slurm"
+        )
+    job = _Job(config, flags, worker, step)
     if worker.steps < 1:
         raise InvalidArgumentError(f"--steps must be at least 1, got {worker.steps}")
     if (worker.engine != "remote" or config.in_process) and worker.job != "train":
@@ -271,8 +304,12 @@ def run(args: argparse.Namespace) -> int:
         require_training_extra()
     if worker.out:
         Path(worker.out).mkdir(parents=True, exist_ok=True)
-        (Path(worker.out) / "metrics.jsonl").unlink(missing_ok=True)
-    progress = _Progress(worker.steps, enabled=worker.job == "train" and not job.launch.no_progress)
+        if job.task_zero:  # before its coordinator starts, so before any worker of any task writes
+            (Path(worker.out) / "metrics.jsonl").unlink(missing_ok=True)
+    # Not in a SLURM step: its output goes to a file, and worker 0, whose progress the bar shows
+    # (the coordinator numbers workers in join order), may be another task's.
+    bar = worker.job == "train" and not job.launch.no_progress and job.step is None
+    progress = _Progress(worker.steps, enabled=bar)
     started = time.monotonic()
     try:
         code = _run_processes(job, progress) if job.processes else _run_in_process(job)
@@ -281,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - started
     if code != 0:
         return code
-    if worker.out and worker.job == "train":
+    if worker.out and worker.job == "train" and job.task_zero:
         plot = plot_metrics(Path(worker.out) / "metrics.jsonl", Path(worker.out) / "loss.png")
         print(f"launch: {worker.steps} steps in {elapsed:.1f} s; {plot}")
     print("launch: all processes finished")
@@ -350,16 +387,20 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
     first failure (the caller stops whatever still runs)."""
     exits: queue.Queue[Child] = queue.Queue()
     coordinator = None
-    if job.worker.engine == "remote":
-        coordinator, address = _start_coordinator(job, progress, tmp, deadline)
+    step = job.step
+    if job.worker.engine == "remote" and job.task_zero:
+        coordinator, target = _start_coordinator(job, progress, tmp, deadline)
         children.append(coordinator)
         coordinator.watch(exits)
-        target = address
-    else:
+    elif step is None:
         target = f"file://{tmp}/dist-store"
+    elif job.worker.engine == "remote":  # every task knows the ports from the job id
+        target = f"{step.first_host}:{step.ports()[0]}"
+    else:  # rank 0's torch Store, on the first node
+        target = f"tcp://{step.first_host}:{step.ports()[1]}"
     threads = max(1, available_cores() // job.launch.workers)
     argvs = job.argvs(target)
-    workers = [_start_worker(argv, f"local-{i}", progress, threads) for i, argv in enumerate(argvs)]
+    workers = [_start_worker(argv, job.node_id(i), progress, threads) for i, argv in enumerate(argvs)]
     children.extend(workers)
     for child in workers:
         child.watch(exits)
@@ -396,7 +437,8 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
                 continue
             return verdict(child, tmp / "events", _node_name, workers, answered=answered)[1]
     if coordinator is not None:
-        return _end_coordinator(coordinator, tmp / "events")
+        # In a SLURM step it also waits for the other tasks' workers to leave.
+        return _end_coordinator(coordinator, tmp / "events", OTHER_TASKS_S if step else _COORDINATOR_EXIT_S)
     return ""
 
 
@@ -425,12 +467,12 @@ def _node_name(lost: LostWorker) -> str:
     return lost.node
 
 
-def _end_coordinator(coordinator: Child, events: Path) -> str:
+def _end_coordinator(coordinator: Child, events: Path, wait_s: float) -> str:
     """Every worker is done: the coordinator exits by itself once its job finished (--max-steps
-    is the absolute last step, so resumed jobs end too); if it has not after a short wait (the
+    is the absolute last step, so resumed jobs end too); if it has not after `wait_s` (the
     workers left early), it is asked to stop."""
     try:
-        code = coordinator.proc.wait(_COORDINATOR_EXIT_S)
+        code = coordinator.proc.wait(wait_s)
     except subprocess.TimeoutExpired:
         coordinator.proc.terminate()
         try:
@@ -448,10 +490,12 @@ def _start_coordinator(job: _Job, progress: _Progress, tmp: Path, deadline: floa
     options = ["--max-steps", str(job.worker.steps), "--log-level", "WARNING", "--events-file", events]
     if job.launch.restart_lost:
         options += ["--on-worker-loss", "continue"]  # the others go on while a lost one restarts
-    coordinator = start_child(
-        coordinator_command(job.launch.workers, port_file, *options), "coordinator", progress.line
-    )
-    return coordinator, f"127.0.0.1:{await_coordinator(coordinator, port_file, deadline)}"
+    bind, port, host = "127.0.0.1", 0, "127.0.0.1"
+    if job.step is not None:  # every task's workers reach it on the first node
+        bind, port, host = "0.0.0.0", job.step.ports()[0], job.step.first_host
+    argv = coordinator_command(job.world, port_file, *options, port=port, host=bind)
+    coordinator = start_child(argv, "coordinator", progress.line)
+    return coordinator, f"{host}:{await_coordinator(coordinator, port_file, deadline)}"
 
 
 def await_coordinator(coordinator: Child, port_file: Path, deadline: float) -> int:

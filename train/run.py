@@ -30,6 +30,14 @@ environment serves both. The old names a rank would read as its own for one more
 the ranks' environment. Settings: `RunConfig` (flag, GRADSERVER_ variable, default; the old
 `--timeout` is `--run-timeout`).
 
+Started by srun as one of several tasks of a SLURM step (`srun gradserver run --workers W -- CMD`,
+see gradserver.train.slurm and docs/slurm.md), run starts its share of the job: task t's ranks are
+t*W..t*W+W-1 of a world of W times the tasks, with MASTER_ADDR the step's first node; task 0 also
+runs the coordinator there, on all interfaces, at a port every task derives from SLURM_JOB_ID (the
+torch Store at the next one), and keeps it until every task's ranks left. Only task 0 has the
+coordinator's verdicts, so only it names a rank another node lost. `--no-slurm` runs on this
+machine alone instead.
+
 It lives in the training application beside `gradserver launch` because it is the same kind of
 job supervision, on the same supervisor (gradserver.worker.supervisor) and verdicts
 (gradserver.worker.local_coordinator); it starts the user's command and never imports torch itself.
@@ -71,7 +79,7 @@ from gradserver.worker.supervisor import STOP_GRACE_S, Child, start_child, stop
 
 from .cli import WorkerConfig, available_cores
 from .launch import RESTART_LOST_HELP, RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
-from .slurm import SlurmStep, slurm_step
+from .slurm import NO_SLURM_HELP, OTHER_TASKS_S, SlurmStep, several_tasks
 
 _START_TIMEOUT_S = 60.0
 # A rank's node name holds its process id: HOST/pidPID (gradserver.torch.ft), HOST/pidPID/rankN.
@@ -82,9 +90,6 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 # coordinator fails their next collective within moments, and each prints its own error) before
 # they are stopped.
 SURVIVOR_GRACE_S = 5.0
-# Under SLURM, how long task 0's coordinator waits for the other tasks' ranks to leave once its own
-# finished (they passed the same last collective, so only their own ending is left).
-OTHER_TASKS_S = 60.0
 # Old names a worker still reads for one release, which now are the coordinator's alone: under
 # run they are the coordinator's, so a rank must not take them for its own.
 _COORDINATORS_NOW = tuple(name for name in deprecated_names_of(WorkerConfig) if not name.startswith("--"))
@@ -110,13 +115,7 @@ class RunConfig:
         default=0.0, metadata={"help": RUN_TIMEOUT_HELP, "deprecated_flag": "--timeout"}
     )
     restart_lost: int = dataclasses.field(default=0, metadata={"help": RESTART_LOST_HELP})
-    no_slurm: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "help": "inside a SLURM job step (srun), run on this machine alone instead of as one "
-            "task of the step's job (see docs/slurm.md)"
-        },
-    )
+    no_slurm: bool = dataclasses.field(default=False, metadata={"help": NO_SLURM_HELP})
     replica_group_size: int = dataclasses.field(
         default=0,
         metadata={
@@ -388,8 +387,8 @@ def _supervise(
 def _slurm_step(config: RunConfig) -> SlurmStep | None:
     """The SLURM step task this run is, when it is one of several (a one-task step is a run on
     one machine like any other)."""
-    step = None if config.no_slurm else slurm_step(os.environ)
-    if step is None or step.tasks == 1:
+    step = None if config.no_slurm else several_tasks(os.environ)
+    if step is None:
         return None
     if config.replica_group_size:
         raise InvalidArgumentError(

@@ -26,7 +26,23 @@ from collections.abc import Mapping
 
 from gradserver.common.errors import InvalidArgumentError
 
-__all__ = ["SlurmStep", "expand_hostlist", "expand_tasks_per_node", "slurm_step"]
+__all__ = [
+    "NO_SLURM_HELP",
+    "OTHER_TASKS_S",
+    "SlurmStep",
+    "expand_hostlist",
+    "expand_tasks_per_node",
+    "several_tasks",
+    "slurm_step",
+]
+
+NO_SLURM_HELP = (
+    "inside a SLURM job step (srun), run on this machine alone instead of as one task of the step's "
+    "job (see docs/slurm.md)"
+)
+# How long task 0's coordinator waits for the other tasks' workers to leave once its own
+# finished (they passed the same last step, so only their own ending is left).
+OTHER_TASKS_S = 60.0
 
 # Ports derived from the job id: two per job (coordinator, torch Store), in a range that Linux
 # does not hand out as ephemeral ports (32768-60999) and that torchrun's 29500 does not hit.
@@ -121,6 +137,13 @@ def slurm_step(environ: Mapping[str, str]) -> SlurmStep | None:
         tasks_per_node=expand_tasks_per_node(read("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")),
         hosts=expand_hostlist(read("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")),
     )
+
+
+def several_tasks(environ: Mapping[str, str]) -> SlurmStep | None:
+    """This process's task of a SLURM step of more than one task; None outside a step or in a
+    one-task step (a run on one machine like any other)."""
+    step = slurm_step(environ)
+    return step if step is not None and step.tasks > 1 else None
 
 
 _TASK_COUNT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
