@@ -171,9 +171,15 @@ def test_the_grpc_scan_sees_an_import_outside_the_edge(
 # copies the environment into the children it starts and leaves OMP_NUM_THREADS to a caller that
 # set it, the worker CLI reads OMP_NUM_THREADS (OpenMP's variable, not a gradserver setting)
 # to size torch's thread pool, and the torch backend reads torch's MASTER_ADDR (where torch's
-# env:// rendezvous points) to know where its embedded coordinator must be reachable.
+# env:// rendezvous points) to know where its embedded coordinator must be reachable, and
+# train/slurm.py reads the SLURM_ variables srun sets for a step's task.
 CONFIG_LAYER = {"common/config.py", "server/config.py", "torch_backend/_settings.py"}
-READS_ONLY_OTHERS_VARIABLES = {"worker/supervisor.py", "train/cli.py", "torch_backend/_reach.py"}
+READS_ONLY_OTHERS_VARIABLES = {
+    "worker/supervisor.py",
+    "train/cli.py",
+    "torch_backend/_reach.py",
+    "train/slurm.py",
+}
 
 
 def _environment_reads(packages: tuple[str, ...]) -> list[str]:

@@ -220,7 +220,7 @@ def _job(args: argparse.Namespace) -> _Job:
             shared += [flag_name(name), str(value)]
     flags = (*shared, *(a for a in args.worker_args if a != "--"))
     worker: WorkerConfig = config_from_sources(WorkerConfig, worker_parser().parse_args(list(flags)))
-    step = None if config.no_slurm else several_tasks(os.environ)
+    step = None if config.no_slurm else several_tasks()
     if step is not None and config.in_process:
         raise InvalidArgumentError(
             f"--in-process runs every worker in one process, and this SLURM step has {step.tasks} "

@@ -387,7 +387,7 @@ def _supervise(
 def _slurm_step(config: RunConfig) -> SlurmStep | None:
     """The SLURM step task this run is, when it is one of several (a one-task step is a run on
     one machine like any other)."""
-    step = None if config.no_slurm else several_tasks(os.environ)
+    step = None if config.no_slurm else several_tasks()
     if step is None:
         return None
     if config.replica_group_size:

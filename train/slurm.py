@@ -21,6 +21,7 @@ needs no SLURM client to run a rank; tests/test_slurm.py checks the two agree.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 
@@ -109,9 +110,11 @@ class SlurmStep:
         return base, base + 1
 
 
-def slurm_step(environ: Mapping[str, str]) -> SlurmStep | None:
-    """This process's task of a SLURM job step, or None outside one (no SLURM_STEP_ID); an error
-    naming the variable when one is missing or malformed."""
+def slurm_step(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
+    """This process's task of a SLURM job step (from `environ`, this process's environment by
+    default), or None outside one (no SLURM_STEP_ID); an error naming the variable when one is
+    missing or malformed."""
+    environ = os.environ if environ is None else environ
     if "SLURM_STEP_ID" not in environ:
         return None
 
@@ -139,7 +142,7 @@ def slurm_step(environ: Mapping[str, str]) -> SlurmStep | None:
     )
 
 
-def several_tasks(environ: Mapping[str, str]) -> SlurmStep | None:
+def several_tasks(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
     """This process's task of a SLURM step of more than one task; None outside a step or in a
     one-task step (a run on one machine like any other)."""
     step = slurm_step(environ)
