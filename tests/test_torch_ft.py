@@ -12,15 +12,22 @@ import re
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from gradserver.common.errors import AbortedError, FailedPreconditionError, InvalidArgumentError
+from gradserver.common.errors import (
+    AbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from gradserver.torch import ft
 from gradserver.worker import Timeouts, WorkerClient
 
 from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
+from .helpers.proxy import FaultProxy
 from .helpers.server import TEST_TIMEOUTS, connect_all
 
 STEPS = 2500
@@ -240,6 +247,105 @@ def test_a_donor_killed_as_it_serves_the_heal_is_followed_by_the_next_donor(proc
         run.wait_for(r"rank 0: joined the running job at step \d+, state from rank [12]", 120)
         assert run.wait(180) == 0, run.output
         _assert_one_state(run, steps=1500)
+
+
+STARTED_COORDINATOR = re.compile(r"started coordinator \(pid (\d+)\)")
+
+
+def _coordinator_pid(run: ManagedProcess) -> int:
+    return [int(m[1]) for m in map(STARTED_COORDINATOR.search, run.lines) if m][-1]
+
+
+@pytest.mark.timeout(240)
+def test_the_coordinator_killed_is_restarted_and_the_ranks_rejoin_and_go_on(processes: ProcessGroup) -> None:
+    with _ft_run(processes, "--restart-lost", "1", steps=1500) as run:
+        run.wait_for(r"\[rank 1\] rank 1 step 200:", timeout=120)
+        os.kill(_coordinator_pid(run), signal.SIGKILL)
+        run.wait_for(r"^run: coordinator was killed by SIGKILL; starting it again on its port", 30)
+        for rank in range(3):
+            run.wait_for(
+                rf"rank {rank} rejoined the restarted coordinator; the job goes on from step \d+", 120
+            )
+        assert run.wait(180) == 0, run.output
+        assert run.lines[-1] == "run: all 3 ranks finished", run.output
+        _assert_one_state(run, steps=1500)
+
+
+@pytest.mark.timeout(300)
+def test_a_step_the_dying_coordinator_released_to_some_ranks_only_is_applied_by_all(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """The coordinator dies as it releases step 150's commit: ranks 0 and 1 got the release and
+    applied the step, rank 2 did not (tests/helpers/ft_rank.py --lose-release). After run
+    restarted it, the ranks compare where they are and rank 2 takes step 150's result from one
+    that applied it: the job ends in the very state of a run without the fault."""
+    steps, flag = 400, tmp_path / "coordinator-killed"
+    faulty = (sys.executable, "-m", "tests.helpers.ft_rank", "--lose-release", f"2:150:{flag}")
+    with _ft_run(processes, "--restart-lost", "1", steps=steps, script=faulty) as run:
+        run.wait_for(r"rank 2: lost the release of step 150", timeout=120)
+        run.wait_for(r"rank 0: applied step 150", timeout=60)
+        run.wait_for(r"rank 1: applied step 150", timeout=60)
+        os.kill(_coordinator_pid(run), signal.SIGKILL)
+        run.wait_for(r"^run: coordinator was killed by SIGKILL; starting it again on its port", 30)
+        flag.touch()
+        healed = run.wait_for(
+            r"rank 2 joined the running job at step (\d+): took the state from rank ([01])", 120
+        )
+        assert healed[1] == "151"
+        assert run.wait(180) == 0, run.output
+        finals = _assert_one_state(run, steps=steps)
+    with _ft_run(processes, steps=steps) as clean:
+        assert clean.wait(180) == 0, clean.output
+        assert _assert_one_state(clean, steps=steps)[0][1] == finals[0][1]
+
+
+@pytest.mark.timeout(120)
+def test_without_a_coordinator_back_the_ranks_fail_naming_the_step_after_the_reconnect_timeout(
+    coordinator,
+) -> None:
+    """The coordinator's connections reset and nothing listens any more: the rank tries to
+    rejoin for reconnect_timeout, then its commit raises naming the step and both failures."""
+    server = coordinator(world_size=1, on_worker_loss="continue")
+    host, port = server.address.rsplit(":", 1)
+    proxy = FaultProxy(host, int(port)).start()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = ft.Replica(model, optimizer, coordinator=proxy.address, timeout=2.0, reconnect_timeout=1.0)
+    ddp = job.ddp()
+
+    def train() -> None:
+        for step in job.steps(5):
+            if step == 2:
+                proxy.stop()  # as a coordinator's machine that went away
+            optimizer.zero_grad()
+            ddp(torch.full((2, 4), float(step))).sum().backward()
+            assert job.commit()
+
+    try:
+        with pytest.raises(UnavailableError) as failed:
+            train()
+        assert "rank 0 lost the coordinator in step 2" in failed.value.message
+        assert "did not come back within 1 s" in failed.value.message
+        assert job.committed == 2
+    finally:
+        proxy.stop()
+        job.close()
+
+
+def test_reconnect_timeout_is_an_argument_with_an_environment_default(
+    coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = coordinator(world_size=1, on_worker_loss="continue")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setenv("GRADSERVER_FT_RECONNECT_TIMEOUT", "7.5")
+    with ft.Replica(model, optimizer, coordinator=server.address) as job:
+        assert job.reconnect_timeout == 7.5
+    with ft.Replica(model, optimizer, coordinator=server.address, reconnect_timeout=0) as job:
+        assert job.reconnect_timeout == 0
+    with pytest.raises(InvalidArgumentError, match="reconnect_timeout must not be negative, got -1"):
+        ft.Replica(model, optimizer, coordinator=server.address, reconnect_timeout=-1)
 
 
 # --- HSDP: replica groups of FSDP2-sharded ranks ------------------------------------------------------

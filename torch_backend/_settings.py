@@ -34,6 +34,14 @@ class RankSettings:
         default=False,
         metadata={"help": "torch backend: a collective with NaN or Inf fails, naming the rank and element"},
     )
+    ft_reconnect_timeout: float = dataclasses.field(
+        default=60.0,
+        metadata={
+            "help": "gradserver.torch.ft: seconds a rank that lost its coordinator tries to rejoin it at "
+            "the same address (restarted, as `gradserver run --restart-lost` does) before it fails (0: "
+            "it fails at once); the ft.Replica argument reconnect_timeout wins over it"
+        },
+    )
 
 
 def rank_settings(environ: Mapping[str, str] | None = None) -> RankSettings:

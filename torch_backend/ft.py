@@ -32,19 +32,26 @@ import datetime
 import logging
 import os
 import queue
+import random
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from gradserver.common.errors import (
+    ConnectionLost,
     FailedPreconditionError,
     GradServerError,
     InvalidArgumentError,
+    JobEnded,
     StepFailed,
+    Timeout,
+    UnavailableError,
 )
 from gradserver.common.messages import KeyKind, ReduceOp, TensorKey
 from gradserver.common.security import TlsFiles
@@ -65,6 +72,9 @@ __all__ = ["Replica", "load_state", "state_tensors"]
 log = logging.getLogger("gradserver.torch.ft")
 
 _GRADIENTS_GROUP = 1  # the collective group of the steps' gradients
+_POSITIONS_GROUP = 2  # the collective of where each rank is, when a restarted coordinator's job begins
+_POSITION_SPLIT = 2**20  # a position as two float32 values, each exact
+_BACKOFF_S = (0.2, 5.0)  # first and longest wait between tries to rejoin a lost coordinator
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -162,6 +172,7 @@ class Replica:
         min_replicas: int = 1,
         timeout: float | Timeouts | None = None,
         replica_group: dist.ProcessGroup | None = None,
+        reconnect_timeout: float | None = None,
     ) -> None:
         """Joins the job's coordinator (`coordinator`, default GRADSERVER_COORDINATOR) and, when
         the job is already running, takes the state of a live replica into `model` and
@@ -172,9 +183,24 @@ class Replica:
         of a sharded model (FSDP2 over them). Each rank then joins the job of its shard (its
         coordinator: one per shard index, each with one member per replica group), replica groups
         are lost and restarted whole, and a step is applied by a replica group only when every
-        one of its shards committed it."""
+        one of its shards committed it.
+
+        `reconnect_timeout` (default GRADSERVER_FT_RECONNECT_TIMEOUT, 60 s): how long a rank that
+        lost its coordinator (killed, its machine gone) tries to rejoin one at the same address,
+        restarted as `gradserver run --restart-lost` does (0: the loss ends the rank). The ranks
+        then agree where they are: a rank that did not apply the step the coordinator released
+        to another before it died takes that one's state (checked byte for byte), and all go on
+        from there. Not with `replica_group`: there a lost coordinator ends the ranks."""
         if min_replicas < 1:
             raise InvalidArgumentError(f"min_replicas must be at least 1, got {min_replicas}")
+        self.reconnect_timeout = (
+            rank_settings().ft_reconnect_timeout if reconnect_timeout is None else reconnect_timeout
+        )
+        if self.reconnect_timeout < 0:
+            raise InvalidArgumentError(
+                f"reconnect_timeout must not be negative, got {self.reconnect_timeout:g}"
+            )
+        self._address, self._timeouts = coordinator, timeout
         self.model = model
         self.optimizer = optimizer
         self.replica_group = replica_group
@@ -248,9 +274,12 @@ class Replica:
         if error is None:
             try:
                 self.client.barrier(step, "commit")
-            except StepFailed as exc:
+            except GradServerError as exc:
                 error = exc
         error = self._agree(step, error)
+        if error is not None and self._rejoins(error):
+            self._rejoin(step, error)
+            return False
         if error is not None and not isinstance(error, StepFailed):
             raise error  # the coordinator is gone, or this rank was refused: nothing to go on with
         if error is None and self.contributors is not None and self.contributors < self.min_replicas:
@@ -395,14 +424,87 @@ class Replica:
             for waiter, bucket in waiting:
                 waiter.set_result(bucket.buffer())
 
+    # --- a lost coordinator ---------------------------------------------------------------------
+
+    def _rejoins(self, error: GradServerError) -> bool:
+        """Whether `error` is the coordinator lost (not shut down on purpose), and this replica
+        tries to rejoin it."""
+        lost = isinstance(error, ConnectionLost) and not isinstance(error, JobEnded)
+        return lost and self.reconnect_timeout > 0 and self.replica_group is None
+
+    def _rejoin(self, step: int, lost: GradServerError) -> None:
+        """The coordinator was lost in `step`, which this replica has not applied: joins it again
+        and lines up with the others. In a job that ran on without this rank (the coordinator
+        lived, only this rank was cut off) it heals as a newcomer; in a new job (the coordinator
+        was restarted) the ranks compare where they are and the ones behind take the state of
+        one ahead, which applied the step the old coordinator released before it died."""
+        rank = self.client.worker_id
+        log.warning(
+            "rank %d lost the coordinator in step %d (%s): rejoining it for up to %g s",
+            rank,
+            step,
+            lost.message,
+            self.reconnect_timeout,
+        )
+        self.client.close()
+        self.client = self._reconnect(rank, step, lost)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.client.recovery_step is not None:
+            self._heal()
+            self.client.offer_state(self._snapshot)
+            return
+        # Offered before this rank tells where it is, so a rank behind that hears it finds the
+        # state served.
+        self.client.offer_state(self._snapshot)
+        positions = self._positions(step)
+        latest = max(positions.values())
+        if step < latest:
+            self._heal(at=(latest, tuple(w for w, p in sorted(positions.items()) if p == latest)))
+        log.warning(
+            "rank %d rejoined the restarted coordinator; the job goes on from step %d", rank, self.step
+        )
+
+    def _reconnect(self, rank: int, step: int, lost: GradServerError) -> WorkerClient:
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = _BACKOFF_S[0]
+        while True:
+            try:
+                return self._connect(self._address, self._timeouts, False)
+            except (ConnectionLost, Timeout) as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise UnavailableError(
+                        f"rank {rank} lost the coordinator in step {step} ({lost.message}), and it did "
+                        f"not come back within {self.reconnect_timeout:g} s: {exc.message}",
+                        step=step,
+                    ) from exc
+                time.sleep(min(left, random.uniform(0.0, delay)))  # full jitter: no stampede
+                delay = min(2 * delay, _BACKOFF_S[1])
+
+    def _positions(self, step: int) -> dict[int, int]:
+        """Every rank's step (the boundary its state is at) in the restarted coordinator's new
+        job, by worker id: one SUM collective in which each rank fills its own place."""
+        world, me = self.client.total_workers, self.client.worker_id
+        places = np.zeros(2 * world, dtype=np.float32)
+        places[2 * me : 2 * me + 2] = divmod(step + 1, _POSITION_SPLIT)  # 0: no rank there
+        self.client.send(TensorKey.collective(0, _POSITIONS_GROUP, ReduceOp.SUM), places, into=places)
+        self.client.receive(KeyKind.COLLECTIVE)
+        return {
+            w: int(places[2 * w]) * _POSITION_SPLIT + int(places[2 * w + 1]) - 1
+            for w in range(world)
+            if places[2 * w] or places[2 * w + 1]
+        }
+
     # --- state ----------------------------------------------------------------------------------
 
     def _snapshot(self) -> StateSnapshot:
         extra = {"step": self.step, "optimizer": _optimizer_extra(self.optimizer)}
         return StateSnapshot(self.step, state_tensors(self.model, self.optimizer), encode_extra(extra))
 
-    def _heal(self) -> None:
-        got = self.healed = self.client.recover()
+    def _heal(self, at: tuple[int, tuple[int, ...]] | None = None) -> None:
+        """Takes a live replica's state: the job's at this rank's recovery step, or `at` (step,
+        donors) as the ranks of a new job agreed."""
+        got = self.healed = self.client.recover(at=at)
         extra = decode_extra(got.extra)
         with self.client.updating_state():
             load_state(self.model, self.optimizer, got.tensors, dict(extra.get("optimizer", {})))

@@ -347,16 +347,21 @@ def _supervise(
         bind, (port, master_ports[0]) = "0.0.0.0", step.ports(config.port)
         if step.task:
             addresses.append(f"{step.first_host}:{port}")
-    for shard in range(layout.coordinators if not addresses else 0):
-        port_file = tmp / f"port{shard}"
+
+    def start_coordinator(shard: int, port: int) -> tuple[Child, int]:
+        port_file = tmp / f"port{shard}-{len(children)}"
         name = "coordinator" if layout.coordinators == 1 else f"coordinator {shard}"
         argv = coordinator_command(layout.members, port_file, *options, port=port, host=bind)
         coordinator = start_child(argv, name, _print, None, secret)
         children.append(coordinator)
-        coordinators.append(coordinator)
         bound = await_coordinator(coordinator, port_file, min(deadline, time.monotonic() + _START_TIMEOUT_S))
-        addresses.append(f"{layout.place.first_host}:{bound}")
         coordinator.watch(exits)
+        return coordinator, bound
+
+    for shard in range(layout.coordinators if not addresses else 0):
+        coordinator, bound = start_coordinator(shard, port)
+        coordinators.append(coordinator)
+        addresses.append(f"{layout.place.first_host}:{bound}")
     threads = max(1, available_cores() // config.workers)
     names: dict[int, str] = {}  # pid -> rank name, of every rank started
 
@@ -379,8 +384,14 @@ def _supervise(
             return names[pid]
         return f"rank {lost.worker}"
 
+    def restart_coordinator(lost: Child) -> Child:
+        """The one coordinator again, on the port its ranks know."""
+        return start_coordinator(0, int(addresses[0].rsplit(":", 1)[1]))[0]
+
     ranks = [start(rank) for rank in range(config.workers)]
-    restarts = _Restarts(config.restart_lost, start, events, layout, rank_name)
+    # Several coordinators (replica groups) are not restarted: their ranks end when one is lost.
+    again = restart_coordinator if len(coordinators) == 1 else None
+    restarts = _Restarts(config.restart_lost, start, events, layout, rank_name, again)
     return _watch(coordinators, ranks, exits, deadline, received, restarts)
 
 
@@ -417,6 +428,7 @@ class _Restarts:
     events: Path
     layout: _Layout
     name: Callable[[LostWorker], str]
+    start_coordinator: Callable[[Child], Child] | None = None  # None: a lost one is not restarted
     answered: set[int] = dataclasses.field(default_factory=set)
     stopped: set[Child] = dataclasses.field(default_factory=set)  # stopped here: their exits are not failures
 
@@ -438,6 +450,17 @@ class _Restarts:
             if child is not None:
                 _print("run:", f"{name} was lost ({lost.reason}); stopping it")
                 child.proc.kill()
+
+    def restart_coordinator(self, lost: Child, coordinators: list[Child]) -> bool:
+        """Starts a coordinator that failed or was killed again, on the same port, if restarts
+        are left (gradserver.torch.ft ranks rejoin it and line up; other ranks fail as before);
+        whether it did."""
+        if self.left <= 0 or self.start_coordinator is None or lost.proc.returncode == 0:
+            return False
+        self.left -= 1
+        _print("run:", f"{lost.failure()}; starting it again on its port ({self.left} restart(s) left)")
+        coordinators[coordinators.index(lost)] = self.start_coordinator(lost)
+        return True
 
     def _is(self, name: str, lost: LostWorker) -> bool:
         return self.name(lost) == name
@@ -498,6 +521,8 @@ def _watch(
         code = child.proc.returncode
         if child in coordinators:
             child.finish_output()
+            if restarts.restart_coordinator(child, coordinators):
+                continue
             _let_survivors_end(running)
             if code:
                 return 1, f"the {coordinator_failure(child, events)}"

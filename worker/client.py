@@ -534,13 +534,22 @@ class WorkerClient:
         self._accepted = dataclasses.replace(self._accepted, recovery_step=step)
 
     def recover(
-        self, timeout: float | None = None, progress: Callable[[int, int], None] | None = None
+        self,
+        timeout: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        *,
+        at: tuple[int, tuple[int, ...]] | None = None,
     ) -> RecoveredState:
         """Takes the job's state at the boundary of `recovery_step` from a live member (the
         coordinator names them, in order), checked byte for byte before it is returned (docs/
         PROTOCOL.md "Live recovery"). `timeout`: seconds each donor has to answer and to send
-        each tensor (default: the receive timeout). Raises `AbortedError` naming each donor and
-        why when none could give it."""
+        each tensor (default: the receive timeout). `at` (step, donors): that step's state from
+        those members instead, for members of a job that began anew who agreed among themselves
+        which of them hold the latest state (gradserver.torch.ft after its coordinator restarted).
+        Raises `AbortedError` naming each donor and why when none could give it."""
+        if at is not None:
+            wait = self.timeouts.receive if timeout is None else timeout
+            return recover(self._mailbox, at[0], at[1], wait, progress)
         step = self._accepted.recovery_step
         if step is None:
             raise FailedPreconditionError(

@@ -5,6 +5,7 @@ for tests/test_torch_ft.py).
     python -m tests.helpers.ft_rank --die RANK:STEP:PHASE --steps 600
     python -m tests.helpers.ft_rank --example ft_hsdp.py --die RANK:STEP:backward --steps 600
     python -m tests.helpers.ft_rank --die-serving RANK --steps 600
+    python -m tests.helpers.ft_rank --lose-release RANK:STEP:FLAG --steps 600
 
 RANK is the rank `gradserver run` started (LOCAL_RANK: the global rank, also under replica
 groups). PHASE is where in step STEP it gets SIGKILL: `forward` (as the model runs), `backward`
@@ -12,8 +13,12 @@ groups). PHASE is where in step STEP it gets SIGKILL: `forward` (as the model ru
 mid-collective), `commit` (before the commit barrier) or `optimizer` (the step committed for
 every rank, not yet applied here). `--die-serving` kills the rank as it begins to give its state
 to a replacement (a donor lost mid-heal). Only the first incarnation dies: a restarted rank (it
-healed) runs to the end. The example itself runs, its `ft.Replica` replaced by one that carries
-the fault; the other flags go to the example.
+healed) runs to the end. `--lose-release` plays a coordinator that dies as it releases step STEP's
+commit barrier, the release reaching every rank but RANK: the other ranks print `rank R: applied
+step STEP` once they applied it, and RANK, past the barrier, prints `rank RANK: lost the release
+of step STEP`, waits (at most 120 s) for the file FLAG (the test creates it once it has killed the
+coordinator) and fails the barrier as a lost connection does. The example itself runs, its
+`ft.Replica` replaced by one that carries the fault; the other flags go to the example.
 """
 
 from __future__ import annotations
@@ -23,16 +28,51 @@ import os
 import runpy
 import signal
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from gradserver.common.errors import ConnectionLost
 from gradserver.torch import ft
 from gradserver.worker import StateSnapshot
 
 from .processes import ROOT
 
 PHASES = ("forward", "backward", "averaging", "commit", "optimizer")
+_FLAG_WAIT_S = 120.0
+
+
+def _releasing_replica(lose_rank: int, step: int, flag: Path) -> type[ft.Replica]:
+    rank = int(os.environ.get("LOCAL_RANK", "-1"))
+
+    class ReleasingReplica(ft.Replica):
+        def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options: Any) -> None:
+            super().__init__(model, optimizer, **options)
+            if self.healed is not None:
+                return
+            barrier, apply = self.client.barrier, optimizer.step
+
+            def commit_barrier(*a: Any, **k: Any) -> None:
+                barrier(*a, **k)
+                if rank == lose_rank and self.step == step:
+                    print(f"rank {rank}: lost the release of step {step}", flush=True)
+                    deadline = time.monotonic() + _FLAG_WAIT_S
+                    while not flag.exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    raise ConnectionLost(f"the release of step {step} was lost (injected)")
+
+            def applied(*a: Any, **k: Any) -> Any:
+                done = apply(*a, **k)
+                if rank != lose_rank and self.step == step:
+                    print(f"rank {rank}: applied step {step}", flush=True)
+                return done
+
+            self.client.barrier = commit_barrier  # type: ignore[method-assign]
+            optimizer.step = applied  # type: ignore[method-assign]
+
+    return ReleasingReplica
 
 
 def _dying_replica(die_rank: int, die_step: int, phase: str, serving: bool) -> type[ft.Replica]:
@@ -87,8 +127,12 @@ def main() -> None:
     parser.add_argument("--example", default="ft_ddp.py", choices=("ft_ddp.py", "ft_hsdp.py"))
     parser.add_argument("--die", default="", help="RANK:STEP:PHASE")
     parser.add_argument("--die-serving", type=int, default=-1, help="RANK")
+    parser.add_argument("--lose-release", default="", help="RANK:STEP:FLAG")
     args, rest = parser.parse_known_args()
-    if args.die_serving >= 0:
+    if args.lose_release:
+        lose_rank, step, flag = args.lose_release.split(":", 2)
+        ft.Replica = _releasing_replica(int(lose_rank), int(step), Path(flag))  # type: ignore[misc]
+    elif args.die_serving >= 0:
         ft.Replica = _dying_replica(args.die_serving, -1, "", serving=True)  # type: ignore[misc]
     else:
         rank, step, phase = [*args.die.split(":"), "", "", ""][:3]
