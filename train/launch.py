@@ -82,7 +82,8 @@ RUN_TIMEOUT_HELP = "seconds for the whole run, a last resort (0: none)"
 RESTART_LOST_HELP = (
     "start a worker or rank that fails or is killed again, alone, with its command, up to this many "
     "times in all (0: a loss ends the job); the coordinator then lets the others go on, and the "
-    "restarted one takes the state of a live one (launch: the trainer; run: gradserver.torch.ft programs)"
+    "restarted one takes the state of a live one (launch: the trainer; run: gradserver.torch.ft programs, "
+    "and run restarts their lost coordinator too, on its port, unless there are several)"
 )
 
 

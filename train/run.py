@@ -114,13 +114,7 @@ class RunConfig:
     run_timeout: float = dataclasses.field(
         default=0.0, metadata={"help": RUN_TIMEOUT_HELP, "deprecated_flag": "--timeout"}
     )
-    restart_lost: int = dataclasses.field(
-        default=0,
-        metadata={
-            "help": RESTART_LOST_HELP + "; a lost coordinator too, on its port (gradserver.torch.ft "
-            "ranks rejoin it), but not one of several (--replica-group-size)"
-        },
-    )
+    restart_lost: int = dataclasses.field(default=0, metadata={"help": RESTART_LOST_HELP})
     no_slurm: bool = dataclasses.field(default=False, metadata={"help": NO_SLURM_HELP})
     replica_group_size: int = dataclasses.field(
         default=0,
