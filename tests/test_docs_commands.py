@@ -97,12 +97,13 @@ def test_every_command_a_quickstart_shows_runs_as_written(page: str, tmp_path: P
 
 @pytest.mark.timeout(600)
 def test_every_command_of_the_torch_page_runs_as_written(tmp_path: Path) -> None:
-    """Each framework's example under torchrun, as the page shows it: the frameworks' print a
-    RESULT line per rank (examples/_result.py), examples/ddp_cnn.py its samples per second."""
+    """Each example under torchrun or run, as the page shows it: every one prints a RESULT line
+    per rank (examples/_result.py), examples/ddp_cnn.py also its samples per second."""
     _, output = _run_page(ROOT / "docs" / "torch.md", tmp_path, after_install=True)
     commands = [line for block in command_blocks(ROOT / "docs" / "torch.md") for line in block.splitlines()]
-    frameworks = [c for c in commands if c.strip() and "ddp_cnn.py" not in c]
-    ranks = sum(4 if "--nproc-per-node 4" in c else 2 for c in frameworks)
+    commands = [c for c in commands if c.strip()]
+    frameworks = [c for c in commands if "ddp_cnn.py" not in c]
+    ranks = sum(4 if "--nproc-per-node 4" in c else 2 for c in commands)
     assert len(frameworks) >= 6 and output.count("RESULT ") == ranks, output[-3000:]
     runs_of_ddp_cnn = sum("ddp_cnn.py" in c for c in commands)
     assert output.count("backend gradserver world 2:") == runs_of_ddp_cnn >= 2, output[-3000:]

@@ -261,6 +261,7 @@ SHARED_SETTINGS = {
     "GRADSERVER_RUN_TIMEOUT": "seconds for the whole run (launch, run)",
     "GRADSERVER_RESTART_LOST": "restarts of lost workers or ranks in all (launch, run)",
     "GRADSERVER_HEARTBEAT_TIMEOUT": "the coordinator's, passed on to it by run",
+    "GRADSERVER_NO_SLURM": "this machine alone, even in a SLURM step (launch, run)",
 }
 
 
