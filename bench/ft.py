@@ -5,7 +5,9 @@
 `steady`: the same small DDP training (bench/_ft_steps.py: a 3-layer MLP of `--width`, AdamW,
 32 samples per rank and step) under `gradserver run --workers R`, the three variants alternated
 `--repeats` times: `ft` (gradserver.torch.ft: DDP hook as one REDUCE per step, a commit barrier
-per step), `ddp` (plain DDP on the "gradserver" backend) and `gloo` (plain DDP on gloo). Reports
+per step), `ft-grpc` (the same over gRPC instead of shared memory: GRADSERVER_TRANSPORT=grpc, as
+ft was before it took the default transport), `ddp` (plain DDP on the "gradserver" backend) and
+`gloo` (plain DDP on gloo). Reports
 each variant's median step time (after 20 warm-up steps; the median over the repeats) and the
 ratios.
 
@@ -42,9 +44,12 @@ def _run(
 ) -> Iterator[queue.Queue[tuple[float, str]]]:
     """`gradserver run` of bench/_ft_steps.py; yields its output lines (arrival time, line)."""
     argv = [sys.executable, "-m", "gradserver.cli", "run", "--workers", str(ranks), *flags, "--"]
-    argv += [sys.executable, "-m", "bench._ft_steps", "--mode", mode, "--steps", str(steps)]
+    argv += [sys.executable, "-m", "bench._ft_steps", "--mode", mode.removesuffix("-grpc")]
+    argv += ["--steps", str(steps)]
     argv += ["--width", str(width), "--progress-every", "10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if mode.endswith("-grpc"):
+        env["GRADSERVER_TRANSPORT"] = "grpc"
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env
     )
@@ -81,7 +86,7 @@ def _until(
 
 
 def steady(args: argparse.Namespace) -> dict[str, object]:
-    medians: dict[str, list[float]] = {"gloo": [], "ddp": [], "ft": []}
+    medians: dict[str, list[float]] = {"gloo": [], "ddp": [], "ft": [], "ft-grpc": []}
     for _ in range(args.repeats):
         for mode, values in medians.items():
             seen: list[str] = []
@@ -98,6 +103,7 @@ def steady(args: argparse.Namespace) -> dict[str, object]:
         "each_ms": {mode: [round(1000 * v, 2) for v in values] for mode, values in medians.items()},
         "ft_over_ddp": round(ms["ft"] / ms["ddp"], 3),
         "ft_over_gloo": round(ms["ft"] / ms["gloo"], 3),
+        "ft_grpc_over_ft": round(ms["ft-grpc"] / ms["ft"], 3),
         "ddp_over_gloo": round(ms["ddp"] / ms["gloo"], 3),
     }
 

@@ -550,5 +550,4 @@ class Replica:
             # In a replica group, RANK is the rank within the group; the job's worker id is the
             # replica group's (GRADSERVER_REPLICA_GROUP, which `gradserver run` sets).
             rank=replica_group_index() if grouped else launcher_rank(),
-            transport="grpc",
         )
