@@ -30,6 +30,10 @@ environment serves both. The old names a rank would read as its own for one more
 the ranks' environment. Settings: `RunConfig` (flag, GRADSERVER_ variable, default; the old
 `--timeout` is `--run-timeout`).
 
+With --restart-lost K, a rank that fails or is killed is started again alone (its command, its
+environment), and so is a coordinator, on its port: gradserver.torch.ft ranks heal or rejoin and
+line up (docs/fault-tolerance.md); each restart is one of the K.
+
 Started by srun as one of several tasks of a SLURM step (`srun gradserver run --workers W -- CMD`,
 see gradserver.train.slurm and docs/slurm.md), run starts its share of the job: task t's ranks are
 t*W..t*W+W-1 of a world of W times the tasks, with MASTER_ADDR the step's first node; task 0 also
