@@ -11,7 +11,8 @@ SLURM cluster.
   slurmctld and two slurmd, each node its own network namespace), submitted with sbatch as a user
   would: ddp.sbatch trains with the same parameter digest on every rank; the job's token is on no
   command line; a node lost mid-job (its slurmd and every process on it killed) fails the job with
-  the lost rank named; ft_ddp.sbatch restarts a killed rank on its node, which heals; launch.sbatch
+  the lost rank named, and a node's slurmd killed alone ends it once SLURM gives the node up, its
+  ranks named; ft_ddp.sbatch restarts a killed rank on its node, which heals; launch.sbatch
   (both engines) leaves one checkpoint per worker, all with the same weights. Skipped, naming what
   is missing, without root or the packages slurm-wlm and munge.
 """
@@ -414,6 +415,30 @@ def test_a_lost_node_fails_the_job_naming_the_lost_rank(cluster: SlurmCluster, t
     # Ranks 2 and 3 ran on node2; task 0's run names the one the coordinator lost first.
     assert re.search(r"^run: rank [23] was lost at operation \d+ \(", text, re.MULTILINE), text
     assert "RESULT" not in text
+
+
+@needs_cluster
+@pytest.mark.processes
+@pytest.mark.timeout(240)
+def test_a_nodes_slurmd_killed_alone_ends_the_job_when_slurm_gives_the_node_up_naming_its_ranks(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """slurmd alone dies: slurmstepd and the ranks on node2 go on, and the job trains on until
+    SLURM holds the node down (SlurmdTimeout, 10 s here) and cancels the job. Then srun stops
+    every task; task 0's run says SLURM stopped it and names the node and the ranks that ran
+    there (the coordinator never lost them)."""
+    out = tmp_path / "job.out"
+    job = cluster.sbatch(EXAMPLE, f"--output={out}", env=_job_env(STEPS="20000"), cwd=ROOT)
+    _wait_for_text(out, "step 20 ", timeout=120)
+    cluster.kill_slurmd("node2")
+    state = cluster.wait(job, timeout=180)
+    text = out.read_text(errors="replace")
+    assert state == "NODE_FAIL", text
+    assert re.search(
+        r"^run: stopped by SIGTERM; SLURM reports node node2 \(ranks 2-3 ran there\) down or not responding$",
+        text,
+        re.MULTILINE,
+    ), text
 
 
 @needs_cluster

@@ -83,7 +83,7 @@ from gradserver.worker.supervisor import STOP_GRACE_S, Child, start_child, stop
 
 from .cli import WorkerConfig, available_cores
 from .launch import RESTART_LOST_HELP, RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
-from .slurm import NO_SLURM_HELP, OTHER_TASKS_S, SlurmStep, several_tasks
+from .slurm import NO_SLURM_HELP, OTHER_TASKS_S, SlurmStep, several_tasks, unresponsive_nodes
 
 _START_TIMEOUT_S = 60.0
 # A rank's node name holds its process id: HOST/pidPID (gradserver.torch.ft), HOST/pidPID/rankN.
@@ -396,7 +396,27 @@ def _supervise(
     # Several coordinators (replica groups) are not restarted: their ranks end when one is lost.
     again = restart_coordinator if len(coordinators) == 1 else None
     restarts = _Restarts(config.restart_lost, start, events, layout, rank_name, again)
-    return _watch(coordinators, ranks, exits, deadline, received, restarts)
+    # Asked at once, while the ranks end on the signal: srun gives a task KillWait seconds.
+    why = functools.partial(_why_slurm_stopped, step, config.workers) if step is not None else str
+    return _watch(coordinators, ranks, exits, deadline, received, restarts, why)
+
+
+def _why_slurm_stopped(step: SlurmStep, workers: int) -> str:
+    """After srun stopped this task: the nodes SLURM holds down, with the ranks that ran there,
+    since the coordinator may never have heard of their loss (a node whose slurmd died keeps its
+    ranks running until SLURM cancels the job)."""
+    named = []
+    for host in unresponsive_nodes(step):
+        ranks = step.ranks_on(host, workers)
+        there = ""
+        if ranks:
+            there = (
+                f" (rank {ranks[0]} ran there)"
+                if len(ranks) == 1
+                else f" (ranks {ranks[0]}-{ranks[-1]} ran there)"
+            )
+        named.append(f"{host}{there}")
+    return f"; SLURM reports node {', '.join(named)} down or not responding" if named else ""
 
 
 def _slurm_step(config: RunConfig) -> SlurmStep | None:
@@ -507,12 +527,13 @@ def _watch(
     deadline: float,
     received: list[int],
     restarts: _Restarts,
+    stopped_why: Callable[[], str] = str,
 ) -> tuple[int, str]:
     events = restarts.events
     running = set(ranks)
     while running:
         if received:
-            return _after_signal(ranks, received[0])
+            return _after_signal(ranks, received[0], stopped_why())
         if time.monotonic() >= deadline:
             raise DeadlineExceededError("the run did not finish within --run-timeout")
         try:
@@ -521,7 +542,7 @@ def _watch(
             restarts.stop_lost(ranks)
             continue
         if received:  # this exit is the forwarded signal's doing, not the rank's failure
-            return _after_signal(ranks, received[0])
+            return _after_signal(ranks, received[0], stopped_why())
         code = child.proc.returncode
         if child in coordinators:
             child.finish_output()
@@ -590,13 +611,14 @@ def _let_survivors_end(running: set[Child]) -> None:
             child.proc.wait(max(0.0, end - time.monotonic()))
 
 
-def _after_signal(ranks: list[Child], signum: int) -> tuple[int, str]:
-    """The signal went to every rank: give them the grace period to exit on it."""
+def _after_signal(ranks: list[Child], signum: int, why: str = "") -> tuple[int, str]:
+    """The signal went to every rank: give them the grace period to exit on it. `why`: what
+    else is known of the stop, appended to the line."""
     grace_end = time.monotonic() + STOP_GRACE_S
     for child in ranks:
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.proc.wait(max(0.0, grace_end - time.monotonic()))
-    return 128 + signum, f"stopped by {signal.Signals(signum).name}"
+    return 128 + signum, f"stopped by {signal.Signals(signum).name}{why}"
 
 
 def _end_coordinators(coordinators: list[Child], finished: str) -> tuple[int, str]:

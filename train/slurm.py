@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
 from collections.abc import Mapping
 
 from gradserver.common.errors import InvalidArgumentError
@@ -35,6 +36,7 @@ __all__ = [
     "expand_tasks_per_node",
     "several_tasks",
     "slurm_step",
+    "unresponsive_nodes",
 ]
 
 NO_SLURM_HELP = (
@@ -99,6 +101,14 @@ class SlurmStep:
         """Tasks of the step on this node."""
         return self.tasks_per_node[self.node]
 
+    def ranks_on(self, host: str, workers: int) -> range | None:
+        """The job's ranks on `host` when every node runs one task of `workers` ranks (else
+        None: which task runs where then depends on the distribution)."""
+        if host not in self.hosts or any(count != 1 for count in self.tasks_per_node):
+            return None
+        first = self.hosts.index(host) * workers
+        return range(first, first + workers)
+
     def ports(self, coordinator_port: int = 0) -> tuple[int, int]:
         """(coordinator, torch Store) ports: `coordinator_port` and the next one when given,
         else two derived from the job id, the same in every task."""
@@ -147,6 +157,28 @@ def several_tasks(environ: Mapping[str, str] | None = None) -> SlurmStep | None:
     one-task step (a run on one machine like any other)."""
     step = slurm_step(environ)
     return step if step is not None and step.tasks > 1 else None
+
+
+_SINFO_TIMEOUT_S = 3.0  # within srun's KillWait, which follows its SIGTERM
+
+
+def unresponsive_nodes(step: SlurmStep) -> list[str]:
+    """The step's nodes that SLURM holds down, failed or not responding (`sinfo`), for saying
+    why SLURM stopped a task; [] when sinfo is missing or does not answer in time."""
+    argv = ["sinfo", "--noheader", "--Node", f"--nodes={','.join(step.hosts)}", "--format=%N %T"]
+    try:
+        out = subprocess.run(
+            argv, capture_output=True, text=True, timeout=_SINFO_TIMEOUT_S, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = []
+    for line in out.splitlines():
+        host, _, state = line.partition(" ")
+        # A trailing * is SLURM's mark of a node that does not respond.
+        if any(word in state for word in ("down", "fail")) or state.endswith("*"):
+            found.append(host)
+    return [host for host in step.hosts if host in found]
 
 
 _TASK_COUNT = re.compile(r"(\d+)(?:\(x(\d+)\))?")

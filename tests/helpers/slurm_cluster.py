@@ -173,7 +173,8 @@ class SlurmCluster:
                     "SelectTypeParameters=CR_CPU",
                     "ReturnToService=2",
                     f"SlurmdTimeout={self.slurmd_timeout_s}",
-                    "KillWait=5",
+                    # SLURM's default: what a task has between srun's SIGTERM and its SIGKILL.
+                    "KillWait=30",
                     "MinJobAge=600",
                     *nodes,
                     f"PartitionName=debug Nodes=node[1-{len(self.nodes)}] Default=YES State=UP",
@@ -184,9 +185,15 @@ class SlurmCluster:
 
     def _in_host(self, index: int, hostname: str, argv: list[str]) -> subprocess.Popen[bytes]:
         """Starts a daemon in host `index`'s network namespace with hostname and hosts file of
-        its own, as PID 1's child of a new PID namespace (see the module docstring)."""
+        its own, as the child of a shell that is PID 1 of a new PID namespace (see the module
+        docstring): the daemon can die alone, and the shell's death ends the machine."""
         host = self._net.hosts[index]
-        script = f'hostname {hostname} && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+        # PID 1 outlives the daemon (a node whose slurmd died keeps its slurmstepd and tasks),
+        # and its death ends the machine.
+        script = (
+            f'hostname {hostname} && mount --bind "$1" /etc/hosts && shift && '
+            '{ "$@"; echo "$1 exited ($?)"; exec sleep 86400; }'
+        )
         log = open(self.dir / f"{hostname}.out", "wb")  # noqa: SIM115 - the daemon's, closed with it
         with log:
             return subprocess.Popen(
@@ -217,15 +224,18 @@ class SlurmCluster:
         states = ""
         while time.monotonic() < deadline:
             for name, proc in self._daemons.items():
-                if proc.poll() is not None:
-                    raise SlurmError(f"{name}'s daemon exited ({proc.returncode}): {self.log_tail(name)}")
+                if proc.poll() is not None or " exited (" in self.log_tail(name, 1):
+                    raise SlurmError(f"{name}'s daemon exited: {self.log_tail(name)}")
             result = self.client("sinfo", "--noheader", "--Node", "--format=%N %T", check=False)
             states = result.stdout.strip()
             idle = dict(line.split() for line in states.splitlines() if len(line.split()) == 2)
             if all(idle.get(node) == "idle" for node in self.nodes):
                 return
             time.sleep(0.2)
-        raise SlurmError(f"the nodes were not idle within {_START_TIMEOUT_S:g} s: {states or 'no answer'}")
+        logs = "; ".join(f"{name}: {self.log_tail(name, 5)}" for name in self._daemons)
+        raise SlurmError(
+            f"the nodes were not idle within {_START_TIMEOUT_S:g} s: {states or 'no answer'} ({logs})"
+        )
 
     # --- using it -----------------------------------------------------------------------------
 
@@ -293,11 +303,25 @@ class SlurmCluster:
     def kill_node(self, node: str) -> None:
         """Ends `node` as a power cut does: SIGKILL to its PID namespace's first process, which
         takes slurmd, every slurmstepd and every task of the node with it."""
-        unshare = self._daemons[node].pid  # nsenter exec'd unshare; its child is the PID 1 inside
+        os.kill(self._first_inside(node), signal.SIGKILL)
+
+    def kill_slurmd(self, node: str) -> None:
+        """SIGKILL to `node`'s slurmd alone: its slurmstepd and tasks go on."""
+        init = self._first_inside(node)
+        # slurmstepd daemonizes, so it is a child of PID 1 too: the one named slurmd.
+        children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+        slurmd = [pid for pid in children if Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd"]
+        if not slurmd:
+            raise SlurmError(f"{node}: its slurmd is not running")
+        os.kill(int(slurmd[0]), signal.SIGKILL)
+
+    def _first_inside(self, name: str) -> int:
+        """The pid (here) of PID 1 of `name`'s PID namespace."""
+        unshare = self._daemons[name].pid  # nsenter exec'd unshare; its child is the PID 1 inside
         children = Path(f"/proc/{unshare}/task/{unshare}/children").read_text().split()
         if not children:
-            raise SlurmError(f"{node}: no process inside its PID namespace")
-        os.kill(int(children[0]), signal.SIGKILL)
+            raise SlurmError(f"{name}: no process inside its PID namespace")
+        return int(children[0])
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         """The end of a daemon's output (name: `ctl` or a node)."""
