@@ -570,13 +570,14 @@ def _watch(
             code = culprit.proc.returncode
             return (code if code > 0 else 128 - code), line
     place = restarts.layout.place
+    every = f"all {len(ranks)} ranks" if len(ranks) > 1 else "the 1 rank"
     if place.tasks == 1:
-        return _end_coordinators(coordinators, f"all {len(ranks)} ranks finished")
+        return _end_coordinators(coordinators, f"{every} finished")
     if coordinators:
         why = _await_other_tasks(coordinators[0], restarts, deadline)
         if why:
             return 1, why
-    return _end_coordinators(coordinators, f"all {len(ranks)} ranks of SLURM task {place.task} finished")
+    return _end_coordinators(coordinators, f"{every} of SLURM task {place.task} finished")
 
 
 def _await_other_tasks(coordinator: Child, restarts: _Restarts, deadline: float) -> str:
