@@ -547,8 +547,8 @@ class WorkerClient:
         those members instead, for members of a job that began anew who agreed among themselves
         which of them hold the latest state (gradserver.torch.ft after its coordinator restarted).
         Raises `AbortedError` naming each donor and why when none could give it."""
+        wait = self.timeouts.receive if timeout is None else timeout
         if at is not None:
-            wait = self.timeouts.receive if timeout is None else timeout
             return recover(self._mailbox, at[0], at[1], wait, progress)
         step = self._accepted.recovery_step
         if step is None:
@@ -556,7 +556,6 @@ class WorkerClient:
                 f"worker {self.worker_id} joined as the job began: there is no state to recover",
                 worker_id=self.worker_id,
             )
-        wait = self.timeouts.receive if timeout is None else timeout
         return recover(self._mailbox, step, self._accepted.donors, wait, progress)
 
     def offer_state(self, snapshot: Callable[[], StateSnapshot], timeout: float | None = None) -> None:
