@@ -51,28 +51,24 @@ def main() -> None:
     if args.mode == "ft":
         job = ft.Replica(model, optimizer)
         ddp, rank = job.ddp(), job.client.worker_id
-        for step in job.steps(args.steps):
-            started = time.perf_counter()
-            optimizer.zero_grad()
-            x, y = samples(step, rank)
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            job.commit()
-            times.append(time.perf_counter() - started)
-            if args.progress_every and rank == 0 and step % args.progress_every == 0:
-                print(f"rank 0 at step {step}", flush=True)
+        steps, apply = job.steps(args.steps), job.commit
+    else:
+        dist.init_process_group("gradserver" if args.mode == "ddp" else "gloo")
+        ddp, rank = DistributedDataParallel(model), dist.get_rank()
+        steps, apply = iter(range(args.steps)), optimizer.step
+    for step in steps:
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        x, y = samples(step, rank)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        apply()
+        times.append(time.perf_counter() - started)
+        if args.progress_every and rank == 0 and step % args.progress_every == 0:
+            print(f"rank 0 at step {step}", flush=True)
+    if args.mode == "ft":
         print(f"rank {rank}: digest {state_digest(ft.state_tensors(model, optimizer)):#018x}", flush=True)
         job.close()
     else:
-        dist.init_process_group("gradserver" if args.mode == "ddp" else "gloo")
-        rank = dist.get_rank()
-        ddp = DistributedDataParallel(model)
-        for step in range(args.steps):
-            started = time.perf_counter()
-            optimizer.zero_grad()
-            x, y = samples(step, rank)
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            optimizer.step()
-            times.append(time.perf_counter() - started)
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
