@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from gradserver.common.errors import InvalidArgumentError
-from gradserver.train.run import _Layout, _Place
+from gradserver.train.run import _Layout
 from gradserver.train.slurm import SlurmStep, expand_hostlist, expand_tasks_per_node, slurm_step
 
 from .helpers import slurm_cluster
@@ -168,7 +168,9 @@ def test_every_task_derives_the_same_ports_from_the_job_id() -> None:
 
 def test_a_tasks_ranks_get_the_jobs_ranks_and_the_first_nodes_addresses() -> None:
     # Task 1 of 2, the second of two tasks on node 1 (cyclic: SLURM_LOCALID 1 of 2).
-    place = _Place(tasks=4, task=3, local_task=1, local_tasks=2, node=1, first_host="node1")
+    place = SlurmStep(
+        job_id=1, tasks=4, task=3, node=1, local_task=1, tasks_per_node=(2, 2), hosts=("node1", "node2")
+    )
     env = _Layout(2, 0, place).env(1, 10001, ["node1:10000"], "tok", 1)
     assert env["RANK"] == "7" and env["WORLD_SIZE"] == "8"
     assert env["LOCAL_RANK"] == "3" and env["LOCAL_WORLD_SIZE"] == "4"
@@ -316,6 +318,11 @@ def _job_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "PYTHON": "python"} | extra
 
 
+def _submit(cluster: SlurmCluster, script: Path, out: Path, **env: str) -> int:
+    """Submits `script` from the repository, as a user would, its output to `out`; its job id."""
+    return cluster.sbatch(script, f"--output={out}", env=_job_env(**env), cwd=ROOT)
+
+
 def _wait_for_text(path: Path, text: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while text not in (path.read_text(errors="replace") if path.exists() else ""):
@@ -328,7 +335,7 @@ def _wait_for_text(path: Path, text: str, timeout: float) -> None:
 @pytest.mark.timeout(240)
 def test_the_sbatch_example_trains_identically_on_every_rank(cluster: SlurmCluster, tmp_path: Path) -> None:
     out = tmp_path / "job.out"
-    job = cluster.sbatch(EXAMPLE, f"--output={out}", env=_job_env(STEPS="20"), cwd=ROOT)
+    job = _submit(cluster, EXAMPLE, out, STEPS="20")
     state = cluster.wait(job, timeout=180)
     text = out.read_text(errors="replace")
     assert state == "COMPLETED", text
@@ -369,8 +376,7 @@ def test_the_trainers_launch_example_trains_identically_on_every_worker(
     from gradserver.train.checkpoint import load_checkpoint
 
     out, run_dir = tmp_path / "job.out", tmp_path / "run"
-    env = _job_env(STEPS="12", OUT=str(run_dir), GRADSERVER_ENGINE=engine)
-    job = cluster.sbatch(LAUNCH_EXAMPLE, f"--output={out}", env=env, cwd=ROOT)
+    job = _submit(cluster, LAUNCH_EXAMPLE, out, STEPS="12", OUT=str(run_dir), GRADSERVER_ENGINE=engine)
     state = cluster.wait(job, timeout=180)
     text = out.read_text(errors="replace")
     assert state == "COMPLETED", text
@@ -401,7 +407,7 @@ def _token_of_a_rank(root_pid: int) -> tuple[str, list[str]]:
 @pytest.mark.timeout(240)
 def test_a_lost_node_fails_the_job_naming_the_lost_rank(cluster: SlurmCluster, tmp_path: Path) -> None:
     out = tmp_path / "job.out"
-    job = cluster.sbatch(EXAMPLE, f"--output={out}", env=_job_env(STEPS="5000"), cwd=ROOT)
+    job = _submit(cluster, EXAMPLE, out, STEPS="5000")
     _wait_for_text(out, "step 20 ", timeout=120)
     # The job's own token, drawn inside it: in every rank's environment, on no command line.
     token, lines = _token_of_a_rank(cluster.daemon_pid("node2"))
@@ -428,7 +434,7 @@ def test_a_nodes_slurmd_killed_alone_ends_the_job_when_slurm_gives_the_node_up_n
     every task; task 0's run says SLURM stopped it and names the node and the ranks that ran
     there (the coordinator never lost them)."""
     out = tmp_path / "job.out"
-    job = cluster.sbatch(EXAMPLE, f"--output={out}", env=_job_env(STEPS="20000"), cwd=ROOT)
+    job = _submit(cluster, EXAMPLE, out, STEPS="20000")
     _wait_for_text(out, "step 20 ", timeout=120)
     cluster.kill_slurmd("node2")
     state = cluster.wait(job, timeout=180)
@@ -448,7 +454,7 @@ def test_a_rank_killed_inside_the_allocation_is_restarted_on_its_node_and_heals(
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     out = tmp_path / "job.out"
-    job = cluster.sbatch(FT_EXAMPLE, f"--output={out}", env=_job_env(STEPS="3000"), cwd=ROOT)
+    job = _submit(cluster, FT_EXAMPLE, out, STEPS="3000")
     _wait_for_text(out, "step 100:", timeout=120)
     [rank2] = [
         pid

@@ -165,11 +165,11 @@ class _Job:
     @property
     def first(self) -> int:
         """The job's rank of this launch's first worker (0 but in a SLURM step)."""
-        return self.step.task * self.launch.workers if self.step else 0
+        return self.step.first_rank(self.launch.workers) if self.step else 0
 
     @property
     def world(self) -> int:
-        return self.launch.workers * (self.step.tasks if self.step else 1)
+        return self.step.world(self.launch.workers) if self.step else self.launch.workers
 
     @property
     def task_zero(self) -> bool:

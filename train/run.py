@@ -235,25 +235,6 @@ def _free_port() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Place:
-    """Where this run's ranks sit in the whole job: alone on one machine, or task `task` of a
-    SLURM step's `tasks` (each with the same --workers), `local_task` of `local_tasks` on the
-    step's node `node`, the first node (task 0's, with the coordinator and rank 0's torch Store)
-    being `first_host`."""
-
-    tasks: int = 1
-    task: int = 0
-    local_task: int = 0
-    local_tasks: int = 1
-    node: int = 0
-    first_host: str = "127.0.0.1"
-
-    @classmethod
-    def of(cls, step: SlurmStep) -> _Place:
-        return cls(step.tasks, step.task, step.local_task, step.local_tasks, step.node, step.first_host)
-
-
-@dataclasses.dataclass(frozen=True)
 class _Layout:
     """Where rank r runs: its torch.distributed environment and its coordinator. Without replica
     groups every rank is in one world and joins the one coordinator; with groups of G ranks, rank
@@ -262,16 +243,17 @@ class _Layout:
 
     workers: int
     group_size: int  # 0: no replica groups
-    place: _Place = _Place()
+    # Where this run's ranks sit in the whole job: one machine, or one task of a SLURM step.
+    place: SlurmStep = dataclasses.field(default_factory=SlurmStep.alone)
 
     @property
     def world(self) -> int:
         """Ranks in the whole job, this run's and other SLURM tasks'."""
-        return self.workers * self.place.tasks
+        return self.place.world(self.workers)
 
     def global_rank(self, rank: int) -> int:
         """The job's rank of this run's rank `rank` (0..workers-1)."""
-        return self.place.task * self.workers + rank
+        return self.place.first_rank(self.workers) + rank
 
     @property
     def coordinators(self) -> int:
@@ -331,7 +313,7 @@ def _supervise(
     caller stops whatever still runs."""
     deadline = time.monotonic() + (config.run_timeout or float("inf"))
     step = _slurm_step(config)
-    layout = _Layout(config.workers, config.replica_group_size, _Place.of(step) if step else _Place())
+    layout = _Layout(config.workers, config.replica_group_size, step or SlurmStep.alone())
     # Every coordinator appends its verdicts to the one events file (a line is one write); a
     # lost worker is told apart by its node name, which holds its process id.
     events = tmp / "events"

@@ -91,6 +91,19 @@ class SlurmStep:
                 "use srun's block or cyclic distribution (the default)"
             )
 
+    @classmethod
+    def alone(cls) -> SlurmStep:
+        """A job on this machine alone, as a step of one task would be."""
+        return cls(job_id=0, tasks=1, task=0, node=0, local_task=0, tasks_per_node=(1,), hosts=("127.0.0.1",))
+
+    def first_rank(self, workers: int) -> int:
+        """The job's rank of this task's first rank, every task starting `workers`."""
+        return self.task * workers
+
+    def world(self, workers: int) -> int:
+        """Ranks in the job, every task starting `workers`."""
+        return self.tasks * workers
+
     @property
     def first_host(self) -> str:
         """Where task 0 runs, and with it the coordinator and rank 0's torch Store."""
