@@ -2,6 +2,7 @@
 
     python -m bench.collectives                        # N = 2 and 3, 4 B, 256 KiB and 16 MiB
     python -m bench.collectives --workers 2 --sizes 4 262144 --iterations 20
+    python -m bench.collectives --machine-floor        # and this machine's all_reduce floor (bench.machine)
 
 For every N, each backend runs in its own set of spawned ranks (a file store, the same tensors)
 and times all_reduce, all_gather_into_tensor, reduce_scatter_tensor and broadcast of float32
@@ -25,11 +26,14 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from bench.machine import Machine
 
 BACKENDS = ("gradserver", "gloo")
 OPERATIONS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send_recv")
@@ -142,12 +146,35 @@ def _size_name(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _machine_floor_cells(machine: Machine, name: str, world: int, nbytes: int, seconds: float) -> str:
+    """The `--machine-floor` columns of one row: bench.machine models all_reduce only."""
+    if name != "all_reduce":
+        return " - | - |"
+    from bench.machine import all_reduce_floor_s
+
+    floor = all_reduce_floor_s(nbytes, world, machine)
+    return f" {floor * 1e3:.4f} | {seconds / floor:.2f} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 3], help="world sizes to run")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="bytes per rank")
     parser.add_argument("--iterations", type=int, default=0, help="timed calls per size (0: by size)")
+    parser.add_argument(
+        "--machine-floor",
+        action="store_true",
+        help="measure this machine first (bench.machine) and show each all_reduce's floor "
+        "(its copies and wakes over the collective lane) and gradserver/floor",
+    )
     args = parser.parse_args()
+    machine: Machine | None = None
+    if args.machine_floor:
+        from bench import machine as bench_machine
+
+        # Measured before any rank runs, so that nothing of this bench competes with it.
+        machine = bench_machine.measure()
+        print(bench_machine.table(machine), end="\n\n", flush=True)
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
     rows = []
     for world in args.workers:
@@ -159,11 +186,13 @@ def main() -> None:
         print(f"N={world} done", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print()
-    print("| N | operation | bytes per rank | gradserver ms | gloo ms | gradserver/gloo |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    floor_header = " floor ms | gradserver/floor |" if machine else ""
+    print("| N | operation | bytes per rank | gradserver ms | gloo ms | gradserver/gloo |" + floor_header)
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if machine else ""))
     for world, name, nbytes, ours, gloo in rows:
         cells = (str(world), name, _size_name(nbytes), f"{ours * 1e3:.3f}", f"{gloo * 1e3:.3f}")
-        print(f"| {' | '.join(cells)} | {ours / gloo:.2f} |")
+        floor_cells = _machine_floor_cells(machine, name, world, nbytes, ours) if machine else ""
+        print(f"| {' | '.join(cells)} | {ours / gloo:.2f} |" + floor_cells)
 
 
 if __name__ == "__main__":

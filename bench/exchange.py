@@ -5,6 +5,7 @@
     python -m bench.exchange --workers 2 --steps 5
     python -m bench.exchange --transport grpc,shm   # gloo, gradserver over gRPC and over shared memory
     python -m bench.exchange --api tuned --zero-copy --transport shm   # the tuned API
+    python -m bench.exchange --transport shm --machine-floor   # and this machine's floor beside each
 
 For each N, the same worker processes' buffers are averaged by (a) a gradserver coordinator
 process and N WorkerClient processes, sending every block in reverse order and then the LM head,
@@ -34,9 +35,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from bench.machine import Machine
 
 SLICE = {"num_blocks": 4, "hidden": 1024, "kv_hidden": 256, "intermediate": 4096, "vocab": 32768}
 
@@ -372,6 +376,24 @@ def run_gloo(world: int, shape: dict[str, int], steps: int, warmup: int, timeout
         return step_times(_collect(procs, timeout))
 
 
+def _machine_floor_cells(
+    machine: Machine,
+    transport: str,
+    world: int,
+    shape: dict[str, int],
+    args: argparse.Namespace,
+    seconds: float,
+) -> str:
+    """The `--machine-floor` columns of one row: bench.machine's floor for a shared-memory step
+    of this shape and API (over gRPC the bytes also cross sockets, which it does not model)."""
+    if transport != "shm":
+        return " - | - |"
+    from bench.machine import exchange_floor_s
+
+    floor = exchange_floor_s(4 * _elements(shape), world, machine, args.api, args.zero_copy)
+    return f" {floor:.3f} | {seconds / floor:.2f} |"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -392,6 +414,12 @@ def main() -> int:
         help="plain: numpy arrays, results from the receives; tuned: into= (and --zero-copy)",
     )
     parser.add_argument("--floor", action="store_true", help="also time a bare gRPC echo of the same bytes")
+    parser.add_argument(
+        "--machine-floor",
+        action="store_true",
+        help="measure this machine first (bench.machine) and show each shared-memory step's floor: "
+        "the memory traffic its design makes at the measured copy bandwidth, and gradserver/floor",
+    )
     parser.add_argument("--no-gloo", action="store_true", help="skip gloo (e.g. for an RSS-only run)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--shape", default=json.dumps(SLICE))
@@ -436,11 +464,22 @@ def main() -> int:
         + (f"{args.shm_arena_mib:g} MiB" if args.shm_arena_mib else "of their default sizes")
         + (" + the set (zero copy)" if args.zero_copy else "")
     )
+    machine: Machine | None = None
+    if args.machine_floor:
+        from bench import machine as bench_machine
+
+        # Measured before any worker runs, so that nothing of this bench competes with it.
+        machine = bench_machine.measure()
+        print(bench_machine.table(machine))
+        print()
     print(
         "| N | transport | gradserver s | GB/s | gloo s | gradserver/gloo | gRPC echo floor s "
         "| coordinator peak RSS MiB | RssAnon MiB | RssShmem MiB |"
+        + (" memory floor s | gradserver/memory floor |" if machine else "")
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if machine else "")
+    )
     for world in [int(w) for w in args.workers.split(",")]:
         gloo = [] if args.no_gloo else run_gloo(world, shape, args.steps, args.warmup, args.timeout)
         b = statistics.median(gloo) if gloo else float("nan")
@@ -464,9 +503,10 @@ def main() -> int:
                 args.api,
             )
             a = statistics.median(ours)
+            floor_cells = _machine_floor_cells(machine, transport, world, shape, args, a) if machine else ""
             print(
                 f"| {world} | {transport} | {a:.3f} | {gbytes / a:.2f} | {b:.3f} | {a / b:.2f} | {f:.3f} "
-                f"| {rss:.0f} | {anon:.0f} | {shmem:.0f} |",
+                f"| {rss:.0f} | {anon:.0f} | {shmem:.0f} |" + floor_cells,
                 flush=True,
             )
     return 0

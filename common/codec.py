@@ -846,6 +846,8 @@ def encode_server_event(event: ServerEvent) -> bytes:
             err.sample_range_request.CopyFrom(pb.SampleRangeRequest(step=event.sample_range_step))
         if event.peer_message is not None:
             err.peer_message.ParseFromString(_peer_header(event.peer_message))
+        if event.start_at is not None:
+            err.start_at.CopyFrom(pb.StartAt(worker_id=event.start_at.worker_id, step=event.start_at.step))
         msg = pb.ServerMessage(error=err)
     return msg.SerializeToString()
 
@@ -926,6 +928,7 @@ def decode_server_message(raw: bytes) -> ServerEvent:
                 sample_range_step=e.sample_range_request.step if subject == "sample_range_request" else None,
                 step_failed=e.step_failed,
                 peer_message=_refused_peer(e.peer_message) if subject == "peer_message" else None,
+                start_at=StartAtIn(e.start_at.worker_id, e.start_at.step) if subject == "start_at" else None,
             )
     except (InvalidArgumentError, ValueError) as exc:
         raise InternalError(f"invalid message from the coordinator: {exc}") from exc

@@ -199,10 +199,18 @@ class BarrierIn:
 
 @dataclasses.dataclass(frozen=True)
 class StartAtIn:
-    """A worker that joined a running job takes part from `step`, later than its plan's."""
+    """A worker that joined a running job takes part from `step`, later than its plan's (at most
+    `START_AT_WINDOW` steps later)."""
 
     worker_id: int
     step: int
+
+
+# The most steps a StartAt may move a worker's first step past its recovery plan's. Replica groups
+# (HSDP) line their shards' plans up on the latest, which differ by a step or two; every step in
+# between runs without the worker while it waits for a donor to reach the new step's boundary, so
+# a step further on only keeps it out of the job longer (and 2^64-1 would keep it out for good).
+START_AT_WINDOW = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +314,8 @@ class ShutdownOut:
 @dataclasses.dataclass(frozen=True)
 class ErrorOut:
     """An error inside the stream. Exactly what it concerns: a key, a barrier, a sample-range request,
-    or (all of them unset) the whole step."""
+    a point-to-point message, a later first step (`StartAtIn`), or (all of them unset) the whole
+    step."""
 
     code: int
     message: str
@@ -318,6 +327,8 @@ class ErrorOut:
     step_failed: bool = False
     # A refused point-to-point message (its data left out).
     peer_message: PeerPiece | None = None
+    # A refused later first step, as the worker sent it.
+    start_at: StartAtIn | None = None
 
 
 @dataclasses.dataclass(frozen=True)

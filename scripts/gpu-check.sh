@@ -7,6 +7,11 @@
 #   scripts/gpu-check.sh          # there: installs them and gradserver (from this tree) under
 #                                 # /tmp/site, then runs, each under its own time limit:
 #     tests    the CUDA tests (tests/test_cuda.py, the CUDA/NCCL tests of the other files)
+#     torch-collectives, torch-fsdp2, torch-ddp
+#              bench.torch_cuda under torchrun, 2 ranks sharing the GPU (issue 52): every
+#              collective of the "gradserver" backend exact on CUDA tensors, and the group's
+#              cuda registration; FSDP2 against gloo; DDP on a 27M-parameter encoder, step time
+#              against gloo's and the profiler's device<->host copies (pinned or pageable)
 #     launch   gradserver launch --workers 2 --device cuda (accumulation and clipping on), and
 #              a check that both workers' weights are bit-identical
 #     sync     bench.gpu --part sync: tokens/s, device-side accumulation vs a sync per block
@@ -96,6 +101,18 @@ part tests 150 $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" 
     tests/test_cuda.py tests/test_gradients.py tests/test_training_torch_distributed.py \
     tests/test_torch_backend.py -k "cuda or nccl"
 
+# The torch backend on CUDA tensors (issue 52): two ranks under torchrun sharing the GPU; rank 0
+# prints the JSON lines.
+torch_check() {
+    $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.torch_cuda --device "$DEVICE" "$@" |
+        tee -a "$OUT/bench.jsonl"
+    return "${PIPESTATUS[0]}"
+}
+export -f torch_check
+part torch-collectives 90 torch_check --part collectives
+part torch-fsdp2 90 torch_check --part fsdp2
+part torch-ddp 150 torch_check --part ddp
+
 launch_check() {
     local dir
     dir=$(mktemp -d)
@@ -164,6 +181,11 @@ summary = {"parts": parts, "tests": tests, "bench": bench}
 print(json.dumps({"parts": parts, "tests": {k: v for k, v in tests.items() if k != "cases"}}))
 for entry in bench:
     print(json.dumps(entry))
+# The checks' own one-line verdicts, last: what to read first.
+for entry in bench:
+    if "summary" in entry:
+        verdict = "" if "ok" not in entry else "ok: " if entry["ok"] else "FAILED: "
+        print(f"{entry['part']}: {verdict}{entry['summary']}")
 sys.exit(0 if all(p["exit"] == "0" for p in parts.values()) else 1)
 EOF
 status=$?

@@ -180,6 +180,7 @@ class GradientServer:
             host_peers=config.on_worker_loss == "abort",
             streaming=lambda w: w in self._streams.by_worker,
             first_step=lambda w: self._table.first_step(w),  # noqa: PLW0108 - the table is replaced
+            piece_bytes=lambda: self.chunk_bytes,
         )
         self._streams = Streams(
             config,
@@ -190,6 +191,7 @@ class GradientServer:
             stopping=lambda: self._stopping is not None,
             ended=self._stream_ended,
             opened=lambda w: self._relayed(self._relay.opened(w)),
+            held_back=self._relay.holding_back,
         )
         self._outboxes = Outboxes(self._streams, self.metrics)
         self._outboxes.add(self._partition)
@@ -290,6 +292,9 @@ class GradientServer:
         if self._stopping is None:
             self._stopping = asyncio.create_task(self._shutdown(reason))
             self._apply(self._job.stop())
+            refusal = self._job.join_refusal()
+            if refusal is not None:  # a Join still waiting for the world is answered at once
+                self._membership.refuse_waiting(refusal)
 
     async def _shutdown(self, reason: str) -> None:
         log.info("shutting down: %s", reason)
@@ -367,7 +372,15 @@ class GradientServer:
         self._apply(self._job.worker_left(worker_id, reason, lost=lost, node=member.node_id, step=step))
         self._outboxes.worker_gone(worker_id, reason, lost=lost, table=self._table)
         self._deliver(self._table.worker_lost(worker_id, reason))
-        self._apply(self._job.after_departure(lost=lost, members_left=self._membership.joined))
+        members = self._membership.members()
+        waiting = sum(1 for m in members if not self._took_part(m))
+        self._apply(self._job.after_departure(lost=lost, members_left=len(members), waiting_left=waiting))
+
+    def _took_part(self, member: Member) -> bool:
+        """Whether `member` took part in a completed step of this job: a replacement whose Join
+        or heal is still under way has not (its first step is past every completed one)."""
+        last = self._table.last_completed_step
+        return member.streaming and last is not None and self._table.first_step(member.worker_id) <= last
 
     # --- the servicer -------------------------------------------------------------------------
 

@@ -11,8 +11,11 @@ coordinator carries out (`StateChanged`, `WriteEvent`, `ArmTimer`, `CancelTimer`
 
 A lost worker (or, with `--on-worker-loss continue`, an empty world) moves a running job to
 restarting, where its place may be retaken until `--rejoin-timeout` passes; finished and failed
-are final and ask the coordinator to stop. A job whose workers all left cleanly without
-`--max-steps` makes way for a fresh job (waiting again, nothing of it kept). After `Stop` (or
+are final and ask the coordinator to stop. When a job is finished is decided here alone
+(`after_departure`): `--max-steps` reached and every worker left, or, under `continue`, every
+member that took part left with a goodbye after a loss or while a replacement still waits to
+take part (nobody is left to heal it). A job whose workers all left cleanly without `--max-steps`
+and without a loss makes way for a fresh job (waiting again, nothing of it kept). After `Stop` (or
 once the coordinator is stopping for another reason) the job answers nothing more.
 """
 
@@ -22,6 +25,8 @@ import dataclasses
 import enum
 import time
 from collections.abc import Callable
+
+from gradserver.common.errors import FailedPreconditionError, GradServerError, UnavailableError
 
 
 class JobState(enum.Enum):
@@ -115,6 +120,7 @@ class Job:
         self._clock = clock
         self.state = JobState.WAITING
         self.failure: str | None = None
+        self.finish_reason = ""
         self.final_step: int | None = max_steps - 1 if max_steps else None
         self.departures: list[str] = []  # why each worker of this job left, for the failure line
         self.last_completed_step: int | None = None
@@ -140,16 +146,31 @@ class Job:
             return None
         return f"step {step} refused: --max-steps {self.max_steps} ends the job after step {self.final_step}"
 
-    def join_refusal(self) -> str | None:
-        """Why a Join is refused now (the coordinator stops); None when it may join."""
+    def join_refusal(self) -> GradServerError | None:
+        """Why a Join is refused now; None when it may join. A job that finished says so and at
+        which step, for good (FAILED_PRECONDITION: a joiner does not try again); otherwise the
+        coordinator is stopping (UNAVAILABLE)."""
+        if self.state is JobState.FINISHED:
+            return FailedPreconditionError(self.finished_line())
         if self.stopping or self.ended:
-            return f"the coordinator is shutting down (job {self.state.value})"
+            return UnavailableError(f"the coordinator is shutting down (job {self.state.value})")
         return None
+
+    def finished_line(self) -> str:
+        """'the job finished at step N' (or before any step completed)."""
+        last = self.last_completed_step
+        at = f"at step {last}" if last is not None else "before any step completed"
+        return f"the job finished {at}: {self.finish_reason}"
 
     # --- events -------------------------------------------------------------------------------
 
     def world_complete(self) -> list[JobEffect]:
         """Every place of the world is taken."""
+        if not self.stopping and self.state is JobState.RUNNING:
+            # A replacement took a lost worker's place while the others went on (`continue`):
+            # the loss is healed, and the job ends as one without it would.
+            self.departures.clear()
+            self._had_loss = False
         if self.stopping or self.state not in (JobState.WAITING, JobState.RESTARTING):
             return []
         self.departures.clear()
@@ -167,8 +188,10 @@ class Job:
         fields = (("worker", worker_id), ("node", node), ("reason", reason), ("step", step))
         return [WriteEvent("worker_lost", fields)]
 
-    def after_departure(self, *, lost: bool, members_left: int) -> list[JobEffect]:
-        """Moves the job on after a member left and the table settled its steps."""
+    def after_departure(self, *, lost: bool, members_left: int, waiting_left: int = 0) -> list[JobEffect]:
+        """Moves the job on after a member left and the table settled its steps. `waiting_left`:
+        how many of the members left have not taken part in a completed step yet (replacements
+        that joined the running job and still heal, or whose Join still waits)."""
         if self.stopping or self.state not in (JobState.RUNNING, JobState.RESTARTING):
             return []
         self._had_loss = self._had_loss or lost
@@ -180,7 +203,14 @@ class Job:
             effects.append(WriteEvent("every_worker_left", ()))
         if empty and self.done():
             why = f"step {self.final_step} (--max-steps {self.max_steps}) done and every worker left"
-            return effects + self._set_state(JobState.FINISHED, why)
+            return effects + self._finish(why)
+        if not lost and self._took_part_and_left(members_left, waiting_left):
+            why = f"every worker that took part left with a goodbye after step {self.last_completed_step}"
+            if self._had_loss:
+                why += f" ({'; '.join(self.departures)})"
+            if waiting_left:
+                why += f"; {waiting_left} worker(s) that joined since found it finished"
+            return effects + self._finish(why)
         if empty:
             effects.append(ResetJob())
             self.last_completed_step = None
@@ -248,6 +278,23 @@ class Job:
         return None
 
     # --- internals ----------------------------------------------------------------------------
+
+    def _took_part_and_left(self, members_left: int, waiting_left: int) -> bool:
+        """Whether the job finished by goodbyes (`--on-worker-loss continue`): every member that
+        took part in its steps left saying goodbye, at least one step completed, and a worker was
+        lost on the way or a replacement is still waiting to take part. Nobody is left to take a
+        step further, so a replacement has nothing to heal from or to join: the job is over, not
+        waiting for a rejoin. (Without a loss, an empty world makes way for a fresh job, below.)"""
+        return (
+            self.on_worker_loss == "continue"
+            and self.last_completed_step is not None
+            and members_left == waiting_left
+            and (self._had_loss or waiting_left > 0)
+        )
+
+    def _finish(self, why: str) -> list[JobEffect]:
+        self.finish_reason = why
+        return self._set_state(JobState.FINISHED, why)
 
     def _restarting(self) -> list[JobEffect]:
         effects = self._set_state(JobState.RESTARTING, "; ".join(self.departures))

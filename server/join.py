@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradserver.common import codec
-from gradserver.common.errors import FailedPreconditionError, UnavailableError
+from gradserver.common.errors import FailedPreconditionError
 from gradserver.common.messages import JoinAccepted, JoinRequestIn
 
 from .config import CoordinatorConfig
@@ -25,7 +25,7 @@ def check_request(request: JoinRequestIn, job: Job, partition: PartitionRole | N
         )
     refusal = job.join_refusal()
     if refusal is not None:
-        raise UnavailableError(refusal)
+        raise refusal
     if partition is not None:
         partition.check_join(request)
     elif request.partition_index is not None:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from gradserver.common.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
+    GradServerError,
     InvalidArgumentError,
     ResourceExhaustedError,
 )
@@ -64,6 +65,8 @@ class Membership:
         self._members: list[Member | None] = [None] * world_size
         self._complete = asyncio.Event()
         self._fingerprint: dict[str, str] | None = None
+        self._refusal: GradServerError | None = None  # set once no Join may wait any longer
+        self._refused = asyncio.Event()
 
     @property
     def joined(self) -> int:
@@ -131,7 +134,10 @@ class Membership:
         if self.joined == self.world_size:
             self._complete.set()
         try:
-            await asyncio.wait_for(self._complete.wait(), timeout=self.join_timeout)
+            await self._until_complete()
+        except GradServerError:
+            self._vacate(member)
+            raise
         except TimeoutError:
             joined = self.joined
             self._vacate(member)
@@ -145,6 +151,30 @@ class Membership:
             raise
         member.last_seen = time.monotonic()
         return member
+
+    async def _until_complete(self) -> None:
+        """Waits for the world to be complete, at most the join timeout; raises the refusal
+        when the job ends first (`refuse_waiting`)."""
+        complete = asyncio.ensure_future(self._complete.wait())
+        refused = asyncio.ensure_future(self._refused.wait())
+        try:
+            await asyncio.wait(
+                (complete, refused), timeout=self.join_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            complete.cancel()
+            refused.cancel()
+        if self._complete.is_set():
+            return
+        if self._refusal is not None:
+            raise self._refusal
+        raise TimeoutError
+
+    def refuse_waiting(self, refusal: GradServerError) -> None:
+        """The job ended: every Join still waiting for the world (and every later one that gets
+        this far) is refused with `refusal` instead."""
+        self._refusal = refusal
+        self._refused.set()
 
     def _place_for(self, request: JoinRequestIn, free: list[int]) -> int:
         """The rank the joiner asked for, when it is in range and free; else the lowest free."""

@@ -11,7 +11,9 @@ gradserver.worker.recovery): the coordinator serves no state.
 
 A worker that rejoins a restarted coordinator without any state (`committed_step` unset) while
 the others resume a job (`resume_step`) gets a plan too: the resume step, and the members that
-reported one as donors.
+reported one as donors. Only the first kind of plan may be moved later (`StartAt`, within
+`START_AT_WINDOW` steps: server/message_rules.py): after a restart every member resumes at the
+resume step together, and no step has opened without the worker.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from gradserver.common.partition_map import PartitionMap, key_hash
 from .collectives import ByteCollective, Piece, ScatterParts
 from .digests import vote
 from .host_groups import HostGroups
+from .message_rules import StepView, closed_step_refusal, covers_refusal, reporter_refusal, start_at_refusal
 from .outgoing import Outgoing, error_to
 from .participation import Participation
 from .sample_ranges import SampleRangeAssigner
@@ -379,17 +380,16 @@ class ReductionTable:
         anything): what waits for it in earlier steps completes without it, and every other member
         hears its new first step."""
         w, step = request.worker_id, request.step
-        first = self._roster.first_step(w)
-        problem = None
-        if step < first:
-            problem = f"worker {w} asked to take part from step {step}, before its first step {first}"
-        elif self._worker_step[w] is not None:
-            problem = (
-                f"worker {w} asked to take part from step {step} after it sent step "
-                f"{self._worker_step[w]}: a worker moves its first step before it contributes"
-            )
-        if problem is not None:
-            return [error_to(w, step, _PRECONDITION, problem, "start_at")]
+        refusal = start_at_refusal(
+            request,
+            plan=self._roster.plan(w),
+            first=self._roster.first_step(w),
+            sent=self._worker_step[w],
+            partitioned=self._partition is not None,
+        )
+        if refusal is not None:
+            log.info("rejected: %s", refusal.message, extra={"step": step, "worker_id": w})
+            return [Outgoing((w,), ErrorOut(int(refusal.code), refusal.message, step, start_at=request))]
         self._roster.start_at(w, step)
         out: list[Outgoing] = []
         why = f"worker {w} takes part from step {step}"
@@ -424,8 +424,8 @@ class ReductionTable:
         rejected = self._admit(w, key.step, key, what=str(key), in_order=not chunk.covers)
         if rejected is not None:
             return rejected
-        if chunk.covers and (problem := self.host_groups.covers_problem(w, chunk.covers)) is not None:
-            return self._reject(w, key.step, _INVALID, key, problem)
+        if chunk.covers and (bad := covers_refusal(w, chunk.covers, self.world_size, self.host_groups)):
+            return self._reject(w, key.step, bad.code, key, bad.message)
         if (
             self._partition is not None
             and key.kind is KeyKind.COLLECTIVE
@@ -636,34 +636,37 @@ class ReductionTable:
 
     def step_failure_reported(self, report: StepFailureIn) -> list[Outgoing]:
         """A host group member found what fails a step on its host (a member's non-finite value,
-        a host sum beyond its dtype): the step fails for everyone, naming the culprit."""
+        a host sum beyond its dtype): the step fails for everyone, naming the culprit, when the
+        sender takes part in it and it is open (server/message_rules.py); else the sender alone
+        is answered."""
         w, step = report.worker_id, report.step
-        group = self.host_groups.group_of(w)
         subject: TensorKey | str = report.key if report.key is not None else "step failure"
-        if group is None:
-            return self._reject(
-                w,
-                step,
-                _INVALID,
-                subject,
-                f"worker {w} reported a failure of step {step}, but only a host group's members report "
-                "what they find summing their host's contributions",
-            )
-        if report.culprit is not None and report.culprit not in group.workers:
-            return self._reject(
-                w,
-                step,
-                _INVALID,
-                subject,
-                f"worker {w} blamed worker {report.culprit} for step {step}, which is not in its host group "
-                f"{list(group.workers)}",
-            )
+        refusal = reporter_refusal(report, self.host_groups.group_of(w))
+        if refusal is None:
+            # The rules of every message of a step: a failed step answers with its failure, and
+            # a step the sender takes no part in is refused.
+            answered = self._admit(w, step, subject, what=f"a failure report of step {step}", in_order=False)
+            if answered is not None:
+                return answered
+            refusal = closed_step_refusal(report, self._step_view(step, report.key))
+        if refusal is not None:
+            return self._reject(w, step, refusal.code, subject, refusal.message)
         culprit_code = status_code_from_value(report.code)
         out = self._fail_step(
             step, report.message, culprit=report.culprit, culprit_code=culprit_code, key=report.key
         )
         self._settle_steps()
         return out
+
+    def _step_view(self, step: int, key: TensorKey | None) -> StepView:
+        """What decides whether `step` (of `key`, if named) is open to a report."""
+        slot = self._pending.get(key.slot) if key is not None else None
+        return StepView(
+            newest=self._roster.newest_step,
+            pending=step in self.pending_steps(),
+            key_pending_at=slot.key.step if slot is not None else None,
+            key_last=self._last_step.get(key.slot) if key is not None else None,
+        )
 
     def fail_all(self, code: Status, reason: str) -> list[Outgoing]:
         """Fails every step in flight (used by a shutdown that cannot wait any longer)."""

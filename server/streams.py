@@ -56,6 +56,7 @@ class _Written:
 
 # A client's cancel fails a pending write a moment before the cancellation reaches the handler.
 _CANCEL_AFTER_FAILED_WRITE_S = 1.0
+_LAST_WRITES_S = 1.0  # how long a shutdown waits for the streams' last writes, at most
 
 # How a stream is ended by the coordinator: the status and message its RPC is aborted with.
 Ending = tuple[Status, str]
@@ -116,8 +117,11 @@ class Streams:
         stopping: Callable[[], bool],
         ended: Ended,
         opened: Callable[[int], None] = lambda _w: None,
+        held_back: Callable[[int], bool] = lambda _w: False,
     ) -> None:
-        """`opened(w)`: member w's stream is open (messages queued for it from now on reach it)."""
+        """`opened(w)`: member w's stream is open (messages queued for it from now on reach it);
+        `held_back(w)`: whether worker w's stream is to wait whatever its budget (the relay holds
+        as much of what it sent to other workers as it may)."""
         self._config = config
         self._metrics = metrics
         # Until the job's chunk size is chosen (`chunk_elements`), the largest it can be; no stream
@@ -131,8 +135,10 @@ class Streams:
         self._stopping = stopping
         self._ended = ended
         self._opened = opened
+        self._held_back = held_back
         self.by_worker: dict[int, WorkerStream] = {}
         self.progress = asyncio.Event()  # set whenever a stream closes (and by the coordinator)
+        self._shutdown_deadline: float | None = None  # loop time, once the shutdown ends the streams
 
     @property
     def chunk_elements(self) -> int:
@@ -205,13 +211,16 @@ class Streams:
 
     async def end_all(self, deadline: float) -> None:
         """Ends every stream as the shutdown's doing; waits for them to close until `deadline`."""
+        # Steps in flight had the drain; what is left to write (the shutdown notice, errors) takes
+        # moments to a peer that reads, and is not worth a longer stop for one that does not.
+        loop = asyncio.get_running_loop()
+        self._shutdown_deadline = last_writes = min(deadline, loop.time() + _LAST_WRITES_S)
         streams = list(self.by_worker.values())
         for stream in streams:
             stream.by_shutdown = True
             stream.end(None)
         if streams:
-            timeout = max(0.0, deadline - asyncio.get_running_loop().time())
-            await asyncio.wait([s.closed for s in streams], timeout=timeout)
+            await asyncio.wait([s.closed for s in streams], timeout=max(0.0, last_writes - loop.time()))
 
     def wake_readers(self) -> None:
         for stream in self.by_worker.values():
@@ -243,12 +252,20 @@ class Streams:
         finally:
             reader.cancel()
             self._stream_ended(stream, status, cancelled)
-            await self._finish_writer(stream, writer, drain=not cancelled)
-            if self.by_worker.get(member.worker_id) is stream:
-                del self.by_worker[member.worker_id]
-            member.streaming = False
-            stream.closed.set_result(None)
-            self.progress.set()
+            # A peer that closed its side without a goodbye (its process ended) reads nothing
+            # more: what is queued for it is dropped rather than waited on.
+            gone = cancelled or (status is None and not stream.said_goodbye and not stream.by_shutdown)
+            try:
+                await self._finish_writer(stream, writer, drain=not gone)
+            finally:
+                # Also when the call is cancelled while its writer finishes (the peer went away
+                # just as the shutdown ended its stream): the shutdown waits for `closed`.
+                if self.by_worker.get(member.worker_id) is stream:
+                    del self.by_worker[member.worker_id]
+                member.streaming = False
+                if not stream.closed.done():
+                    stream.closed.set_result(None)
+                self.progress.set()
         if status is not None:
             await context.abort(to_grpc(status[0]), status[1])
 
@@ -277,7 +294,14 @@ class Streams:
         cancelled stream, whose peer is gone). Never raises: the caller's clean-up must run."""
         stream.outbound.put_nowait(_STOP)
         if drain:
-            await asyncio.wait([writer], timeout=self._config.drain_timeout)
+            timeout = self._config.drain_timeout
+            if self._shutdown_deadline is not None:
+                timeout = min(timeout, max(0.0, self._shutdown_deadline - asyncio.get_running_loop().time()))
+            try:
+                await asyncio.wait([writer], timeout=timeout)
+            except asyncio.CancelledError:
+                writer.cancel()  # the call itself was cancelled: no writer may outlive it
+                raise
         if not writer.done():
             writer.cancel()
             await asyncio.wait([writer])
@@ -298,9 +322,12 @@ class Streams:
         while True:
             while self._over_budget(stream):
                 if not stream.paused:
-                    log.debug(
-                        "holding back worker %d's stream (in-flight budget full)", w, extra={"worker_id": w}
+                    why = (
+                        "relayed bytes wait for their receivers"
+                        if self._held_back(w)
+                        else "in-flight budget full"
                     )
+                    log.debug("holding back worker %d's stream (%s)", w, why, extra={"worker_id": w})
                 stream.paused = True
                 stream.room.clear()
                 await stream.room.wait()
@@ -326,7 +353,9 @@ class Streams:
             except GradServerError as exc:
                 log.info("rejected message: %s", exc.message, extra={"worker_id": w, "step": exc.step})
                 key = codec.chunk_key(raw) if exc.key is not None else None
-                self.send_error(stream, exc.code, exc.message, exc.step or 0, key)
+                # A refusal names its sender: the stream's member, when the message names none.
+                message = exc.message if exc.message.startswith("worker ") else f"worker {w}: {exc.message}"
+                self.send_error(stream, exc.code, message, exc.step or 0, key)
 
     def _dispatch(self, stream: WorkerStream, event: object) -> bool:
         """Answers what concerns the stream itself (goodbye, heartbeat, a step past the job's
@@ -402,4 +431,4 @@ class Streams:
 
     def _over_budget(self, stream: WorkerStream) -> bool:
         held = self._buffered(stream.member.worker_id) + stream.outbound_bytes
-        return held > self._config.max_inflight_bytes
+        return held > self._config.max_inflight_bytes or self._held_back(stream.member.worker_id)

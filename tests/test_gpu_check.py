@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,15 +23,16 @@ pytestmark = [
 ]
 
 
-@pytest.mark.timeout(300)
-def test_the_gpu_check_installs_checks_a_launch_and_skips_the_cuda_tests(tmp_path: Path) -> None:
+def _run_parts(tmp_path: Path, parts: str) -> tuple[str, dict[str, Any], str]:
+    """scripts/gpu-check.sh with ONLY=`parts` on the host, as a GPU machine runs it; its log,
+    summary and output, after checking that it exited 0."""
     out = tmp_path / "out"
     out.mkdir()
     env = dict(
         os.environ,
         OUT=str(out),
         SITE=str(tmp_path / "site"),
-        ONLY="tests launch",
+        ONLY=parts,
         DEVICE="cpu",
         PYTHON=sys.executable,
     )
@@ -45,6 +47,12 @@ def test_the_gpu_check_installs_checks_a_launch_and_skips_the_cuda_tests(tmp_pat
     log = (out / "gpu-check.log").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert result.returncode == 0, result.stdout + log[-3000:]
+    return log, summary, result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_gpu_check_installs_checks_a_launch_and_skips_the_cuda_tests(tmp_path: Path) -> None:
+    log, summary, _ = _run_parts(tmp_path, "tests launch")
     assert {name: part["exit"] for name, part in summary["parts"].items()} == {"tests": "0", "launch": "0"}
     assert "tensors bit-identical on both workers at step 29" in log
     tests = summary["tests"]
@@ -52,6 +60,32 @@ def test_the_gpu_check_installs_checks_a_launch_and_skips_the_cuda_tests(tmp_pat
     assert "tests/test_cuda.py::test_a_step_synchronises_per_step_not_per_block_or_micro_batch" in {
         name.replace(".", "/", 1).replace("::", ".py::", 1) for name in tests["cases"]
     }
+
+
+@pytest.mark.timeout(300)
+def test_the_torch_backend_parts_run_their_checks_on_the_cpu(tmp_path: Path) -> None:
+    """bench.torch_cuda under torchrun, as the script runs it, on the host: every collective
+    exact, FSDP2 equal to gloo, DDP's three variants timed and compared."""
+    _, summary, output = _run_parts(tmp_path, "torch-collectives torch-fsdp2 torch-ddp")
+    parts = {name: part["exit"] for name, part in summary["parts"].items()}
+    assert parts == {"torch-collectives": "0", "torch-fsdp2": "0", "torch-ddp": "0"}, parts
+    entries = summary["bench"]
+    assert {(e["part"], e.get("variant")) for e in entries} == {
+        ("torch-collectives", None),
+        ("torch-fsdp2", "gradserver"),
+        ("torch-fsdp2", None),
+        ("torch-ddp", "gloo"),
+        ("torch-ddp", "gradserver"),
+        ("torch-ddp", "alone"),
+        ("torch-ddp", "compare"),
+    }, entries
+    assert all(e["ok"] for e in entries if "ok" in e), entries
+    collectives = next(e for e in entries if e["part"] == "torch-collectives")
+    assert not collectives["failed"] and len(collectives["passed"]) >= 30, collectives
+    assert "_get_backend(cuda) is the group" in collectives["passed"]
+    # The verdicts close the output, one line each.
+    assert "torch-fsdp2: ok: 3 AdamW steps: losses equal to gloo's (gloo on cpu)" in output
+    assert "torch-ddp: ok: gradserver " in output
 
 
 @pytest.mark.timeout(180)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.errors import Status
+from gradserver.common.errors import FailedPreconditionError, Status, UnavailableError
 from gradserver.common.messages import AveragedChunkOut, ChunkHeader, ChunkIn, DType, ErrorOut, TensorKey
 from gradserver.server.job import (
     ArmTimer,
@@ -86,7 +86,9 @@ class Cores:
         step = min(self.table.pending_steps(), default=None)
         self.apply(self.job.worker_left(worker, reason, lost=lost, step=step))
         self.deliver(self.table.worker_lost(worker, reason))
-        self.apply(self.job.after_departure(lost=lost, members_left=len(self.members)))
+        last = self.table.last_completed_step
+        waiting = sum(1 for w in self.members if last is None or self.table.first_step(w) > last)
+        self.apply(self.job.after_departure(lost=lost, members_left=len(self.members), waiting_left=waiting))
 
     def contribute(self, worker: int, step: int, value: float = 1.0) -> list[Outgoing]:
         key = TensorKey.non_block(step, NonBlockComponent.FINAL_NORM)
@@ -209,6 +211,96 @@ def test_with_continue_a_lost_worker_does_not_restart_the_job() -> None:
     assert cores.job.state is JobState.RUNNING and cores.timer_at is None
     got = [o for w in (0, 1) for o in cores.contribute(w, 0) if isinstance(o.event, AveragedChunkOut)]
     assert [o.event.num_contributors for o in got] == [2]
+
+
+# --- when a job is finished --------------------------------------------------------------------
+
+
+def _finished_steps(cores: Cores, steps: int) -> None:
+    """Steps 0..steps-1 done by every member (the last one counts as completed once they move on
+    or leave)."""
+    for step in range(steps):
+        cores.finish_step(step)
+
+
+def test_with_continue_the_job_finishes_when_every_rank_that_took_part_left_after_a_loss() -> None:
+    """Issue 50: a lost rank's replacement arrives after the others finished. The job does not
+    wait for it to rejoin (it has no one to heal from): it finished, and a Join says so."""
+    cores = running(3, policy="continue")
+    _finished_steps(cores, 3)
+    cores.depart(1, "disconnected (its stream was cancelled)", lost=True)
+    assert cores.job.state is JobState.RUNNING
+    cores.depart(0, "left the job", lost=False)
+    assert cores.job.state is JobState.RUNNING
+    cores.depart(2, "left the job", lost=False)
+    assert cores.states() == [JobState.RUNNING, JobState.FINISHED]
+    assert (
+        cores.stopped and cores.timer_at is None and not any(isinstance(e, ResetJob) for e in cores.effects)
+    )
+    [ended] = cores.events("job_ended")
+    assert ended["state"] == "finished"
+    assert "every worker that took part left with a goodbye after step 2" in str(ended["reason"])
+    assert "worker 1 disconnected" in str(ended["reason"])
+    refusal = cores.job.join_refusal()
+    assert isinstance(refusal, FailedPreconditionError)
+    assert refusal.message.startswith("the job finished at step 2: ")
+
+
+def test_with_continue_a_replacement_still_healing_does_not_keep_a_finished_job_open() -> None:
+    cores = running(3, policy="continue")
+    _finished_steps(cores, 2)
+    cores.depart(1, "disconnected", lost=True)
+    assert cores.join(1)  # the replacement: it takes part from the next step, once healed
+    assert cores.job.state is JobState.RUNNING
+    cores.depart(0, "left the job", lost=False)
+    assert cores.job.state is JobState.RUNNING
+    cores.depart(2, "left the job", lost=False)
+    assert cores.job.state is JobState.FINISHED
+    assert "1 worker(s) that joined since found it finished" in cores.job.finish_reason
+
+
+def test_with_continue_a_healed_replacement_that_took_part_ends_the_job_as_if_nothing_was_lost() -> None:
+    """The replacement took part in a step: the loss is healed, and every rank leaving after the
+    last step is a clean end (a fresh job may follow), not a finish that turns late ranks away."""
+    cores = running(3, policy="continue")
+    _finished_steps(cores, 2)
+    cores.depart(1, "disconnected", lost=True)
+    assert cores.join(1)
+    _finished_steps(cores, 5)
+    for worker in (0, 1, 2):
+        cores.depart(worker, "left the job", lost=False)
+    assert cores.job.state is JobState.WAITING and not cores.stopped
+
+
+def test_with_continue_and_no_loss_an_empty_world_still_makes_way_for_a_fresh_job() -> None:
+    cores = running(2, policy="continue")
+    _finished_steps(cores, 2)
+    cores.depart(0, "left the job", lost=False)
+    cores.depart(1, "left the job", lost=False)
+    assert cores.job.state is JobState.WAITING and not cores.stopped
+
+
+def test_with_abort_the_others_leaving_after_a_loss_still_wait_for_a_restarted_world() -> None:
+    """Under abort, the survivors leave because the loss failed their step: a restart from a
+    checkpoint follows, so the job waits for the world to rejoin, as before."""
+    cores = running(3)
+    _finished_steps(cores, 2)
+    cores.depart(1, "disconnected", lost=True)
+    cores.depart(0, "left the job", lost=False)
+    cores.depart(2, "left the job", lost=False)
+    assert cores.job.state is JobState.RESTARTING and cores.timer_at is not None
+
+
+def test_a_finished_job_refuses_for_good_and_a_stopping_one_for_now() -> None:
+    cores = running(2, max_steps=2)
+    _finished_steps(cores, 2)
+    cores.depart(0, "left the job", lost=False)
+    cores.depart(1, "left the job", lost=False)
+    assert cores.job.state is JobState.FINISHED
+    assert isinstance(cores.job.join_refusal(), FailedPreconditionError)
+    stopping = running(2)
+    stopping.stop()
+    assert isinstance(stopping.job.join_refusal(), UnavailableError)
 
 
 # --- row 17: every worker dead ----------------------------------------------------------------

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.messages import BarrierIn, TensorKey
+from gradserver.common.messages import BarrierIn, LeaveIn, TensorKey
 from gradserver.server import GradientServer
 from gradserver.train.synthetic import SHAPES, run_exchange
 from gradserver.worker import WorkerClient
@@ -117,6 +117,41 @@ def test_a_step_beyond_max_steps_is_refused(coordinator) -> None:
         assert refused.barrier_name == "commit" and refused.step == 3 and refused.key is None
     finally:
         raw.close()
+
+
+def test_a_replacement_whose_join_waits_as_the_last_rank_leaves_is_told_the_job_finished(coordinator) -> None:
+    """Issue 50 (--on-worker-loss continue): worker 2 is lost, worker 1 leaves, and a replacement
+    joins (2 of 3: its Join waits for the world). When worker 0, the last that took part, leaves
+    with a goodbye, the job has finished: the waiting Join is refused at once, saying so and at
+    which step, and the coordinator ends with exit 0 instead of waiting --rejoin-timeout."""
+    server = coordinator(world_size=3, on_worker_loss="continue", rejoin_timeout=60.0, heartbeat_timeout=60.0)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        raws = [RawWorker(*f.result(30)) for f in [pool.submit(join, server.address) for _ in range(3)]]
+    raws.sort(key=lambda r: r.worker_id)
+    for step in (0, 1):
+        key = TensorKey.non_block(step, NonBlockComponent.FINAL_NORM)
+        for raw in raws:
+            raw.send_tensor(key, np.ones(4, np.float32))
+        assert all(_first_average(raw).key == key for raw in raws)
+    with log_waiter() as logs, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        raws[2].close()  # without a goodbye: lost
+        logs.wait_for(r"worker 2 .* disconnected")
+        raws[1].send(LeaveIn("done"))
+        logs.wait_for(r"worker 1 .* left the job")
+        late = pool.submit(join, server.address, "late")
+        logs.wait_for(r"joined: node 'late'.*\(2 of 3\)")
+        raws[0].send(LeaveIn("done"))
+        with pytest.raises(grpc.RpcError) as refused:
+            late.result(timeout=10)
+        ended = _wait_ended(server, timeout=10)
+    for raw in raws:
+        raw.close()
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "the job finished at step 1: every worker that took part left with a goodbye" in (
+        refused.value.details() or ""
+    )
+    assert ended.state.value == "finished" and ended.exit_code == 0
+    assert logs.matching(r"job running -> finished")
 
 
 @pytest.mark.processes

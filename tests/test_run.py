@@ -46,6 +46,23 @@ if os.environ.get("WAIT") == "1":
 
 STARTED = re.compile(r"started (coordinator|rank \d+) \(pid (\d+)\)")
 
+# DDP over gradserver for a few steps, ending as many scripts do: no destroy_process_group, so
+# each rank's stream ends with its process, without a goodbye.
+NO_DESTROY_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+import gradserver.torch
+dist.init_process_group("gradserver")
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Linear(16, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(20):
+    optimizer.zero_grad()
+    model(torch.randn(8, 16)).pow(2).sum().backward()
+    optimizer.step()
+print("FINAL", dist.get_rank(), model.module.weight.detach().sum().item(), flush=True)
+"""
+
 
 def _started(proc: ManagedProcess) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in map(STARTED.search, proc.lines) if m}
@@ -117,6 +134,25 @@ def test_ranks_get_the_torchrun_environment_and_the_coordinator(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
+def test_ranks_that_end_without_destroy_process_group_end_every_run_with_success(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """Issue 50: 1 run in 10-16 of such a script ended with 'the coordinator did not stop within
+    5 s of SIGTERM', exit 1 (a stream whose call was cancelled while the shutdown ended it never
+    counted as closed, and the shutdown waited --drain-timeout for it). Repeated, every run
+    exits 0 with the plain last line, the coordinator stopped in time (no warning)."""
+    script = tmp_path / "no_destroy.py"
+    script.write_text(NO_DESTROY_SCRIPT)
+    for attempt in range(8):
+        with _run(processes, "--workers", "2", "--", sys.executable, str(script)) as proc:
+            assert proc.wait(120) == 0, f"run {attempt}:\n{proc.output}"
+            assert proc.lines[-1] == "run: all 2 ranks finished", f"run {attempt}:\n{proc.output}"
+            finals = {line.split("FINAL ", 1)[1].split()[1] for line in proc.lines if "] FINAL " in line}
+            assert len(finals) == 1, proc.output
+            _assert_all_gone(proc, 3)
+
+
 def test_a_failing_rank_ends_the_run_with_its_code_naming_it(processes: ProcessGroup) -> None:
     env: dict[str, str | None] = {"FAIL_RANK": "1", "FAIL_CODE": "3", "WAIT": "1"}
     with _run(processes, "--workers", "3", "--", sys.executable, "-c", ENV_SCRIPT, env=env) as proc:

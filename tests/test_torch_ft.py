@@ -234,19 +234,55 @@ def test_a_heal_that_fails_leaves_no_member_and_no_thread(coordinator) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_donor_killed_as_it_serves_the_heal_is_followed_by_the_next_donor(processes: ProcessGroup) -> None:
+def test_a_donor_killed_as_it_serves_the_heal_is_followed_by_the_next_donor(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
     """Rank 1 is killed; as rank 0 begins to give it the state, rank 0 dies too
     (tests/helpers/ft_rank.py --die-serving 0): rank 1 takes the state from rank 2, and run
-    restarts rank 0, which heals in turn."""
-    script = (sys.executable, "-m", "tests.helpers.ft_rank", "--die-serving", "0")
+    restarts rank 0, which heals in turn. Rank 2 holds at step 1400 until rank 0 healed, so the
+    others cannot finish the job before rank 0's replacement joins (a test of the heal, not of
+    how fast a process starts)."""
+    hold = tmp_path / "rank-0-healed"
+    script = (
+        *(sys.executable, "-m", "tests.helpers.ft_rank", "--die-serving", "0"),
+        *("--hold", f"2:1400:{hold}"),
+    )
     with _ft_run(processes, "--restart-lost", "2", steps=1500, script=script) as run:
         run.wait_for(r"\[rank 1\] rank 1 step 200:", timeout=120)
         os.kill(_pids(run)["rank 1"], signal.SIGKILL)
         run.wait_for(r"rank 0: dying as it serves its state of step \d+", 120)
         run.wait_for(r"rank 1: joined the running job at step \d+, state from rank 2", 120)
         run.wait_for(r"rank 0: joined the running job at step \d+, state from rank [12]", 120)
+        hold.touch()
         assert run.wait(180) == 0, run.output
         _assert_one_state(run, steps=1500)
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_that_comes_after_the_others_finished_ends_the_run_with_success(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """Issue 50: rank 1 is killed late and its replacement only comes once ranks 0 and 2 have
+    finished every step (tests/helpers/ft_rank.py --late-replacement). The job finished: run ends
+    within seconds of the last rank (not after --rejoin-timeout), exits 0, and its last line names
+    the lost rank and that its replacement found the job finished."""
+    steps = 600
+    script = (sys.executable, "-m", "tests.helpers.ft_rank", "--late-replacement", str(tmp_path))
+    with _ft_run(processes, "--restart-lost", "2", steps=steps, script=script) as run:
+        run.wait_for(r"\[rank 1\] rank 1 step 400:", timeout=120)
+        os.kill(_pids(run)["rank 1"], signal.SIGKILL)
+        for rank in (0, 2):
+            run.wait_for(rf"rank {rank}: {steps} steps", 120)
+        # The coordinator would wait --rejoin-timeout (60 s) for the replacement, then fail.
+        assert run.wait(30) == 0, run.output
+    last = run.lines[-1]
+    assert re.fullmatch(
+        r"run: all 3 ranks finished; rank 1 was lost at operation \d+ \(.+\) and its replacement "
+        r"found the job finished",
+        last,
+    ), run.output
+    finals = {int(m[1]): m[4] for m in map(FINAL.search, run.lines) if m and int(m[2]) == steps}
+    assert sorted(finals) == [0, 2] and len(set(finals.values())) == 1, run.output
 
 
 STARTED_COORDINATOR = re.compile(r"started coordinator \(pid (\d+)\)")

@@ -41,7 +41,7 @@ _GRACE_S = 30.0  # for the other torchrun to end by itself after one failed
 # One rank: OPERATIONS all_reduces of its own seeded input (then, with DIE_AT, a rank that kills
 # itself inside the all_reduce of that index), a line per result, and an ERROR line for what failed.
 RANK_SCRIPT = """
-import hashlib, json, os, signal, sys, threading
+import hashlib, json, os, signal, sys, threading, time
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -51,6 +51,18 @@ def say(line):
     # lines (same pipe, another thread) could land between them.
     sys.stdout.write(line + "\\n")
     sys.stdout.flush()
+def reported(rank):
+    # torchrun stops a host's other ranks as soon as one exits with an error: a rank that failed
+    # waits (at most 30 s) until the other survivors of its host reported too, so the test reads
+    # what each one saw rather than which one its torchrun stopped first.
+    open(os.path.join(os.environ["OUT"], f"reported-{rank}"), "w").close()
+    first, here = rank - int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    others = [r for r in range(first, first + here) if r != rank and str(r) not in dying]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+        os.path.exists(os.path.join(os.environ["OUT"], f"reported-{r}")) for r in others
+    ):
+        time.sleep(0.05)
 dist.init_process_group("gradserver")
 rank = dist.get_rank()
 die_at, dying = int(os.environ.get("DIE_AT", "-1")), os.environ.get("DYING_RANKS", "").split(",")
@@ -68,6 +80,7 @@ for op in range(int(os.environ["OPERATIONS"])):
             dist.all_reduce(x)
     except Exception as exc:
         say(f"RANK {rank} ERROR " + json.dumps(str(exc)))
+        reported(rank)
         os._exit(3)
     say(f"RANK {rank} OP {op} " + hashlib.sha256(x.numpy().tobytes()).hexdigest())
     if op == 0 and rank == 0:

@@ -11,6 +11,11 @@ in the group's torch Store (each group's Store has its own key prefix); the toke
 command line nor in a log. The child watches its parent (`--exit-with-parent`), so a SIGKILLed
 rank 0 leaves no coordinator behind, and the port file's directory goes as soon as the port is
 read; `stop` removes the shared-memory socket directory of a child that was SIGKILLed.
+
+A process may create a group of the same name again (`destroy_process_group`, then
+`init_process_group`: torch numbers groups from 0 again, and torchrun's Store outlives both), so
+each incarnation of a group keeps its keys apart (`_Incarnation`): a rank reading the previous
+incarnation's address would join a coordinator that is gone.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ __all__ = ["STORE_KEY", "TOKEN_KEY", "EmbeddedCoordinator", "Membership", "Store
 
 STORE_KEY = "gradserver/coordinator"
 TOKEN_KEY = "gradserver/coordinator-token"
+INCARNATIONS_KEY = "gradserver/incarnations"
 _TOKEN_BYTES = 32
 
 
@@ -131,6 +137,7 @@ def coordinator_for(
     external = settings.coordinator.strip()
     if external and default_group:
         return Membership(external, settings.auth_token, external=True)
+    store = _Incarnation.of(store, world_size)
     if rank != 0:
         publish_identity(store, rank)
         # Store.get waits until rank 0 has published the address.
@@ -142,3 +149,28 @@ def coordinator_for(
     store.set(TOKEN_KEY, token)
     store.set(STORE_KEY, embedded.address)
     return Membership(embedded.address, token, embedded=embedded)
+
+
+class _Incarnation:
+    """The keys of one incarnation of a group in its Store: each under a suffix of its own."""
+
+    def __init__(self, store: Store, number: int) -> None:
+        self._store = store
+        self._suffix = f"@{number}"
+
+    @classmethod
+    def of(cls, store: Store, world_size: int) -> _Incarnation:
+        """This rank's incarnation of the group: every rank counts itself in, and the count's
+        `world_size`-th part is the incarnation's number. A rank reaches the next incarnation
+        only after this one's Join returned, which it does once every rank joined, so every
+        rank counted itself in this one first."""
+        return cls(store, (store.add(INCARNATIONS_KEY, 1) - 1) // world_size)
+
+    def set(self, key: str, value: str) -> None:
+        self._store.set(key + self._suffix, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key + self._suffix)
+
+    def add(self, key: str, value: int) -> int:
+        return self._store.add(key + self._suffix, value)

@@ -33,6 +33,8 @@ class Store(Protocol):
 
     def get(self, key: str) -> bytes: ...
 
+    def add(self, key: str, value: int) -> int: ...
+
 
 def host_identity() -> str:
     """What two processes share exactly when they share a loopback interface: the machine (its

@@ -30,10 +30,13 @@ What each call is on the coordinator:
   one toward the root (the others receive nothing), scatter one from the root.
 Results are written straight into a contiguous host output where nothing can overwrite its input
 meanwhile, else copied in; the caller's tensors keep their storage (`_host_view`, never
-`Tensor.numpy()`, which would make it non-resizable). CUDA tensors are copied to the host once
-and back on the caller's stream (`_devices`). A rank that is lost makes every other rank's
-pending and later Work fail with the coordinator's error naming it (worker ids are the group's
-ranks).
+`Tensor.numpy()`, which would make it non-resizable). Every collective runs on host tensors:
+CUDA tensors are copied into pinned host buffers once and their results back, on a copy stream of
+the group ordered after the caller's work by events (`_staging`, `_devices`); host tensors are
+used where they are. The group is torch's backend for each device type it serves (cpu and cuda
+for "gradserver": `_device_types`, `_get_backend`; `_registration`). A rank that is lost makes
+every other rank's pending and later Work fail with the coordinator's error naming it (worker
+ids are the group's ranks).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from gradserver.worker import PeerReceive, PeerSend
 
 from ._collective import CollectiveClient
 from ._coordinator import EmbeddedCoordinator, Store, coordinator_for
-from ._devices import StreamOrder
+from ._devices import DeviceTransfers
 from ._queue import OperationQueue, Queued
 from ._reductions import (
     Plan,
@@ -72,11 +75,12 @@ from ._reductions import (
     reduce_in_rank_order,
     to_limbs,
 )
+from ._registration import BACKEND_NAME, DEVICE_TYPES
 from ._settings import rank_settings
+from ._staging import Staging
 
 log = logging.getLogger("gradserver.torch")
 
-BACKEND_NAME = "gradserver"
 _DEFAULT_GROUP = 0
 _groups = itertools.count()
 # Opt-in: collectives refuse NaN/Inf (naming the rank and element) instead of passing them on.
@@ -101,6 +105,9 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         coordinator: EmbeddedCoordinator | None = None,
         timeout_s: float | None = None,
         check_finite: bool = False,
+        *,
+        devices: Sequence[str] = DEVICE_TYPES,
+        transfers: DeviceTransfers | None = None,
     ) -> None:
         # C++ reads the rank and size given here (the stubs only know the store overload).
         super().__init__(client.worker_id, client.total_workers)  # type: ignore[call-arg]
@@ -111,6 +118,9 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         # (GradScaler relies on every rank seeing the Inf); with the check, they fail it, naming
         # the rank and the element.
         self._check_finite = check_finite
+        self._devices = tuple(devices)
+        # Which tensors go through the host and how (`_devices`, `_staging`).
+        self._transfers = transfers if transfers is not None else DeviceTransfers()
         # Operations run in issue order, one at a time: on the thread that waits for one (a
         # synchronous call), or on the group's own thread (`_queue`).
         self._queue: OperationQueue[_Operation] = OperationQueue(
@@ -153,15 +163,39 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     def getGroupDesc(self) -> str:
         return self._group_desc
 
-    # torch's checkpointing (DCP's state_dict, planner and saver) asks a group which devices its
-    # C++ backends serve: a Python group has none, so torch found none ("Default device not
-    # found, because no backend has been registered with this ProcessGroup"). Its collectives
-    # take host tensors (CUDA ones are copied to the host): the CPU.
+    # --- the group as its own backend for each device type ----------------------------------
+    # torch registers a C++ backend per device type in a group and asks the group for them
+    # (`_device_types`, `_get_backend(device)`): DCP and object collectives pick their device
+    # from the first, FSDP2, DeviceMesh and init_process_group(device_id=...) call the second.
+    # A Python group replaces the whole group in torch (`_new_process_group_helper`), so it has
+    # no C++ backends and torch's own answers are "none". This group serves every device type
+    # it was created for (cpu and cuda for "gradserver"; one of them for "cpu:gradserver" or
+    # "cuda:gradserver"), and is itself the backend of each.
+
     @property
     def _device_types(self) -> list[torch.device]:
-        return [torch.device("cpu")]
+        return [torch.device(d) for d in self._devices]
+
+    def _get_backend(self, device: torch.device | str) -> ProcessGroupGradServer:  # type: ignore[override]
+        kind = torch.device(device).type
+        if kind not in self._devices:
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
+    # What torch asks of a backend it got from `_get_backend`: none of these abilities (NCCL's
+    # communicator splitting, coalescing, tensor allocation, time estimates, shrinking).
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+
+    def supports_tensor_alloc(self, device: torch.device) -> bool:
+        return False
 
     # --- collectives ------------------------------------------------------------------------
+    # Each declares its tensors to a `Staging` at the call (read, written or both) and runs on
+    # their host counterparts: the caller's own host tensors, or host buffers that device
+    # tensors are copied into before it runs and out of after (`_staging`).
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         op = (
@@ -170,11 +204,13 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             else opts
         )
         plan = plan_reduction("allreduce", op, [t.dtype for t in tensors], self.size())
+        staging = self._staging("allreduce", tensors)
+        hosts = staging.updates(tensors)
 
         def run(sequence: int) -> None:
-            _scatter_into(tensors, self._reduce(sequence, _flatten(tensors), plan, in_place=True))
+            _scatter_into(hosts, self._reduce(sequence, _flatten(hosts), plan, in_place=True))
 
-        return self._submit("allreduce", run, tensors, tensors)
+        return self._submit("allreduce", staging, run, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self.allreduce(tensors, opts)
@@ -186,8 +222,11 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         by destination rank (piece r of every input, for each r in turn), so the part the
         coordinator returns to rank r is its outputs, in order."""
         _check_pieces("reduce_scatter", output_tensors, input_tensors, self.size())
-        by_rank = [group[r] for r in range(self.size()) for group in input_tensors]
-        return self._reduce_scatter("reduce_scatter", output_tensors, by_rank, opts)
+        staging = self._staging("reduce_scatter", [*output_tensors, *itertools.chain(*input_tensors)])
+        inputs = [staging.reads(group) for group in input_tensors]
+        outputs = staging.writes(output_tensors)
+        by_rank = [group[r] for r in range(self.size()) for group in inputs]
+        return self._reduce_scatter("reduce_scatter", staging, outputs, by_rank, opts, output_tensors)
 
     def alltoall(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
@@ -199,24 +238,29 @@ class ProcessGroupGradServer(dist.ProcessGroup):
                 f"gradserver alltoall: {len(input_tensors)} inputs and {len(output_tensors)} outputs "
                 f"for a group of {size}; it takes one of each per rank"
             )
+        staging = self._staging("alltoall", [*input_tensors, *output_tensors])
+        inputs, outputs = staging.reads(input_tensors), staging.writes(output_tensors)
 
         def run(sequence: int) -> None:
-            splits = tuple(_nbytes(t) for t in input_tensors)
-            result = self._all_to_all(sequence, _concat_bytes(input_tensors), splits)
-            _write_bytes_into(output_tensors, result, what=f"rank {self.rank()}: gradserver alltoall")
+            splits = tuple(_nbytes(t) for t in inputs)
+            result = self._all_to_all(sequence, _concat_bytes(inputs), splits)
+            _write_bytes_into(outputs, result, what=f"rank {self.rank()}: gradserver alltoall")
 
-        return self._submit("alltoall", run, output_tensors, [*input_tensors, *output_tensors])
+        return self._submit("alltoall", staging, run, output_tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         """One BROADCAST: the root sends its bytes once, the others only say how many."""
         root = opts.rootRank if isinstance(opts, dist.BroadcastOptions) else 0
         if not 0 <= root < self.size():
             raise ValueError(f"broadcast: root rank {root} is out of range for a group of {self.size()}")
+        is_root = self.rank() == root
+        staging = self._staging("broadcast", tensors)
+        hosts = staging.reads(tensors) if is_root else staging.writes(tensors)
 
         def run(sequence: int) -> None:
-            nbytes = sum(_nbytes(t) for t in tensors)
-            data = _concat_bytes(tensors) if self.rank() == root else np.empty(nbytes, np.uint8)
-            into = _host_bytes(tensors[0]) if len(tensors) == 1 else None
+            nbytes = sum(_nbytes(t) for t in hosts)
+            data = _concat_bytes(hosts) if is_root else np.empty(nbytes, np.uint8)
+            into = _host_bytes(hosts[0]) if len(hosts) == 1 else None
             result = self._client.run_collective(
                 sequence,
                 _DEFAULT_GROUP,
@@ -226,9 +270,9 @@ class ProcessGroupGradServer(dist.ProcessGroup):
                 into=into,
                 timeout=self._timeout_s,
             )
-            _write_bytes_into(tensors, result, what=f"rank {self.rank()}: gradserver broadcast")
+            _write_bytes_into(hosts, result, what=f"rank {self.rank()}: gradserver broadcast")
 
-        return self._submit("broadcast", run, tensors, tensors)
+        return self._submit("broadcast", staging, run, tensors)
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -238,18 +282,28 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         for i, outputs in enumerate(output_tensors):
             if len(outputs) != size:
                 raise ValueError(f"allgather: output list {i} holds {len(outputs)} tensors, the group {size}")
+        flat_outputs = [t for outputs in output_tensors for t in outputs]
+        staging = self._staging("allgather", [*input_tensors, *flat_outputs])
+        inputs = staging.reads(input_tensors)
+        hosts = [staging.writes(outputs) for outputs in output_tensors]
+        return self._allgather("allgather", staging, hosts, inputs, flat_outputs)
 
+    def _allgather(
+        self,
+        what: str,
+        staging: Staging,
+        outputs: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        result: list[torch.Tensor],
+    ) -> dist.Work:
         def run(sequence: int) -> None:
-            rows = self._gather_rows(sequence, _concat_bytes(input_tensors))
-            for r in range(size):
+            rows = self._gather_rows(sequence, _concat_bytes(inputs))
+            for r in range(self.size()):
                 _write_bytes_into(
-                    [outputs[r] for outputs in output_tensors],
-                    rows[r],
-                    what=f"rank {self.rank()}: gradserver allgather",
+                    [pieces[r] for pieces in outputs], rows[r], what=f"rank {self.rank()}: gradserver {what}"
                 )
 
-        flat_outputs = [t for outputs in output_tensors for t in outputs]
-        return self._submit("allgather", run, flat_outputs, [*input_tensors, *flat_outputs])
+        return self._submit(what, staging, run, result)
 
     # --- the single-tensor and rooted forms, built on the collectives above -------------------
     # torch.distributed calls these by name on the group object (FSDP uses the first two).
@@ -258,14 +312,19 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         """`all_gather_into_tensor`: `output` holds every rank's `input`, in rank order (one
         ALL_GATHER, written straight into `output` when it is a contiguous host tensor)."""
         _equal_pieces("all_gather_into_tensor", output, self.size(), like=input)
+        staging = self._staging("all_gather_into_tensor", [input, output])
+        host_input, host_output = staging.read(input), staging.write(output)
 
         def run(sequence: int) -> None:
-            data = _concat_bytes([input])
+            data = _concat_bytes([host_input])
             # Pieces of the result may arrive while this rank still sends: the output can take
             # them directly unless the input lies in it elsewhere than in this rank's own piece
             # (which receives the very bytes it holds).
-            own = output.reshape(-1).chunk(self.size())[self.rank()] if output.numel() else output
-            into = _host_bytes(output) if not _overlaps(input, output) or _same_memory(input, own) else None
+            flat = host_output.reshape(-1)
+            own = flat.chunk(self.size())[self.rank()] if host_output.numel() else host_output
+            into = None
+            if not _overlaps(host_input, host_output) or _same_memory(host_input, own):
+                into = _host_bytes(host_output)
             result = self._client.run_collective(
                 sequence,
                 _DEFAULT_GROUP,
@@ -274,29 +333,72 @@ class ProcessGroupGradServer(dist.ProcessGroup):
                 into=into,
                 timeout=self._timeout_s,
             )
-            _write_bytes_into([output], result, what=f"rank {self.rank()}: gradserver all_gather_into_tensor")
+            what = f"rank {self.rank()}: gradserver all_gather_into_tensor"
+            _write_bytes_into([host_output], result, what=what)
 
-        return self._submit("all_gather_into_tensor", run, [output], [input, output])
+        return self._submit("all_gather_into_tensor", staging, run, [output])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         """`reduce_scatter_tensor`: rank r gets the reduction of every rank's piece r of `input`
         (its pieces already lie in rank order: `input` is sent as it is)."""
         _equal_pieces("reduce_scatter_tensor", input, self.size(), like=output)
-        return self._reduce_scatter("reduce_scatter_tensor", [output], [input], opts)
+        staging = self._staging("reduce_scatter_tensor", [input, output])
+        host_input, host_output = staging.read(input), staging.write(output)
+        what = "reduce_scatter_tensor"
+        return self._reduce_scatter(what, staging, [host_output], [host_input], opts, [output])
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         """`all_gather_into_tensor` of several tensors at once (functional collectives, FSDP2)."""
-        pieces = _pieces_of_each("all_gather_into_tensor_coalesced", outputs, inputs, self.size())
-        return self.allgather(pieces, inputs, opts)
+        what = "all_gather_into_tensor_coalesced"
+        _pieces_of_each(what, outputs, inputs, self.size())
+        staging = self._staging(what, [*inputs, *outputs])
+        host_inputs, host_outputs = staging.reads(inputs), staging.writes(outputs)
+        pieces = _pieces_of_each(what, host_outputs, host_inputs, self.size())
+        return self._allgather(what, staging, pieces, host_inputs, outputs)
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         """`reduce_scatter_tensor` of several tensors at once (functional collectives, FSDP2)."""
-        pieces = _pieces_of_each("reduce_scatter_tensor_coalesced", inputs, outputs, self.size())
-        return self.reduce_scatter(outputs, pieces, opts)
+        what = "reduce_scatter_tensor_coalesced"
+        _pieces_of_each(what, inputs, outputs, self.size())
+        staging = self._staging(what, [*inputs, *outputs])
+        host_inputs, host_outputs = staging.reads(inputs), staging.writes(outputs)
+        pieces = _pieces_of_each(what, host_inputs, host_outputs, self.size())
+        by_rank = [group[r] for r in range(self.size()) for group in pieces]
+        return self._reduce_scatter(what, staging, host_outputs, by_rank, opts, outputs)
+
+    # The former names of the four above and of all_to_all_single, which older torch releases
+    # call (their `dist.all_gather_into_tensor` is `group._allgather_base(...)`) and torch 2.13
+    # keeps as deprecated aliases. Without them, such a call reaches the C++ base class, which
+    # looks for a C++ backend and fails: "No backend type associated with device type cuda".
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        return self.all_gather_single(output, input, opts)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        return self.reduce_scatter_single(output, input, opts)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
 
     def all_to_all_single(
         self,
@@ -310,19 +412,21 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         size, rank = self.size(), self.rank()
         in_splits = _split_bytes("all_to_all_single", "input", input, input_split_sizes, size)
         out_splits = _split_bytes("all_to_all_single", "output", output, output_split_sizes, size)
+        staging = self._staging("all_to_all_single", [input, output])
+        host_input, host_output = staging.read(input), staging.write(output)
 
         def run(sequence: int) -> None:
             # Pieces of the result may arrive while this rank still sends its input.
-            into = None if _overlaps(input, output) else _host_bytes(output)
-            result = self._all_to_all(sequence, _concat_bytes([input]), in_splits, into=into)
+            into = None if _overlaps(host_input, host_output) else _host_bytes(host_output)
+            result = self._all_to_all(sequence, _concat_bytes([host_input]), in_splits, into=into)
             if result.size != sum(out_splits):
                 raise ValueError(
                     f"rank {rank}: gradserver all_to_all_single received {result.size} bytes, but "
                     f"output_split_sizes {list(output_split_sizes)} hold {sum(out_splits)}"
                 )
-            _write_bytes_into([output], result, what=f"rank {rank}: gradserver all_to_all_single")
+            _write_bytes_into([host_output], result, what=f"rank {rank}: gradserver all_to_all_single")
 
-        return self._submit("all_to_all_single", run, [output], [input, output])
+        return self._submit("all_to_all_single", staging, run, [output])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         """Only the root gets the reduction (the other ranks' tensors are left as they were): a
@@ -331,16 +435,19 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         PRODUCT, ...): an allreduce of raw bytes whose result the root keeps."""
         root = _root("reduce", opts, self.size())
         plan = plan_reduction("reduce", opts.reduceOp, [t.dtype for t in tensors], self.size())
+        is_root = self.rank() == root
         if plan.route not in ("coordinator", "widened", "limbs"):
-            targets = tensors if self.rank() == root else [t.clone() for t in tensors]
+            targets = tensors if is_root else [t.clone() for t in tensors]
             return self.allreduce(targets, opts.reduceOp)
+        staging = self._staging("reduce", tensors)
+        hosts = staging.updates(tensors) if is_root else staging.reads(tensors)
 
         def run(sequence: int) -> None:
-            result = self._reduce(sequence, _flatten(tensors), plan, root=root)
-            if self.rank() == root:
-                _scatter_into(tensors, result)
+            result = self._reduce(sequence, _flatten(hosts), plan, root=root)
+            if is_root:
+                _scatter_into(hosts, result)
 
-        return self._submit("reduce", run, tensors, tensors)
+        return self._submit("reduce", staging, run, tensors)
 
     def gather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -356,13 +463,15 @@ class ProcessGroupGradServer(dist.ProcessGroup):
                 raise ValueError(f"gradserver gather: the root needs a gather_list of {size} tensors")
             outputs = output_tensors[0]
         (tensor,) = input_tensors
+        staging = self._staging("gather", [tensor, *outputs])
+        host, hosts = staging.read(tensor), staging.writes(outputs)
 
         def run(sequence: int) -> None:
-            splits = tuple(_nbytes(tensor) if r == root else 0 for r in range(size))
-            result = self._all_to_all(sequence, _concat_bytes([tensor]), splits)
-            _write_bytes_into(outputs, result, what=f"rank {rank}: gradserver gather to rank {root}")
+            splits = tuple(_nbytes(host) if r == root else 0 for r in range(size))
+            result = self._all_to_all(sequence, _concat_bytes([host]), splits)
+            _write_bytes_into(hosts, result, what=f"rank {rank}: gradserver gather to rank {root}")
 
-        return self._submit("gather", run, outputs, [tensor, *outputs])
+        return self._submit("gather", staging, run, outputs)
 
     def scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
@@ -379,14 +488,16 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             if any(t.shape != output.shape or t.dtype != output.dtype for t in input_tensors[0]):
                 raise ValueError("gradserver scatter: every scatter_list tensor must match the output tensor")
             pieces = list(input_tensors[0])
+        staging = self._staging("scatter", [output, *pieces])
+        host_pieces, host_output = staging.reads(pieces), staging.write(output)
 
         def run(sequence: int) -> None:
-            splits = tuple(_nbytes(t) for t in pieces) if rank == root else (0,) * size
-            into = None if any(_overlaps(t, output) for t in pieces) else _host_bytes(output)
-            result = self._all_to_all(sequence, _concat_bytes(pieces), splits, into=into)
-            _write_bytes_into([output], result, what=f"rank {rank}: gradserver scatter from rank {root}")
+            splits = tuple(_nbytes(t) for t in host_pieces) if rank == root else (0,) * size
+            into = None if any(_overlaps(t, host_output) for t in host_pieces) else _host_bytes(host_output)
+            result = self._all_to_all(sequence, _concat_bytes(host_pieces), splits, into=into)
+            _write_bytes_into([host_output], result, what=f"rank {rank}: gradserver scatter from rank {root}")
 
-        return self._submit("scatter", run, [output], [output, *pieces])
+        return self._submit("scatter", staging, run, [output])
 
     # --- point-to-point ---------------------------------------------------------------------
     # Not operations of the group: only two ranks take part, so they take no sequence number and
@@ -395,11 +506,17 @@ class ProcessGroupGradServer(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> dist.Work:
         """`isend`/`send`: this rank's bytes of the tensor to rank `dstRank` (the Work completes
         once they are delivered: in its shared-memory ring, or written to its stream by the
-        coordinator)."""
+        coordinator). A device tensor is copied to the host first, here: the send starts now."""
         tensor = _single("send", tensors)
         name = f"rank {self.rank()}: gradserver send to rank {dstRank} (tag {tag})"
-        operation = self._client.send_to(dstRank, _bytes_of(tensor), tag=tag)
-        return _PeerWork(name, operation, [tensor], self._timeout_s, self._completions)
+        staging = self._staging("send", [tensor])
+        host = staging.read(tensor)
+        with staging.running():
+            staging.copy_in()
+        staging.release()
+        operation = self._client.send_to(dstRank, _bytes_of(host), tag=tag)
+        # The host copy is read until the message is delivered: the Work keeps it.
+        return _PeerWork(name, operation, [tensor], self._timeout_s, self._completions, staging, keep=host)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> dist.Work:
         """`irecv`/`recv` from rank `srcRank`: the next message with `tag` from it fills the tensor."""
@@ -413,21 +530,26 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         tensor = _single("recv", tensors)
         who = "any rank" if source is None else f"rank {source}"
         name = f"rank {self.rank()}: gradserver recv from {who} (tag {tag})"
-        into = _host_bytes(tensor)
-        staging = np.empty(_nbytes(tensor), np.uint8) if into is None else None
-        operation = self._client.receive_from(source, tag=tag, into=into if staging is None else staging)
+        staging = self._staging("recv", [tensor])
+        host = staging.write(tensor)
+        into = _host_bytes(host)
+        buffer = np.empty(_nbytes(host), np.uint8) if into is None else None
+        operation = self._client.receive_from(source, tag=tag, into=into if buffer is None else buffer)
 
         def write_back() -> None:
-            if staging is not None:
-                _write_bytes_into([tensor], staging, what=name)
+            if buffer is not None:
+                _write_bytes_into([host], buffer, what=name)
+            with staging.running():
+                staging.copy_out()
+            staging.release()
 
-        return _PeerWork(name, operation, [tensor], self._timeout_s, self._completions, write_back)
+        return _PeerWork(name, operation, [tensor], self._timeout_s, self._completions, staging, write_back)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         def run(sequence: int) -> None:
             self._exchange(sequence, np.zeros(0, np.float32), ReduceOp.SUM)
 
-        return self._submit("barrier", run, [torch.zeros(0)], [])
+        return self._submit("barrier", self._staging("barrier", []), run, [torch.zeros(0)])
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -476,10 +598,17 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         )
 
     def _reduce_scatter(
-        self, what: str, outputs: list[torch.Tensor], in_rank_order: list[torch.Tensor], opts: Any
+        self,
+        what: str,
+        staging: Staging,
+        outputs: list[torch.Tensor],
+        in_rank_order: list[torch.Tensor],
+        opts: Any,
+        result: list[torch.Tensor],
     ) -> dist.Work:
-        """Reduces `in_rank_order` (what goes to rank 0, then rank 1, ...) over the group; this
-        rank's part lands in `outputs`."""
+        """Reduces `in_rank_order` (host tensors: what goes to rank 0, then rank 1, ...) over the
+        group; this rank's part lands in `outputs` (host tensors; `result`, the caller's, are the
+        Work's)."""
         op = opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else opts
         plan = plan_reduction(what, op, [t.dtype for t in [*in_rank_order, *outputs]], self.size())
 
@@ -495,7 +624,7 @@ class ProcessGroupGradServer(dist.ProcessGroup):
             mine = self._reduce(sequence, flat, plan, scatter=True, into=into)
             _scatter_into(outputs, mine)
 
-        return self._submit(what, run, outputs, [*in_rank_order, *outputs])
+        return self._submit(what, staging, run, result)
 
     def _gather_rows(self, sequence: int, mine: np.ndarray) -> np.ndarray:
         """Every rank's `mine` (uint8, one length on every rank) as rows, in rank order: one
@@ -567,23 +696,31 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         parts = [torch.from_numpy(row.copy()).view(flat.dtype) for row in rows]
         return reduce_in_rank_order(parts, plan.op)
 
+    def _staging(self, what: str, tensors: Sequence[torch.Tensor]) -> Staging:
+        """The host side of one call's tensors (raises ValueError for tensors on two devices)."""
+        return Staging(what, tensors, self._transfers)
+
     def _submit(
         self,
         what: str,
+        staging: Staging,
         run: Callable[[int], None],
         result: list[torch.Tensor],
-        tensors: Sequence[torch.Tensor],
     ) -> dist.Work:
-        order = StreamOrder(what, tensors)
-        future = order.future()
+        """Queues `run` (the collective on the staged host tensors); the Work's value is `result`,
+        the caller's tensors."""
+        future = staging.future()
         with self._issue:
             if self._closed:
                 raise RuntimeError(f"gradserver {what}: this process group was shut down")
             sequence = next(self._sequence)
             work = _CollectiveWork(f"rank {self.rank()}: gradserver {what} (operation {sequence})", future)
-            operation = _Operation(what, sequence, run, result, work, order)
+            operation = _Operation(what, sequence, run, result, work, staging)
             self._pending[sequence] = work
-            queued = self._queue.submit(operation, eager=_host_nbytes(tensors) > _EAGER_BYTES)
+            # Device tensors are always worth overlapping: their copies to the host and back
+            # alone take longer than a small collective.
+            eager = staging.device_resident or staging.nbytes > _EAGER_BYTES
+            queued = self._queue.submit(operation, eager=eager)
         work.run_here = functools.partial(self._run_here, queued)
         work.expedite = functools.partial(self._queue.expedite, queued)
         return work
@@ -594,50 +731,44 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         if self._queue.run_if_first(queued, deadline):
             operation = queued.item
             assert operation.outcome is not None
-            self._finish(operation.sequence, operation.work, operation.outcome, operation.order)
+            self._finish(operation.sequence, operation.work, operation.outcome, operation.staging)
 
     def _run(self, operation: _Operation) -> None:
-        operation.outcome = self._outcome(
-            operation.what,
-            operation.sequence,
-            operation.run,
-            operation.result,
-            operation.work,
-            operation.order,
-        )
+        operation.outcome = self._outcome(operation)
+        # The collective's closure holds the host buffers: a Work the caller keeps (DDP keeps a
+        # step's) must not keep them from being reused.
+        operation.run = _ran
 
     def _ran_in_background(self, operation: _Operation) -> None:
         """Completes an operation that another thread than its waiter's ran (the group's, or a
         waiter of a later one), on a completion thread: a callback chained on its future may
         issue and wait for the next collective."""
         assert operation.outcome is not None
-        args = (operation.sequence, operation.work, operation.outcome, operation.order)
+        args = (operation.sequence, operation.work, operation.outcome, operation.staging)
         try:
             self._completions.submit(self._finish, *args)
         except RuntimeError:  # shut down meanwhile: complete it here, nobody can chain on it now
             self._finish(*args)
 
-    def _outcome(
-        self,
-        what: str,
-        sequence: int,
-        run: Callable[[int], None],
-        result: list[torch.Tensor],
-        work: _CollectiveWork,
-        order: StreamOrder,
-    ) -> list[torch.Tensor] | Exception:
-        """Runs one collective: its result tensors, or the exception to fail its Work with."""
+    def _outcome(self, operation: _Operation) -> list[torch.Tensor] | Exception:
+        """Runs one collective (device tensors copied in before, results copied out after): its
+        result tensors, or the exception to fail its Work with."""
+        what, sequence, work, staging = operation.what, operation.sequence, operation.work, operation.staging
         work.started = True
         outcome: list[torch.Tensor] | Exception
         try:
-            with order.on_caller_stream():
-                run(sequence)
-            outcome = result
+            with staging.running():
+                staging.copy_in()
+                operation.run(sequence)
+                staging.copy_out()
+            outcome = operation.result
         except GradServerError as exc:
             message = f"rank {self.rank()}: gradserver {what} (operation {sequence}) failed: {exc.message}"
             outcome = type(exc)(message, step=exc.step, key=exc.key, worker_id=exc.worker_id)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the Work, not the thread
             outcome = exc if isinstance(exc, Exception) else RuntimeError(f"{work.name} failed: {exc!r}")
+        finally:
+            staging.release()
         return outcome
 
     def _finish(
@@ -645,17 +776,21 @@ class ProcessGroupGradServer(dist.ProcessGroup):
         sequence: int,
         work: _CollectiveWork,
         outcome: list[torch.Tensor] | Exception,
-        order: StreamOrder | None = None,
+        staging: Staging | None = None,
     ) -> None:
-        """Completes `work` (once): callbacks chained on its future run here, on the caller's
-        stream for CUDA tensors."""
+        """Completes `work` (once): callbacks chained on its future run here; for device tensors,
+        after the copies of the results (torch records the future's events behind them)."""
         if self._pending.pop(sequence, None) is None:
             return
-        with order.on_caller_stream() if order is not None else contextlib.nullcontext():
+        with staging.completing() if staging is not None else contextlib.nullcontext():
             if isinstance(outcome, Exception):
                 work.fail(outcome)
             else:
                 work.complete(outcome)
+
+
+def _ran(sequence: int) -> None:
+    raise RuntimeError(f"gradserver: operation {sequence} ran already")
 
 
 @dataclasses.dataclass
@@ -667,7 +802,7 @@ class _Operation:
     run: Callable[[int], None]
     result: list[torch.Tensor]
     work: _CollectiveWork
-    order: StreamOrder
+    staging: Staging
     outcome: list[torch.Tensor] | Exception | None = None
 
 
@@ -748,8 +883,10 @@ class _CollectiveWork(dist.Work):
 
 class _PeerWork(dist.Work):
     """The Work of a send or receive: `wait()` moves the bytes (a receive's waiter reads them
-    in) and raises the operation's error (naming the peer rank), bounded by the group's timeout
-    or the `timeout` given; `get_future()` completes on a completion thread that waits."""
+    in, then copies them into a device tensor on the group's copy stream, which the waiter's
+    stream then waits for) and raises the operation's error (naming the peer rank), bounded by
+    the group's timeout or the `timeout` given; `get_future()` completes on a completion thread
+    that waits."""
 
     def __init__(
         self,
@@ -758,7 +895,10 @@ class _PeerWork(dist.Work):
         tensors: list[torch.Tensor],
         timeout_s: float | None,
         completions: concurrent.futures.ThreadPoolExecutor,
+        staging: Staging,
         write_back: Callable[[], None] | None = None,
+        *,
+        keep: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.name = name
@@ -766,12 +906,19 @@ class _PeerWork(dist.Work):
         self._tensors = tensors  # kept until complete: a send reads them, a receive writes them
         self._timeout_s = timeout_s
         self._completions = completions
+        self._staging = staging
         self._write_back = write_back
+        self._keep = keep  # a send's host copy, read until the message is delivered
         self._finished = False
         self._lock = threading.Lock()
         self._future: torch.futures.Future[list[torch.Tensor]] | None = None
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._complete(timeout)
+        self._staging.order_current()
+        return True
+
+    def _complete(self, timeout: datetime.timedelta | None) -> None:
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         bound = seconds if seconds > 0 else self._timeout_s
         try:
@@ -783,9 +930,9 @@ class _PeerWork(dist.Work):
         with self._lock:
             if not self._finished:
                 self._finished = True
+                self._keep = None
                 if self._write_back is not None:
                     self._write_back()
-        return True
 
     def is_completed(self) -> bool:
         return self._operation.done and (self._write_back is None or self._finished)
@@ -805,16 +952,17 @@ class _PeerWork(dist.Work):
         with self._lock:
             if self._future is not None:
                 return self._future
-            future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+            future = self._staging.future()
             self._future = future
 
         def complete() -> None:
             try:
-                self.wait()
+                self._complete(None)
             except Exception as exc:  # noqa: BLE001 - the future carries any failure
                 future.set_exception(RuntimeError(str(exc)))  # type: ignore[arg-type]
             else:
-                future.set_result(self._tensors)
+                with self._staging.completing():
+                    future.set_result(self._tensors)
 
         self._completions.submit(complete)
         return future
@@ -824,14 +972,6 @@ def _single(what: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"gradserver {what}: expected one tensor, got {len(tensors)}")
     return tensors[0]
-
-
-def _host_nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the tensors; for a device tensor, more than `_EAGER_BYTES` (its copies to the
-    host and back are worth overlapping with the caller's work)."""
-    if any(t.is_cuda for t in tensors):
-        return 1 << 62
-    return sum(_nbytes(t) for t in tensors)
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
@@ -1036,13 +1176,19 @@ def _scatter_into(tensors: Sequence[torch.Tensor], result: torch.Tensor) -> None
 
 
 def create_process_group(
-    store: Store, rank: int, size: int, timeout: datetime.timedelta
+    store: Store,
+    rank: int,
+    size: int,
+    timeout: datetime.timedelta,
+    *,
+    devices: Sequence[str] = DEVICE_TYPES,
 ) -> ProcessGroupGradServer:
     """The creator registered with torch: finds or starts the group's coordinator, joins as `rank`.
     The default group joins GRADSERVER_COORDINATOR when it is set; every later group (a
     `dist.new_group`, a DeviceMesh dimension) gets its own embedded coordinator, also under
     `gradserver run`: a coordinator's operations involve all of its workers, so one coordinator
-    cannot serve groups with other members."""
+    cannot serve groups with other members. `devices`: the device types it serves
+    (`_registration`)."""
     timeout_s = timeout.total_seconds()
     settings = rank_settings()
     timeouts = Timeouts(connect=min(timeout_s, 60.0), join=timeout_s, receive=timeout_s)
@@ -1075,4 +1221,4 @@ def create_process_group(
         raise
     log.info("rank %d of %d joined the gradserver coordinator at %s", rank, size, membership.address)
     check_finite = settings.torch_check_finite
-    return ProcessGroupGradServer(client, embedded, timeout_s, check_finite)
+    return ProcessGroupGradServer(client, embedded, timeout_s, check_finite, devices=devices)

@@ -28,6 +28,7 @@ asks for that worker id).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -226,8 +227,13 @@ class Replica:
         self._filled = 0
         self._waiting: list[tuple[torch.futures.Future[torch.Tensor], Any]] = []
         self.client = self._connect(coordinator, timeout, replica_group is not None)
+        self._closed = False
         self._receiver = threading.Thread(target=self._receive, name="gradserver-ft", daemon=True)
         self._receiver.start()
+        # A script that ends without close() (the five lines above, a `return` from main) still
+        # leaves with a goodbye at a clean exit: its coordinator tells a finished rank from a lost
+        # one by that, and a job whose ranks all finished is not kept open for a rejoin.
+        atexit.register(self.close)
         try:
             if self._line_up() is not None:
                 self._heal()
@@ -300,7 +306,12 @@ class Replica:
         return True
 
     def close(self) -> None:
-        """Leaves the job."""
+        """Leaves the job (with a goodbye); also at the interpreter's exit. Safe to call more
+        than once."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         self._pending.put(None)
         self.client.close()
         self._receiver.join(5.0)

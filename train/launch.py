@@ -57,7 +57,9 @@ from gradserver.worker.local_coordinator import (
     coordinator_command,
     coordinator_failure,
     coordinator_pid,
+    job_finished,
     loss_of,
+    lost_workers,
     remove_leftovers,
     verdict,
 )
@@ -72,6 +74,9 @@ log = logging.getLogger("gradserver.launch")
 
 _COORDINATOR_EXIT_S = 10.0
 _RESTART_WAIT_S = 1.0  # for the coordinator to record the loss a restart answers
+# A replacement that took part ends by itself this soon after the job finished; one still
+# joining is stopped then.
+_LATE_GRACE_S = 5.0
 _STDOUT_LOCK = threading.Lock()
 
 # The worker's settings launch takes as its own flags: the worker's fields themselves, so they
@@ -408,13 +413,25 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
     running = set(workers)
     restarts_left = job.launch.restart_lost
     answered: set[int] = set()  # losses (events-file positions) a restart answered
+    replacements: set[Child] = set()  # workers started again
     while running:
         child = next_exit(exits, deadline, job.launch.run_timeout)
         if child is coordinator:
             if child.proc.returncode != 0:
                 return coordinator_failure(child, tmp / "events")
+            if job_finished(tmp / "events") is not None:
+                # Every step done and every worker that took part left: a replacement that took
+                # part ends by itself; one still joining has nothing left to join.
+                for late in _still_running(running & replacements, _LATE_GRACE_S):
+                    _too_late(late, tmp / "events", progress)
+                    late.proc.terminate()
+                    running.discard(late)
             continue  # done with its steps; the workers finish (or fail) on their own
         running.discard(child)
+        if child in replacements and job_finished(tmp / "events") is not None:
+            if child.proc.returncode != 0:
+                _too_late(child, tmp / "events", progress)
+            continue
         if child.proc.returncode != 0:
             if coordinator is None:
                 return child.failure()
@@ -431,6 +448,7 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
                     f"{child.failure()}; restarting it ({restarts_left} restart(s) left)",
                 )
                 again = _start_worker(argvs[index], child.name, progress, threads)
+                replacements.add(again)
                 workers[index] = again
                 children.append(again)
                 again.watch(exits)
@@ -441,6 +459,22 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
         # In a SLURM step it also waits for the other tasks' workers to leave.
         return _end_coordinator(coordinator, tmp / "events", OTHER_TASKS_S if step else _COORDINATOR_EXIT_S)
     return ""
+
+
+def _still_running(children: set[Child], grace_s: float) -> list[Child]:
+    """Those of `children` that have not ended within `grace_s`."""
+    end = time.monotonic() + grace_s
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(max(0.0, end - time.monotonic()))
+    return [child for child in children if child.proc.poll() is None]
+
+
+def _too_late(child: Child, events: Path, progress: _Progress) -> None:
+    """Says that `child`, a worker started again, found the job finished (no failure)."""
+    loss = next((w for w in lost_workers(events) if w.node == child.name), None)
+    lost = f"{child.name} was lost ({loss.reason})" if loss is not None else f"{child.name} ended"
+    progress.line("launch:", f"{lost} and its replacement found the job finished")
 
 
 def _start_worker(argv: list[str], name: str, progress: _Progress, threads: int) -> Child:

@@ -74,6 +74,7 @@ from gradserver.worker.local_coordinator import (
     coordinator_command,
     coordinator_failure,
     every_worker_left,
+    job_finished,
     loss_of,
     lost_workers,
     remove_leftovers,
@@ -437,6 +438,10 @@ class _Restarts:
     start_coordinator: Callable[[Child], Child] | None = None  # None: a lost one is not restarted
     answered: set[int] = dataclasses.field(default_factory=set)
     stopped: set[Child] = dataclasses.field(default_factory=set)  # stopped here: their exits are not failures
+    replacements: set[Child] = dataclasses.field(default_factory=set)  # ranks started again
+    too_late: list[Child] = dataclasses.field(
+        default_factory=list
+    )  # replacements that found the job finished
 
     def stop_lost(self, ranks: list[Child]) -> None:
         """A rank a coordinator declared lost that still runs (stopped, hung, cut off) is
@@ -474,7 +479,7 @@ class _Restarts:
     def restart(self, child: Child, ranks: list[Child]) -> list[Child]:
         """Starts the rank of `child` (which failed) again, with the rest of its replica group
         (stopped first), if restarts are left; the ranks started."""
-        if self.left <= 0:
+        if self.left <= 0 or job_finished(self.events) is not None:
             return []
         self.left -= 1
         index = ranks.index(child)
@@ -499,7 +504,51 @@ class _Restarts:
         for i in group:
             ranks[i] = self.start(i)
             started.append(ranks[i])
+        self.replacements.update(started)
         return started
+
+    def found_finished(self, child: Child) -> bool:
+        """Whether `child`, which ended with an error, is a replacement that came too late: the
+        job finished (every rank that took part left) before it could take part, so its end
+        is no failure and it is not started again."""
+        if child not in self.replacements or job_finished(self.events) is None:
+            return False
+        self.too_late.append(child)
+        return True
+
+    def stop_too_late(self, running: set[Child]) -> None:
+        """The job finished and its coordinator stopped: a replacement still running either took
+        part and is on its way out, or is still joining or healing with nothing left to join.
+        Each gets SURVIVOR_GRACE_S to end by itself (exit 0: it finished like the others); one
+        that does not is stopped and counted as too late."""
+        late = running & self.replacements
+        _let_survivors_end(late)
+        for child in late:
+            if child.proc.poll() is None:
+                self.stopped.add(child)
+                self.too_late.append(child)
+                _print("run:", f"{child.name}, started again, found the job finished; stopping it")
+                child.proc.terminate()
+        for child in late:
+            try:
+                child.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+
+    def finished_note(self) -> str:
+        """For the last line of a finished job: each rank lost on the way, when, and that its
+        replacement found the job finished ('' when none)."""
+        notes = []
+        for child in self.too_late:
+            loss = next((w for w in lost_workers(self.events) if self.name(w) == child.name), None)
+            if loss is None:
+                notes.append(f"{child.name} ended and its replacement found the job finished")
+                continue
+            at = f" at operation {loss.step}" if loss.step is not None else ""
+            notes.append(
+                f"{child.name} was lost{at} ({loss.reason}) and its replacement found the job finished"
+            )
+        return "".join(f"; {note}" for note in notes)
 
 
 def _watch(
@@ -528,6 +577,12 @@ def _watch(
         code = child.proc.returncode
         if child in coordinators:
             child.finish_output()
+            if code == 0 and job_finished(events) is not None:
+                # Every rank that took part left: what still runs is a replacement with nothing to
+                # join, or a rank on its way out.
+                restarts.stop_too_late(running)
+                running.difference_update(restarts.stopped)
+                continue
             if restarts.restart_coordinator(child, coordinators):
                 continue
             _let_survivors_end(running)
@@ -540,6 +595,8 @@ def _watch(
         running.discard(child)
         if code != 0:
             child.finish_output()
+            if restarts.found_finished(child):
+                continue
             again = restarts.restart(child, ranks)
             if again:
                 running.difference_update(restarts.stopped)
@@ -554,7 +611,7 @@ def _watch(
     place = restarts.layout.place
     every = f"all {len(ranks)} ranks" if len(ranks) > 1 else "the 1 rank"
     if place.tasks == 1:
-        return _end_coordinators(coordinators, f"{every} finished")
+        return _end_coordinators(coordinators, f"{every} finished{restarts.finished_note()}")
     if coordinators:
         why = _await_other_tasks(coordinators[0], restarts, deadline)
         if why:
@@ -606,14 +663,21 @@ def _after_signal(ranks: list[Child], signum: int, why: str = "") -> tuple[int, 
 
 def _end_coordinators(coordinators: list[Child], finished: str) -> tuple[int, str]:
     """Every rank exited 0: a coordinator has no end of its own here (no step count), so each is
-    asked to stop, and must."""
+    asked to stop. One slow to stop is killed (by the caller) and named in a warning: the
+    training finished, and that is what the exit status says."""
     for coordinator in coordinators:
         coordinator.proc.terminate()
     for coordinator in coordinators:
         try:
             code = coordinator.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:  # the caller kills it
-            return 1, f"the {coordinator.name} did not stop within {STOP_GRACE_S:g} s of SIGTERM"
+        except subprocess.TimeoutExpired:
+            _print(
+                "run:",
+                f"warning: the {coordinator.name} did not stop within {STOP_GRACE_S:g} s of SIGTERM "
+                "after every rank finished; killing it",
+            )
+            coordinator.proc.kill()
+            continue
         if code not in (0, -signal.SIGTERM):
             coordinator.finish_output()
             return 1, f"every rank finished, but the {coordinator.failure()}"

@@ -44,6 +44,7 @@ from gradserver.common.errors import (
 )
 from gradserver.common.messages import (
     BYTE_KINDS,
+    START_AT_WINDOW,
     ChunkHeader,
     CollectiveKind,
     DType,
@@ -501,10 +502,18 @@ class WorkerClient:
         return self._accepted.recovery_step
 
     def start_at(self, step: int) -> None:
-        """Takes part from `step` instead of `recovery_step` (not earlier), before this worker
-        sends anything: what waits for it in earlier steps completes without it, and `recover`
-        then takes the state at `step`. The members of a replica group that join one job per
-        shard at once (HSDP) agree on the latest of their recovery steps and all start there."""
+        """Takes part from `step` instead of `recovery_step` (not earlier, and at most
+        `START_AT_WINDOW` steps past the step this worker joined with), before this worker sends
+        anything: what waits for it in earlier steps completes without it, and `recover` then
+        takes the state at `step`. The members of a replica group that join one job per shard at
+        once (HSDP) agree on the latest of their recovery steps and all start there.
+
+        Checks here what the coordinator checks (server/message_rules.py), so a request it would
+        refuse raises at once instead of leaving this worker waiting for a state no donor reaches:
+        `FailedPreconditionError` without a plan to move (joined as the job began, or rejoined a
+        restarted coordinator, where every member resumes together), with partitioned
+        coordinators, or once this worker sent anything; `InvalidArgumentError` for a step outside
+        the plan's range."""
         self._check_step(step, takes_part=False)
         planned = self._accepted.recovery_step
         if planned is None:
@@ -512,9 +521,25 @@ class WorkerClient:
                 f"worker {self.worker_id} joined as the job began: it takes part in every step",
                 worker_id=self.worker_id,
             )
+        # The plan as joined: an earlier start_at may have moved `planned`, never the range.
+        given = self._link.accepted.recovery_step
+        if given is not None and given == self._accepted.resume_step:
+            raise FailedPreconditionError(
+                f"worker {self.worker_id} rejoined a restarted coordinator: every member resumes at step "
+                f"{given} together, and start_at moves only the first step of a worker that took a "
+                "departed one's place in a running job",
+                worker_id=self.worker_id,
+            )
         if step < planned:
             raise InvalidArgumentError(
                 f"worker {self.worker_id} takes part from step {planned}: it cannot start at step {step}",
+                worker_id=self.worker_id,
+            )
+        latest = (planned if given is None else given) + START_AT_WINDOW
+        if step > latest:
+            raise InvalidArgumentError(
+                f"worker {self.worker_id} takes part from step {planned}: start_at moves it to step {latest} "
+                f"at the latest ({START_AT_WINDOW} steps past the step it joined with), not to step {step}",
                 worker_id=self.worker_id,
             )
         if self._accepted.partition_map:

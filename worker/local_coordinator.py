@@ -135,6 +135,15 @@ def every_worker_left(events_file: Path) -> bool:
     return any(e.get("event") == "every_worker_left" for e in _events(events_file))
 
 
+def job_finished(events_file: Path) -> str | None:
+    """Why the coordinator's job finished (every worker that took part left, or --max-steps was
+    reached), from its events file; None while it has not said so."""
+    for event in _events(events_file):
+        if event.get("event") == "job_ended" and event.get("state") == "finished":
+            return str(event.get("reason", ""))
+    return None
+
+
 def job_failure(events_file: Path) -> str:
     """Why the coordinator's job failed, from its events file; '' when it did not say."""
     for event in _events(events_file):

@@ -364,7 +364,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "sample_range_request", "peer_message", "step_failed")
+    __slots__ = ("code", "message", "step", "key", "culprit_worker_id", "barrier", "sample_range_request", "peer_message", "start_at", "step_failed")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class Error(_message.Message):
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RANGE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     PEER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    START_AT_FIELD_NUMBER: _ClassVar[int]
     STEP_FAILED_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
@@ -382,8 +383,9 @@ class Error(_message.Message):
     barrier: Barrier
     sample_range_request: SampleRangeRequest
     peer_message: PeerMessage
+    start_at: StartAt
     step_failed: bool
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., key: _Optional[_Union[TensorKey, _Mapping]] = ..., culprit_worker_id: _Optional[int] = ..., barrier: _Optional[_Union[Barrier, _Mapping]] = ..., sample_range_request: _Optional[_Union[SampleRangeRequest, _Mapping]] = ..., peer_message: _Optional[_Union[PeerMessage, _Mapping]] = ..., start_at: _Optional[_Union[StartAt, _Mapping]] = ..., step_failed: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("chunk", "barrier", "sample_range_request", "heartbeat", "shutdown", "step_failure", "peer_message", "start_at")

@@ -19,6 +19,11 @@ step STEP` once they applied it, and RANK, past the barrier, prints `rank RANK: 
 of step STEP`, waits (at most 120 s) for the file FLAG (the test creates it once it has killed the
 coordinator) and fails the barrier as a lost connection does. The example itself runs, its
 `ft.Replica` replaced by one that carries the fault; the other flags go to the example.
+
+Two more let a test decide when things happen: `--hold RANKS:STEP:FLAG` stops the first
+incarnation of each of RANKS (comma-separated) at the start of step STEP until the file FLAG
+exists (a replacement can heal meanwhile: a rank serves its state from a thread of its client), and
+`--late-replacement FOLDER` makes a rank started again wait for FOLDER/go before it joins.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import runpy
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,23 +128,63 @@ def _dying_replica(die_rank: int, die_step: int, phase: str, serving: bool) -> t
     return DyingReplica
 
 
+def _holding_replica(base: type[ft.Replica], ranks: set[int], step: int, flag: Path) -> type[ft.Replica]:
+    rank = int(os.environ.get("LOCAL_RANK", "-1"))
+
+    class HoldingReplica(base):  # type: ignore[valid-type,misc]
+        def steps(self, total: int) -> Iterator[int]:
+            for current in super().steps(total):
+                if current == step and rank in ranks and self.healed is None:
+                    print(f"rank {rank}: holding at step {step}", flush=True)
+                    _wait_for(flag)
+                yield current
+
+    return HoldingReplica
+
+
+def _wait_for(flag: Path) -> None:
+    deadline = time.monotonic() + _FLAG_WAIT_S
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _late_replacement(folder: Path) -> None:
+    """A rank started again (its first incarnation left a mark in `folder`) waits for the file
+    `folder/go` before it joins, at most _FLAG_WAIT_S: the test decides when a replacement comes."""
+    rank = os.environ.get("LOCAL_RANK", "-1")
+    mark = folder / f"started-{rank}"
+    if not mark.exists():
+        mark.touch()
+        return
+    print(f"rank {rank}: a replacement, waiting to join", flush=True)
+    _wait_for(folder / "go")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--example", default="ft_ddp.py", choices=("ft_ddp.py", "ft_hsdp.py"))
     parser.add_argument("--die", default="", help="RANK:STEP:PHASE")
     parser.add_argument("--die-serving", type=int, default=-1, help="RANK")
     parser.add_argument("--lose-release", default="", help="RANK:STEP:FLAG")
+    parser.add_argument("--hold", default="", help="RANK[,RANK...]:STEP:FLAG")
+    parser.add_argument("--late-replacement", default="", help="FOLDER")
     args, rest = parser.parse_known_args()
+    if args.late_replacement:
+        _late_replacement(Path(args.late_replacement))
     if args.lose_release:
         lose_rank, step, flag = args.lose_release.split(":", 2)
         ft.Replica = _releasing_replica(int(lose_rank), int(step), Path(flag))  # type: ignore[misc]
     elif args.die_serving >= 0:
         ft.Replica = _dying_replica(args.die_serving, -1, "", serving=True)  # type: ignore[misc]
-    else:
+    elif args.die:
         rank, step, phase = [*args.die.split(":"), "", "", ""][:3]
         if phase not in PHASES:
             parser.error(f"--die RANK:STEP:PHASE, PHASE one of {', '.join(PHASES)}")
         ft.Replica = _dying_replica(int(rank), int(step), phase, serving=False)  # type: ignore[misc]
+    if args.hold:
+        ranks, step, flag = args.hold.split(":", 2)
+        held = {int(r) for r in ranks.split(",")}
+        ft.Replica = _holding_replica(ft.Replica, held, int(step), Path(flag))  # type: ignore[misc]
     script = ROOT / "examples" / args.example
     sys.argv = [str(script), *rest]
     runpy.run_path(str(script), run_name="__main__")

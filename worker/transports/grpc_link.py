@@ -687,6 +687,10 @@ class GrpcLink:
             self._samples.append(error)
         elif event.peer_message is not None:
             pass  # a refused point-to-point message: the mailbox hears of it (`_on_event`)
+        elif event.start_at is not None:
+            # A refused StartAt (WorkerClient.start_at checks the same rules first): it is about
+            # no result, and the worker takes part from its plan's step as before; logged above.
+            pass
         else:
             # A message the coordinator could not attribute (malformed): nothing waiting can
             # trust the stream's ordering any more.

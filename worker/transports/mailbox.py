@@ -21,6 +21,14 @@ window of bytes without it, so a slow receiver holds its senders back instead of
 coordinator); refused (its receiver left), it fails naming the receiver. When the link breaks (the
 job failed: a worker was lost, the coordinator stopped), every send and receive not complete fails
 with the link's error, which names the lost worker.
+
+What the relay passes on is checked here too, as the coordinator checks it (server/relay.py): a
+sender's messages come one at a time, numbered upwards, each in pieces in order with one tag and
+size, none past its end. A piece that does not fit its message fails that message alone (its
+receive, or the one that would have taken it, raises naming the sender), so no receive completes
+with bytes that were not sent and the link's receiver thread goes on; a message its sender left
+unfinished fails once that sender's next message begins. A `PeerDeliveredOut` for bytes this worker
+has not sent fails that send.
 """
 
 from __future__ import annotations
@@ -34,11 +42,14 @@ import time
 
 import numpy as np
 
+from gradserver.common.codec import PEER_BYTES_PER_ELEMENT
 from gradserver.common.errors import (
     AbortedError,
     DeadlineExceededError,
     GradServerError,
+    InternalError,
     InvalidArgumentError,
+    ResourceExhaustedError,
     UnavailableError,
 )
 from gradserver.common.lane import spin_for
@@ -128,6 +139,7 @@ class _Incoming:
     target: np.ndarray | None  # None: thrown away (it did not fit the receive it matched)
     receive: PeerReceive | None
     got: int = 0  # bytes moved (ring: of the frame after its header, padding included)
+    sequence: int = -1  # relayed: the sender's number of the message
 
 
 class _Bell:
@@ -177,6 +189,7 @@ class Mailbox:
         self._world = accepted.total_workers
         self._link = link
         self._piece_bytes = max(8, accepted.chunk_bytes)
+        self._largest = accepted.max_tensor_elements * PEER_BYTES_PER_ELEMENT  # a message, bytes
         self._rings = rings
         peers = () if rings is None else rings.peers
         self._local = {w: peers.index(w) for w in peers if w != self.worker_id}
@@ -186,8 +199,12 @@ class Mailbox:
         self._lock = threading.Lock()
         self._sequence = itertools.count()
         self._posted: list[PeerReceive] = []
-        self._unexpected: list[tuple[int, int, np.ndarray]] = []  # (sender, tag, bytes), as they came
-        self._assembling: dict[tuple[int, int], _Incoming] = {}  # relayed: (sender, sequence)
+        # (sender, tag, its bytes or why it failed), as they came
+        self._unexpected: list[tuple[int, int, np.ndarray | GradServerError]] = []
+        # Relayed: the message each sender is sending this worker (one at a time, in order), and
+        # the number of the last one it began (a later piece of an earlier one is dropped).
+        self._assembling: dict[int, _Incoming] = {}
+        self._begun: dict[int, int] = {}
         self._reading: dict[int, _Incoming] = {}  # from the rings: sender -> its message being read
         self._progress = threading.Lock()  # one thread reads the rings at a time
         self._queued: dict[int, collections.deque[PeerSend]] = {}  # peer -> sends not fully written
@@ -285,8 +302,10 @@ class Mailbox:
                 outstanding = sum(s.written - s.acked for s in self._relayed.values())
                 if window and outstanding and outstanding + piece.size > self._window:
                     return False
-            self._link.send(PeerPiece(send.peer, send.tag, send.sequence, total, offset, piece.data))
+            # Counted before it goes, so a notice for it never finds it unsent (a notice past
+            # `written` is one this worker cannot trust).
             send.written = offset + piece.size
+            self._link.send(PeerPiece(send.peer, send.tag, send.sequence, total, offset, piece.data))
             if send.written >= total:
                 return True
 
@@ -351,40 +370,116 @@ class Mailbox:
     def peer_message(self, event: PeerPiece | PeerDeliveredOut) -> None:
         """From the link's receiver thread: a piece of a relayed message, or a send delivered."""
         if isinstance(event, PeerDeliveredOut):
-            with self._lock:
-                send = self._relayed.get(event.sequence)
-                if send is None:
-                    return
+            self._delivered(event)
+        elif self._piece(event):
+            self._bell.ring()
+
+    def _delivered(self, event: PeerDeliveredOut) -> None:
+        with self._lock:
+            send = self._relayed.get(event.sequence)
+            if send is None:
+                return
+            if event.peer != send.peer or event.upto > send.written:
+                del self._relayed[event.sequence]
+                send._finish(
+                    InternalError(
+                        f"the coordinator said worker {event.peer} took this send up to byte {event.upto}, "
+                        f"but {send.written} of its bytes went to worker {send.peer} so far",
+                        worker_id=event.peer,
+                    )
+                )
+            else:
                 send.acked = max(send.acked, event.upto)
                 if event.upto >= send.data.size:
                     del self._relayed[event.sequence]
                     send._finish()
-                self._work.notify_all()  # the window has room
-            self._bell.ring()
-            return
-        key = (event.peer, event.sequence)
+            self._work.notify_all()  # the window has room
+        self._bell.ring()
+
+    def _piece(self, piece: PeerPiece) -> bool:
+        """Moves one relayed piece into its message; True when a receive may have ended (its
+        waiter is to be rung)."""
+        sender, data = piece.peer, np.frombuffer(piece.data, np.uint8)
+        end = piece.offset + data.size
+        voided = False
         with self._lock:
-            incoming = self._assembling.get(key)
-            if incoming is None:
-                if event.offset:
+            incoming = self._assembling.get(sender)
+            if incoming is None or incoming.sequence != piece.sequence:
+                last = self._begun.get(sender)
+                if last is not None and piece.sequence <= last:
+                    # The rest of a message this worker dropped (it failed, or its link did).
                     log.debug(
-                        "worker %d: dropped a piece of message %d from worker %d whose start it never got",
+                        "worker %d: dropped a piece of message %d from worker %d, which it dropped",
                         self.worker_id,
-                        event.sequence,
-                        event.peer,
+                        piece.sequence,
+                        sender,
                     )
-                    return
-                incoming = self._incoming(event.peer, event.tag, event.total_bytes)
-                self._assembling[key] = incoming
-        data = np.frombuffer(event.data, np.uint8)
-        if incoming.target is not None:
-            incoming.target[event.offset : event.offset + data.size] = data
-        incoming.got += data.size
-        if incoming.got >= incoming.nbytes:
-            with self._lock:
-                del self._assembling[key]
-                self._complete(incoming)
-            self._bell.ring()
+                    return False
+                self._begun[sender] = piece.sequence
+                if incoming is not None:
+                    # Its sender moved on to the next message: the rest of this one never comes.
+                    del self._assembling[sender]
+                    self._void(incoming, _unfinished(incoming))
+                    voided = True
+                problem = self._first_piece_problem(piece, end)
+                if problem is not None:
+                    self._void(_Incoming(sender, piece.tag, piece.total_bytes, None, None), problem)
+                    return True
+                try:
+                    incoming = self._incoming(sender, piece.tag, piece.total_bytes)
+                except MemoryError:
+                    what = f"worker {sender}'s message {piece.sequence} (tag {piece.tag})"
+                    unheld = ResourceExhaustedError(
+                        f"{what} of {piece.total_bytes} bytes does not fit in this worker's memory",
+                        worker_id=sender,
+                    )
+                    self._void(_Incoming(sender, piece.tag, piece.total_bytes, None, None), unheld)
+                    return True
+                incoming.sequence = piece.sequence
+                self._assembling[sender] = incoming
+            else:
+                problem = _misfit(incoming, piece, end)
+                if problem is not None:
+                    del self._assembling[sender]
+                    self._void(incoming, problem)
+                    return True
+        if incoming.target is not None and data.size:
+            incoming.target[piece.offset : end] = data
+        with self._lock:
+            if self._assembling.get(sender) is not incoming:
+                return voided  # failed meanwhile (a departure, the link)
+            incoming.got = end
+            if end < incoming.nbytes:
+                return voided
+            del self._assembling[sender]
+            self._complete(incoming)
+        return True
+
+    def _first_piece_problem(self, piece: PeerPiece, end: int) -> InternalError | None:
+        """Why the first piece this worker gets of a message cannot begin it (lock held)."""
+        if piece.total_bytes > self._largest:
+            why = f"it declares {piece.total_bytes} bytes, more than the largest message of {self._largest}"
+        elif piece.offset != 0:
+            why = f"its first piece here is [{piece.offset}, {end}): its bytes from 0 never came"
+        elif end > piece.total_bytes:
+            why = f"the piece [{piece.offset}, {end}) ends past its {piece.total_bytes} bytes"
+        else:
+            return None
+        return _malformed(piece.peer, piece.sequence, piece.tag, why)
+
+    def _void(self, incoming: _Incoming, error: GradServerError) -> None:
+        """The message `incoming` fails with `error` (lock held): its receive raises it, or, when
+        none took it yet, the receive that would have (a message that never came whole is not
+        lost silently)."""
+        log.warning("worker %d: %s", self.worker_id, error.message)
+        receive = incoming.receive
+        if receive is None:
+            self._arrived_whole(incoming.sender, incoming.tag, error)
+        elif not receive.done:
+            if receive.error is None:  # else it already says why it cannot take the message
+                receive.error = error
+            receive.sender = incoming.sender
+            receive.done = True
 
     def peer_refused(self, piece: PeerPiece, error: GradServerError) -> None:
         """The coordinator refused message `piece.sequence` (its receiver is gone, ...)."""
@@ -440,6 +535,8 @@ class Mailbox:
         replacement joins no host's memory)."""
         with self._lock:
             left = self._gone.pop(worker_id, None) is not None
+            if left:
+                self._begun.pop(worker_id, None)  # it numbers its messages afresh
             mine = [i for i, (w, _) in enumerate(self._joins) if w == worker_id]
             if mine and not left:  # a later first step of the same replacement (StartAt)
                 self._joins[mine[-1]] = (worker_id, first_step)
@@ -461,8 +558,8 @@ class Mailbox:
         for incoming in [*self._assembling.values(), *self._reading.values()]:
             if incoming.sender == worker_id and incoming.receive is not None and not incoming.receive.done:
                 incoming.receive.error, incoming.receive.done = error, True
-        for key in [k for k, incoming in self._assembling.items() if incoming.sender == worker_id]:
-            del self._assembling[key]  # its last pieces will never come
+        self._assembling.pop(worker_id, None)  # its last pieces will never come
+        self._begun.pop(worker_id, None)  # one that takes its place numbers its messages afresh
         for send in self._queued.pop(worker_id, ()):
             send._finish(error)
         for sequence, send in list(self._relayed.items()):
@@ -492,9 +589,9 @@ class Mailbox:
         self._relayed.clear()
         # Messages being relayed to this worker: their senders stop sending them (their pieces
         # still under way are dropped as pieces of a message not begun here).
-        for key, incoming in list(self._assembling.items()):
+        for sender, incoming in list(self._assembling.items()):
             if incoming.receive is None or incoming.receive.done:
-                del self._assembling[key]
+                del self._assembling[sender]
 
     # --- receiving -------------------------------------------------------------------------------
 
@@ -531,13 +628,17 @@ class Mailbox:
     def _incoming(self, sender: int, tag: int, nbytes: int) -> _Incoming:
         """Where a message starting to arrive goes (lock held): a matching receive's buffer
         when it has one of that size, else an array of its own."""
-        receive = self._matching(sender, tag)
+        receive = next((r for r in self._posted if r.tag == tag and r.source in (None, sender)), None)
         if receive is not None and receive.into is not None:
+            self._posted.remove(receive)
             if receive.into.size == nbytes:
                 return _Incoming(sender, tag, nbytes, receive.into, receive)
             receive.error = _size_mismatch(receive, sender, nbytes)
             return _Incoming(sender, tag, nbytes, None, receive)
-        return _Incoming(sender, tag, nbytes, np.empty(nbytes, np.uint8), receive)
+        target = np.empty(nbytes, np.uint8)  # raises MemoryError before the receive is taken
+        if receive is not None:
+            self._posted.remove(receive)
+        return _Incoming(sender, tag, nbytes, target, receive)
 
     def _complete(self, incoming: _Incoming) -> None:
         """A message arrived whole (lock held): its receive is done, or a receive posted since it
@@ -559,10 +660,13 @@ class Mailbox:
             receive.data = incoming.target
         receive.done = True
 
-    def _deliver_to(self, receive: PeerReceive, sender: int, data: np.ndarray) -> None:
-        """Completes `receive` with a message already in hand (lock held)."""
+    def _deliver_to(self, receive: PeerReceive, sender: int, data: np.ndarray | GradServerError) -> None:
+        """Completes `receive` with a message already in hand, or the reason it failed (lock
+        held)."""
         receive.sender = sender
-        if receive.into is None:
+        if isinstance(data, GradServerError):
+            receive.error = data
+        elif receive.into is None:
             receive.data = data
         elif receive.into.size == data.size:
             receive.into[:] = data
@@ -571,8 +675,8 @@ class Mailbox:
             receive.error = _size_mismatch(receive, sender, data.size)
         receive.done = True
 
-    def _arrived_whole(self, sender: int, tag: int, data: np.ndarray) -> None:
-        """A message in hand (lock held), e.g. one this worker sent itself."""
+    def _arrived_whole(self, sender: int, tag: int, data: np.ndarray | GradServerError) -> None:
+        """A message in hand (lock held), e.g. one this worker sent itself; or why one failed."""
         receive = self._matching(sender, tag)
         if receive is None:
             self._unexpected.append((sender, tag, data))
@@ -676,6 +780,40 @@ class Mailbox:
 def _done(operation: PeerSend | PeerReceive) -> bool:
     """Whether `operation` is done now (another thread may have completed it meanwhile)."""
     return operation.done
+
+
+def _malformed(sender: int, sequence: int, tag: int, why: str) -> InternalError:
+    """Why a relayed message from `sender` is dropped: a piece that cannot be part of it."""
+    return InternalError(
+        f"worker {sender}'s message {sequence} (tag {tag}) came with a piece that does not fit it: {why}; "
+        "the message is dropped",
+        worker_id=sender,
+    )
+
+
+def _misfit(incoming: _Incoming, piece: PeerPiece, end: int) -> InternalError | None:
+    """Why `piece` cannot be the next piece of `incoming` (None: it is)."""
+    if piece.total_bytes != incoming.nbytes:
+        why = f"its size changed from {incoming.nbytes} to {piece.total_bytes} bytes"
+    elif piece.tag != incoming.tag:
+        why = f"its tag changed from {incoming.tag} to {piece.tag}"
+    elif piece.offset != incoming.got:
+        why = f"the piece [{piece.offset}, {end}) came where byte {incoming.got} was next"
+    elif end > incoming.nbytes:
+        why = f"the piece [{piece.offset}, {end}) ends past its {incoming.nbytes} bytes"
+    else:
+        return None
+    return _malformed(incoming.sender, incoming.sequence, incoming.tag, why)
+
+
+def _unfinished(incoming: _Incoming) -> AbortedError:
+    """Why a relayed message its sender left unfinished (it began its next one) is dropped."""
+    return AbortedError(
+        f"worker {incoming.sender}'s message {incoming.sequence} (tag {incoming.tag}) ended after "
+        f"{incoming.got} of its {incoming.nbytes} bytes (its sender gave it up, or the coordinator "
+        "refused the rest); the message is dropped",
+        worker_id=incoming.sender,
+    )
 
 
 def _size_mismatch(receive: PeerReceive, sender: int, nbytes: int) -> InvalidArgumentError:
