@@ -7,7 +7,6 @@ hostile worker would and sees the coordinator's answers directly.
 
 from __future__ import annotations
 
-import concurrent.futures
 import re
 from collections.abc import Callable, Iterator
 
@@ -32,7 +31,7 @@ from gradserver.common.messages import (
 from gradserver.worker import WorkerClient
 
 from .helpers.logwait import log_waiter
-from .helpers.raw import RawWorker, join
+from .helpers.raw import RawWorker, client_and_raw
 from .helpers.server import TEST_TIMEOUTS, ServerThread, wait_pending
 
 SIZES = compute_block_sizes(8, 4, 16)
@@ -46,12 +45,7 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 @pytest.fixture
 def pair(coordinator: Callable[..., ServerThread]) -> Iterator[tuple[WorkerClient, RawWorker, ServerThread]]:
     server = coordinator(world_size=2, heartbeat_timeout=60.0, chunk_mib=1 / 256, max_message_mib=1.0)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        client_f = pool.submit(WorkerClient.connect, server.address, node_id="good", timeout=TEST_TIMEOUTS)
-        raw_f = pool.submit(join, server.address)
-        client = client_f.result(30)
-        channel, accepted = raw_f.result(30)
-    raw = RawWorker(channel, accepted)
+    client, raw = client_and_raw(server.address, node_id="good")
     try:
         yield client, raw, server
     finally:
@@ -298,11 +292,7 @@ def test_a_worker_that_moves_on_without_a_key_fails_that_step(pair) -> None:
 
 def test_step_timeout_names_the_missing_worker(coordinator) -> None:
     server = coordinator(world_size=2, step_timeout=1.0, heartbeat_timeout=60.0)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        client_f = pool.submit(WorkerClient.connect, server.address, timeout=TEST_TIMEOUTS)
-        raw_f = pool.submit(join, server.address)
-        client = client_f.result(30)
-        raw = RawWorker(*raw_f.result(30))
+    client, raw = client_and_raw(server.address)
     try:
         client.send_block_gradient(1, 0, 2, ones(), SIZES)
         with pytest.raises(

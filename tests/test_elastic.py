@@ -13,7 +13,7 @@ from gradserver.common.errors import AbortedError, FailedPreconditionError
 from gradserver.common.messages import AveragedChunkOut, ErrorOut, TensorKey
 from gradserver.worker import WorkerClient
 
-from .helpers.raw import RawWorker, join
+from .helpers.raw import client_and_raw
 from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
 
 SIZES = compute_block_sizes(8, 4, 16)
@@ -79,10 +79,7 @@ def test_a_loss_that_would_mix_an_average_fails_the_step(coordinator) -> None:
         max_message_mib=1.0,
         heartbeat_timeout=60.0,
     )
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        client_f = pool.submit(WorkerClient.connect, server.address, timeout=TEST_TIMEOUTS)
-        raw = RawWorker(*pool.submit(join, server.address).result(30))
-        client = client_f.result(30)
+    client, raw = client_and_raw(server.address)
     try:
         chunk = raw.accepted.chunk_bytes // 4
         key = TensorKey.block(0, 0, 1)

@@ -40,7 +40,7 @@ from gradserver.common.rpc import JOIN_METHOD, worker_channel_options
 from gradserver.worker import WorkerClient
 
 from .helpers.logwait import LogWaiter, log_waiter
-from .helpers.raw import RawWorker, join
+from .helpers.raw import RawWorker, client_and_raw, join
 from .helpers.server import TEST_TIMEOUTS, ServerThread, connect_all
 from .test_bad_input import SIZES, TOTAL, block_key, next_step_works, ones, raw_average
 
@@ -245,11 +245,7 @@ def test_covers_naming_an_id_outside_the_world_is_out_of_range(group: Group, wai
 def pair(coordinator: Callable[..., ServerThread]) -> Iterator[tuple[WorkerClient, RawWorker]]:
     """A fresh job (--on-worker-loss abort): a WorkerClient and a RawWorker, neither with a plan."""
     server = coordinator(world_size=2, **CONFIG)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        client_f = pool.submit(WorkerClient.connect, server.address, timeout=TEST_TIMEOUTS)
-        raw_f = pool.submit(join, server.address)
-        client = client_f.result(30)
-        raw = RawWorker(*raw_f.result(30))
+    client, raw = client_and_raw(server.address)
     try:
         yield client, raw
     finally:

@@ -3,7 +3,6 @@ the configuration can be printed, and JSON logs name worker and step."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -19,11 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gradserver.common.components import NonBlockComponent
 from gradserver.train.synthetic import SHAPES, run_exchange
-from gradserver.worker import WorkerClient
 
 from .helpers.processes import ROOT
-from .helpers.raw import RawWorker, join
-from .helpers.server import TEST_TIMEOUTS, connect_all, run_each
+from .helpers.raw import client_and_raw
+from .helpers.server import connect_all, run_each
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -43,10 +41,7 @@ def test_metrics_move_during_a_real_run(coordinator) -> None:
     port = server.call(lambda s: s.metrics.port)
     before = _scrape(port)
     assert before["gradserver_world_size"] == 2 and before["gradserver_workers_joined"] == 0
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        client_f = pool.submit(WorkerClient.connect, server.address, timeout=TEST_TIMEOUTS)
-        raw = RawWorker(*pool.submit(join, server.address).result(30))
-        client = client_f.result(30)
+    client, raw = client_and_raw(server.address)
     try:
         assert _scrape(port)["gradserver_workers_joined"] == 2
         raw.send_raw(b"\xff garbage")

@@ -63,7 +63,7 @@ from gradserver.worker.local_coordinator import (
     remove_leftovers,
     verdict,
 )
-from gradserver.worker.supervisor import STOP_GRACE_S, Child, await_port, start_child, stop
+from gradserver.worker.supervisor import STOP_GRACE_S, Child, await_port, start_child, still_running, stop
 
 from .cli import WorkerConfig, available_cores, worker_parser
 from .extra import require_training_extra
@@ -422,7 +422,7 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
             if job_finished(tmp / "events") is not None:
                 # Every step done and every worker that took part left: a replacement that took
                 # part ends by itself; one still joining has nothing left to join.
-                for late in _still_running(running & replacements, _LATE_GRACE_S):
+                for late in still_running(running & replacements, _LATE_GRACE_S):
                     _too_late(late, tmp / "events", progress)
                     late.proc.terminate()
                     running.discard(late)
@@ -459,15 +459,6 @@ def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, child
         # In a SLURM step it also waits for the other tasks' workers to leave.
         return _end_coordinator(coordinator, tmp / "events", OTHER_TASKS_S if step else _COORDINATOR_EXIT_S)
     return ""
-
-
-def _still_running(children: set[Child], grace_s: float) -> list[Child]:
-    """Those of `children` that have not ended within `grace_s`."""
-    end = time.monotonic() + grace_s
-    for child in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.proc.wait(max(0.0, end - time.monotonic()))
-    return [child for child in children if child.proc.poll() is None]
 
 
 def _too_late(child: Child, events: Path, progress: _Progress) -> None:

@@ -80,7 +80,7 @@ from gradserver.worker.local_coordinator import (
     remove_leftovers,
     verdict,
 )
-from gradserver.worker.supervisor import STOP_GRACE_S, Child, start_child, stop
+from gradserver.worker.supervisor import STOP_GRACE_S, Child, start_child, still_running, stop
 
 from .cli import WorkerConfig, available_cores
 from .launch import RESTART_LOST_HELP, RUN_TIMEOUT_HELP, WORKERS_HELP, await_coordinator, print_line
@@ -439,9 +439,8 @@ class _Restarts:
     answered: set[int] = dataclasses.field(default_factory=set)
     stopped: set[Child] = dataclasses.field(default_factory=set)  # stopped here: their exits are not failures
     replacements: set[Child] = dataclasses.field(default_factory=set)  # ranks started again
-    too_late: list[Child] = dataclasses.field(
-        default_factory=list
-    )  # replacements that found the job finished
+    # Replacements that found the job finished (their ends are no failure).
+    too_late: list[Child] = dataclasses.field(default_factory=list)
 
     def stop_lost(self, ranks: list[Child]) -> None:
         """A rank a coordinator declared lost that still runs (stopped, hung, cut off) is
@@ -521,19 +520,12 @@ class _Restarts:
         part and is on its way out, or is still joining or healing with nothing left to join.
         Each gets SURVIVOR_GRACE_S to end by itself (exit 0: it finished like the others); one
         that does not is stopped and counted as too late."""
-        late = running & self.replacements
-        _let_survivors_end(late)
+        late = still_running(running & self.replacements, SURVIVOR_GRACE_S)
         for child in late:
-            if child.proc.poll() is None:
-                self.stopped.add(child)
-                self.too_late.append(child)
-                _print("run:", f"{child.name}, started again, found the job finished; stopping it")
-                child.proc.terminate()
-        for child in late:
-            try:
-                child.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
+            self.stopped.add(child)
+            self.too_late.append(child)
+            _print("run:", f"{child.name}, started again, found the job finished; stopping it")
+        stop(late)
 
     def finished_note(self) -> str:
         """For the last line of a finished job: each rank lost on the way, when, and that its
@@ -645,19 +637,13 @@ def _await_other_tasks(coordinator: Child, restarts: _Restarts, deadline: float)
 def _let_survivors_end(running: set[Child]) -> None:
     """Gives the ranks still running SURVIVOR_GRACE_S to exit by themselves, so that each prints
     its own error; the caller stops those that do not."""
-    end = time.monotonic() + SURVIVOR_GRACE_S
-    for child in running:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.proc.wait(max(0.0, end - time.monotonic()))
+    still_running(running, SURVIVOR_GRACE_S)
 
 
 def _after_signal(ranks: list[Child], signum: int, why: str = "") -> tuple[int, str]:
     """The signal went to every rank: give them the grace period to exit on it. `why`: what
     else is known of the stop, appended to the line."""
-    grace_end = time.monotonic() + STOP_GRACE_S
-    for child in ranks:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.proc.wait(max(0.0, grace_end - time.monotonic()))
+    still_running(ranks, STOP_GRACE_S)
     return 128 + signum, f"stopped by {signal.Signals(signum).name}{why}"
 
 

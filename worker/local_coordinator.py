@@ -135,21 +135,23 @@ def every_worker_left(events_file: Path) -> bool:
     return any(e.get("event") == "every_worker_left" for e in _events(events_file))
 
 
-def job_finished(events_file: Path) -> str | None:
-    """Why the coordinator's job finished (every worker that took part left, or --max-steps was
-    reached), from its events file; None while it has not said so."""
+def _job_ended(events_file: Path, state: str) -> str | None:
+    """Why the coordinator's job ended in `state`, from its events file; None when it did not."""
     for event in _events(events_file):
-        if event.get("event") == "job_ended" and event.get("state") == "finished":
+        if event.get("event") == "job_ended" and event.get("state") == state:
             return str(event.get("reason", ""))
     return None
 
 
+def job_finished(events_file: Path) -> str | None:
+    """Why the coordinator's job finished (every worker that took part left, or --max-steps was
+    reached), from its events file; None while it has not said so."""
+    return _job_ended(events_file, "finished")
+
+
 def job_failure(events_file: Path) -> str:
     """Why the coordinator's job failed, from its events file; '' when it did not say."""
-    for event in _events(events_file):
-        if event.get("event") == "job_ended" and event.get("state") == "failed":
-            return str(event.get("reason", ""))
-    return ""
+    return _job_ended(events_file, "failed") or ""
 
 
 def remove_shm_dirs(pid: int, *parents: str) -> None:

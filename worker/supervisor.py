@@ -148,6 +148,16 @@ def error_line(lines: list[str]) -> str:
     return ""
 
 
+def still_running(children: Iterable[Child], grace_s: float) -> list[Child]:
+    """Gives `children` `grace_s` (together) to end by themselves; those still running then."""
+    children = list(children)
+    end = time.monotonic() + grace_s
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(max(0.0, end - time.monotonic()))
+    return [child for child in children if child.proc.poll() is None]
+
+
 def stop(children: Iterable[Child], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to every process still running, SIGKILL to those alive after `grace_s`."""
     alive = [c for c in children if c.proc.poll() is None]

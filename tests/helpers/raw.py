@@ -7,6 +7,7 @@ of gradserver.common.messages and queued.
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 from typing import Any
@@ -28,6 +29,9 @@ from gradserver.common.messages import (
     WorkerEvent,
 )
 from gradserver.common.rpc import EXCHANGE_METHOD, JOIN_METHOD, stream_metadata, worker_channel_options
+from gradserver.worker import WorkerClient
+
+from .server import TEST_TIMEOUTS
 
 _END = object()
 
@@ -46,6 +50,16 @@ def join(address: str, node_id: str = "raw", timeout: float = 20.0) -> tuple[grp
         timeout=timeout,
     )
     return channel, codec.decode_join_accepted(raw)
+
+
+def client_and_raw(address: str, **client_options: Any) -> tuple[WorkerClient, RawWorker]:
+    """A WorkerClient (`client_options` go to `connect`) and a RawWorker joined to the same
+    coordinator at once (a Join returns only when the world is complete)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        client_f = pool.submit(WorkerClient.connect, address, timeout=TEST_TIMEOUTS, **client_options)
+        raw_f = pool.submit(join, address)
+        client = client_f.result(30)
+        return client, RawWorker(*raw_f.result(30))
 
 
 class RawWorker:
