@@ -239,13 +239,15 @@ def test_a_donor_killed_as_it_serves_the_heal_is_followed_by_the_next_donor(
 ) -> None:
     """Rank 1 is killed; as rank 0 begins to give it the state, rank 0 dies too
     (tests/helpers/ft_rank.py --die-serving 0): rank 1 takes the state from rank 2, and run
-    restarts rank 0, which heals in turn. Rank 2 holds at step 1400 until rank 0 healed, so the
-    others cannot finish the job before rank 0's replacement joins (a test of the heal, not of
-    how fast a process starts)."""
+    restarts rank 0, which heals in turn. Ranks 1 and 2 hold at the start of step 1400 until rank 0
+    healed, so they cannot finish the job before rank 0's replacement joins (a test of the heal,
+    not of how fast a process starts). Both hold, before either opens step 1400: a replacement
+    takes part from the first step not yet opened, so one rank past the hold would make the heal
+    wait for a step that the held rank never reaches."""
     hold = tmp_path / "rank-0-healed"
     script = (
         *(sys.executable, "-m", "tests.helpers.ft_rank", "--die-serving", "0"),
-        *("--hold", f"2:1400:{hold}"),
+        *("--hold", f"1,2:1400:{hold}"),
     )
     with _ft_run(processes, "--restart-lost", "2", steps=1500, script=script) as run:
         run.wait_for(r"\[rank 1\] rank 1 step 200:", timeout=120)

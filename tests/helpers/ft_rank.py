@@ -20,9 +20,9 @@ of step STEP`, waits (at most 120 s) for the file FLAG (the test creates it once
 coordinator) and fails the barrier as a lost connection does. The example itself runs, its
 `ft.Replica` replaced by one that carries the fault; the other flags go to the example.
 
-Two more let a test decide when things happen: `--hold RANKS:STEP:FLAG` stops the first
-incarnation of each of RANKS (comma-separated) at the start of step STEP until the file FLAG
-exists (a replacement can heal meanwhile: a rank serves its state from a thread of its client), and
+Two more let a test decide when things happen: `--hold RANKS:STEP:FLAG` stops each of RANKS
+(comma-separated; every incarnation, a replacement too) at the start of step STEP until the file
+FLAG exists, and
 `--late-replacement FOLDER` makes a rank started again wait for FOLDER/go before it joins.
 """
 
@@ -134,7 +134,7 @@ def _holding_replica(base: type[ft.Replica], ranks: set[int], step: int, flag: P
     class HoldingReplica(base):  # type: ignore[valid-type,misc]
         def steps(self, total: int) -> Iterator[int]:
             for current in super().steps(total):
-                if current == step and rank in ranks and self.healed is None:
+                if current == step and rank in ranks:
                     print(f"rank {rank}: holding at step {step}", flush=True)
                     _wait_for(flag)
                 yield current
