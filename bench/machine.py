@@ -20,7 +20,7 @@ beside it. `measure()` (what the other benches call with `--machine-floor`) find
   the L3 together (median of many);
 - wake round trips between two processes, on the primitives the one-host paths use: the
   collective lane, the peer rings and the host arena wake a process with a futex on a 32-bit
-  word of shared memory (`gradserver.common.lane.futex_wait` / `futex_wake`), after a short spin
+  word of shared memory (`gradserver.common.futex.futex_wait` / `futex_wake`), after a short spin
   on the same word when every process has a core (`spin_for`). Both are measured as a ping-pong
   of two processes over a shared mapping (median round trip), the spin with no futex at all. On
   a loaded machine the spin's median is a scheduler time slice (milliseconds) whenever the two
@@ -97,6 +97,7 @@ from typing import Any
 import numpy as np
 
 # The lane's rule for peer operations; the models follow the design they describe.
+from gradserver.common.cores import affinity_cores, cpu_quota_cores
 from gradserver.common.lane import PEER_REDUCE_MAX_BYTES
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -132,6 +133,10 @@ class Machine:
     tcp_rtt_s: float
     grpc_rtt_s: float
     measured_s: float
+    # The one-way wake common.futex measures in-process and the spin it sizes from it (None: no
+    # futexes here).
+    wake_s: float | None = None
+    spin_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,24 +237,6 @@ def all_reduce_floor_s(nbytes: int, ranks: int, machine: Machine) -> float:
 
 
 # --- what the machine is -------------------------------------------------------------------------
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _cpu_quota_cores() -> float | None:
-    """A cgroup v2 CPU limit in cores (`cpu.max`), None when there is none."""
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    return int(quota) / int(period)
 
 
 def _cpu_model() -> str:
@@ -361,7 +348,7 @@ def _ping_pong(
     peer: subprocess.Popen[bytes],
 ) -> list[float]:
     """Round trips of the parent's side, then the stop that ends the peer's phase."""
-    from gradserver.common.lane import futex_wait, futex_wake
+    from gradserver.common.futex import futex_wait, futex_wake
 
     w = words.words
     times: list[float] = []
@@ -392,7 +379,7 @@ def _ping_pong(
 
 def _peer_phase(words: _Words, ping: int, pong: int, futex: bool) -> None:
     """Echoes every new ping until the stop; gives up after `_PEER_LIMIT_S` without one."""
-    from gradserver.common.lane import futex_wait, futex_wake
+    from gradserver.common.futex import futex_wait, futex_wake
 
     w = words.words
     seen = 0
@@ -553,7 +540,7 @@ def measure(copy_mib: float = 256.0, repeats: int = 5, rounds: int = 2000, phase
 
     started = time.monotonic()
     load = os.getloadavg()[0]
-    cores = _cores()
+    cores = affinity_cores()
     size = max(int(copy_mib * 2**20) // (64 * cores) * (64 * cores), 64 * cores)
     # Written once before timing, so that page faults are not counted as copying.
     source = np.ones(size, np.uint8)
@@ -571,9 +558,14 @@ def measure(copy_mib: float = 256.0, repeats: int = 5, rounds: int = 2000, phase
     del source, target
     futex, spin, tcp = _process_round_trips(rounds, phase_s, futexes=supported())
     grpc_rtt = _grpc_round_trip(rounds, phase_s)
+    wake = spin_budget = None
+    if supported():
+        from gradserver.common.futex import spin_for, wake_latency_s
+
+        wake, spin_budget = wake_latency_s(), spin_for(1).budget_s
     return Machine(
         cores=cores,
-        cpu_quota_cores=_cpu_quota_cores(),
+        cpu_quota_cores=cpu_quota_cores(),
         cpu_model=_cpu_model(),
         l3_bytes=l3,
         load_average=load,
@@ -587,6 +579,8 @@ def measure(copy_mib: float = 256.0, repeats: int = 5, rounds: int = 2000, phase
         tcp_rtt_s=tcp,
         grpc_rtt_s=grpc_rtt,
         measured_s=time.monotonic() - started,
+        wake_s=wake,
+        spin_s=spin_budget,
     )
 
 
@@ -623,8 +617,10 @@ def table(machine: Machine) -> str:
             f"copy bandwidth in cache, 1 thread ({machine.copy_cached_bytes / 2**20:g} MiB)",
             f"{machine.copy_cached_gbps:.2f} GB/s",
         ),
-        ("futex wake round trip, 2 processes (common.lane)", _us(machine.futex_rtt_s)),
+        ("futex wake round trip, 2 processes (common.futex)", _us(machine.futex_rtt_s)),
         ("spin round trip, 2 processes, shared word", _us(machine.spin_rtt_s)),
+        ("one-way futex wake, 2 threads (common.futex.wake_latency_s)", _us(machine.wake_s)),
+        ("spin before a futex sleep, each process a core (common.futex.spin_for)", _us(machine.spin_s)),
         (f"loopback TCP round trip, {len(_MESSAGE)} B", _us(machine.tcp_rtt_s)),
         (f"loopback gRPC unary round trip, {len(_MESSAGE)} B", _us(machine.grpc_rtt_s)),
     ]

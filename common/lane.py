@@ -27,7 +27,6 @@ barriers that Python cannot issue, so the lane is offered only on x86-64 Linux (
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import enum
 import mmap
@@ -39,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .futex import NO_SPIN, Spin, futex_wait, futex_wake, libc_syscall
 from .messages import BYTE_KINDS as _BYTE_KINDS
 from .messages import CollectiveKind, ReduceOp
 from .shm import round_up
@@ -92,60 +92,9 @@ def supported() -> bool:
     return (
         platform.system() == "Linux"
         and platform.machine() in ("x86_64", "AMD64")
-        and _libc_syscall() is not None
+        and libc_syscall() is not None
         and hasattr(os, "memfd_create")
     )
-
-
-# --- futexes ------------------------------------------------------------------------------------
-
-_SYS_FUTEX = 202  # x86-64
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the words are shared between processes
-_WAKE_ALL = 0x7FFFFFFF
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_syscall: object = None
-
-
-def _libc_syscall() -> object:
-    global _syscall  # noqa: PLW0603 - loaded once, on first use
-    if _syscall is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            function = libc.syscall
-        except (OSError, AttributeError):
-            return None
-        function.restype = ctypes.c_long
-        _syscall = function
-    return _syscall
-
-
-def futex_wait(address: int, expected: int, timeout_s: float) -> None:
-    """Sleeps while the 32-bit word at `address` holds `expected`, at most `timeout_s` (a wake,
-    a changed word, a signal or the timeout all return; callers look at the word again)."""
-    seconds = max(timeout_s, 0.0)
-    spec = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
-    _libc_syscall()(  # type: ignore[operator]
-        _SYS_FUTEX,
-        ctypes.c_void_p(address),
-        _FUTEX_WAIT,
-        ctypes.c_uint32(expected),
-        ctypes.byref(spec),
-        None,
-        0,
-    )
-
-
-def futex_wake(address: int) -> None:
-    """Wakes every thread of every process sleeping on the word at `address`."""
-    _libc_syscall()(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _WAKE_ALL, None, None, 0)  # type: ignore[operator]
-
-
-_SPIN_LOOKS = 200  # about 20-40 µs of looking before a futex sleep
 
 
 # A reduction is a peer operation while every worker reducing all of it (its input times the
@@ -159,20 +108,6 @@ def peer_operation(kind: CollectiveKind, total: int, world: int) -> bool:
     rounds itself from the others' input slots, so the coordinator only checks and counts them:
     the kinds that move bytes, and small reductions (`total` bytes per worker)."""
     return kind in _BYTE_KINDS or total * world <= PEER_REDUCE_MAX_BYTES
-
-
-def spin_for(processes: int) -> int:
-    """How many quick looks at a word to take before sleeping on it, when `processes` (the ones
-    that must run for the awaited word to change: the workers, plus the coordinator when it
-    serves the round) may all be running. A futex sleep and wake-up cost 10-50 µs, more than a
-    small round takes when each of them has a core of its own (measured at 2 workers on 2 cores,
-    peer rounds: a 4-byte all_reduce 0.18 -> 0.12 ms); when they share cores, a spinning process
-    only delays the one it waits for, so none."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return _SPIN_LOOKS if cores >= processes else 0
 
 
 def reached(value: int, target: int) -> bool:
@@ -619,15 +554,14 @@ def wait_word(
     deadline: float,
     check: Callable[[], None],
     *,
-    spin: int = 0,
+    spin: Spin = NO_SPIN,
     slice_s: float = 0.05,
 ) -> bool:
     """Waits until `read()` reaches round `target` (True) or `deadline` passes (False). `check()`
     runs at every wake-up and raises to stop waiting (a failure seen elsewhere). A futex wait on
-    `address` in `slice_s` slices, after `spin` quick looks."""
-    for _ in range(spin):
-        if reached(read(), target):
-            return True
+    `address` in `slice_s` slices, after looking for the length of `spin`."""
+    if spin.budget_s > 0 and spin.until(lambda: reached(read(), target)):
+        return True
     while True:
         value = read()
         if reached(value, target):

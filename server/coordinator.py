@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -30,6 +29,7 @@ from grpc_health.v1 import health, health_pb2
 from gradserver.common import codec, shm
 from gradserver.common.averaging import Averager
 from gradserver.common.config import parse_address
+from gradserver.common.cores import available_cores
 from gradserver.common.errors import (
     GradServerError,
     Status,
@@ -70,7 +70,7 @@ from .outbox import Outboxes
 from .outgoing import Outgoing
 from .peers import PartitionRole
 from .recovery import recovery_offer
-from .reducer import Reducer, Result, average_on_loop, usable_cores
+from .reducer import Reducer, Result, average_on_loop
 from .reduction import Reduce, ReductionTable
 from .relay import AfterWritten, PeerRelay, Relayed
 from .shm import ShmHub, ShmOutbox
@@ -86,13 +86,13 @@ _MONITOR_RESTARTS = 5  # consecutive monitor failures before the job fails loudl
 def _auto_reduce_threads() -> int:
     """Half the cores, 1 to 8: the other half copies the averages out on the workers' side (on
     2 cores, splitting over both made a two-worker shared-memory step slower: 0.19 s -> 0.25 s)."""
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+    return max(1, min(8, available_cores() // 2))
 
 
 def _auto_in_place_threads() -> int:
     """Every core, 1 to 8, for an average written over its contributors' own memory: they copy
     nothing out and wait for it (four workers on 2 cores: ~0.37 s -> ~0.31 s per step)."""
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(8, available_cores()))
 
 
 def _new_table(
@@ -171,7 +171,7 @@ class GradientServer:
         self._groups = self._new_groups()
         self._new_table = functools.partial(_new_table, config, self.metrics, self._partition, self._averager)
         self._table = self._new_table(self.chunk_bytes, self._groups)
-        self._cores = usable_cores()
+        self._cores = available_cores()
         self._reducer = Reducer(self._averager, self._reduced, self._average_on_loop)
         self._job = _new_job(config)
         # Point-to-point messages; memory shared between members only where no replacement joins.

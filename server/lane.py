@@ -34,8 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from gradserver.common import futex, shm
 from gradserver.common import lane as shared
-from gradserver.common import shm
 from gradserver.common.averaging import Averager
 from gradserver.common.errors import Status
 from gradserver.common.lane import LaneLayout, LaneMemory, LaneState
@@ -83,7 +83,7 @@ class Lane:
         self._counted: dict[int, tuple[int, int, int]] = {}  # peer counters already reported
         self._waiting_since: tuple[int, float] | None = None
         self._planner = RoundPlanner(self.memory)
-        self._spin = shared.spin_for(world + 1)
+        self._spin = futex.spin_for(world + 1)
         self._stop = threading.Event()
         self.memory.reset(self._generation)
         self._thread = threading.Thread(target=self._serve, name="gradserver-lane", daemon=True)
@@ -206,7 +206,7 @@ class Lane:
     def _serve(self) -> None:
         while not self._stop.is_set():
             if self.memory.state is not LaneState.OPEN:
-                shared.futex_wait(self.memory.state_address(), int(self.memory.state), _IDLE_SLICE_S)
+                futex.futex_wait(self.memory.state_address(), int(self.memory.state), _IDLE_SLICE_S)
                 self.sync_counters()
                 continue
             try:
@@ -234,7 +234,7 @@ class Lane:
             return min(pending, key=lambda r: (r - after) & 0xFFFFFFFF)  # rounds are served in order
         self._fail_if_given_up()
         self._check_peer_timeout()
-        shared.futex_wait(memory.bell_address(0), bell, _IDLE_SLICE_S)
+        futex.futex_wait(memory.bell_address(0), bell, _IDLE_SLICE_S)
         return None
 
     def _serve_round(self, g: int) -> None:
@@ -285,9 +285,9 @@ class Lane:
                     missing = [v for v in range(world) if memory.rung(v, g & 1) != g]
                     self._fail_timed_out(missing)
                     raise _Stopped
-                if self._spin and self._spun(w, g):
+                if self._spin.budget_s > 0 and self._spun(w, g):
                     continue
-                shared.futex_wait(memory.bell_address(w), bell, _BUSY_SLICE_S)
+                futex.futex_wait(memory.bell_address(w), bell, _BUSY_SLICE_S)
         # A worker that gave up after ringing would never read this round nor post the next.
         self._fail_if_given_up()
 
@@ -334,9 +334,9 @@ class Lane:
                     metrics.lane_rounds.inc(rounds)
 
     def _spun(self, w: int, g: int) -> bool:
-        """Whether worker `w` rang for round `g` within a few quick looks (cores to spare only)."""
-        rung = self.memory.rung
-        return any(rung(w, g & 1) == g for _ in range(self._spin))
+        """Whether worker `w` rang for round `g` within the spin (cores to spare only)."""
+        rung, parity = self.memory.rung, g & 1
+        return self._spin.until(lambda: rung(w, parity) == g)
 
     def _fail_if_given_up(self) -> None:
         """Fails the lane (and raises `_Stopped`) when a worker marked itself as having given up

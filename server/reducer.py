@@ -29,7 +29,6 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import os
 from collections.abc import Callable, Collection
 
 from gradserver.common.averaging import Averager, InPlace, NonFiniteContribution, Output, SumOverflow
@@ -41,14 +40,6 @@ from .reduction import Reduce, ReductionTable
 log = logging.getLogger("gradserver.server")
 
 INLINE_BELOW_BYTES = 256 * 1024  # of contributions in all: averaged on the loop when nothing waits
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def average_on_loop(workers: Collection[int], uses_shm: Callable[[int], bool], cores: int) -> bool:

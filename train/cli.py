@@ -45,6 +45,7 @@ from gradserver.common.config import (
     describe_config,
     parse_address,
 )
+from gradserver.common.cores import available_cores
 from gradserver.common.errors import InvalidArgumentError
 from gradserver.common.logs import LOG_FORMATS, configure_logging, set_log_context
 from gradserver.common.security import TlsFiles
@@ -402,14 +403,6 @@ def check_device(device: torch.device) -> None:
 
 
 # --- threads ------------------------------------------------------------------------------------
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its affinity mask, as a container's CPU set limits it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def choose_threads(

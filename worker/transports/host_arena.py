@@ -36,12 +36,11 @@ import dataclasses
 import logging
 import mmap
 import struct
-import threading
 from collections.abc import Iterator
 
 import numpy as np
 
-from gradserver.common.lane import futex_wait, futex_wake
+from gradserver.common.futex import Bells
 from gradserver.common.messages import DType, KeyKind, TensorKey
 from gradserver.common.shm import round_up
 
@@ -166,11 +165,9 @@ class HostArena:
         self.bytes = np.frombuffer(mapping, dtype=np.uint8)
         self.words = np.frombuffer(mapping, dtype=np.uint32, count=layout.data_start // 4)
         self._wide = np.frombuffer(mapping, dtype=np.uint64, count=layout.data_start // 8)
-        self._base = int(self.bytes.__array_interface__["data"][0])
         self._in_seq = 0
         self._out_seq = 0
-        self._rings = 0
-        self._ring_lock = threading.Lock()  # this process's threads ring with distinct values
+        self._bells = Bells(self.words, self._bell_index, position)
 
     # --- words ---------------------------------------------------------------------------------
 
@@ -194,20 +191,13 @@ class HostArena:
     def _bell_index(self, member: int) -> int:
         return self._w(self.layout.control(member)) + _C_BELL
 
-    def _bell_address(self, member: int) -> int:
-        return self._base + 4 * self._bell_index(member)
-
     def bell(self) -> int:
         """This member's bell: read it before looking for what it waits for, then `sleep`."""
-        return int(self.words[self._bell_index(self.position)])
+        return self._bells.value()
 
     def ring(self, member: int) -> None:
-        """Tells `member` that something it may wait for changed: a value no one else writes
-        (this member's position and count), so its sleep on the old value always returns."""
-        with self._ring_lock:
-            self._rings = (self._rings + 1) & 0xFFFFFF
-            self.words[self._bell_index(member)] = (self.position + 1) << 24 | self._rings
-        futex_wake(self._bell_address(member))
+        """Tells `member` that something it may wait for changed (common.futex.Bells)."""
+        self._bells.ring(member)
 
     def ring_all(self) -> None:
         for member in range(self.layout.members):
@@ -215,7 +205,7 @@ class HostArena:
 
     def sleep(self, seen: int, timeout_s: float) -> None:
         """Sleeps while this member's bell still reads `seen`, at most `timeout_s`."""
-        futex_wait(self._bell_address(self.position), seen, timeout_s)
+        self._bells.sleep(seen, timeout_s)
 
     def mark_closed(self) -> None:
         self.words[self._w(self.layout.control(self.position)) + _C_CLOSED] = 1
@@ -385,6 +375,7 @@ class HostArena:
         self.ring(item.member)
 
     def close(self) -> None:
+        self._bells.release()
         self.words = np.zeros(0, np.uint32)
         self._wide = np.zeros(0, np.uint64)
         self.bytes = np.zeros(0, np.uint8)

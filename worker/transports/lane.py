@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gradserver.common import futex
 from gradserver.common import lane as shared
 from gradserver.common.averaging import Averager
 from gradserver.common.errors import (
@@ -53,8 +54,8 @@ class LaneClient:
         self._operations = 0  # lane operations begun, the same count on every worker
         self._usable = True
         # Peer rounds need only the workers running; the coordinator's rounds need it too.
-        self._spin_peer = shared.spin_for(memory.layout.world)
-        self._spin_coordinator = shared.spin_for(memory.layout.world + 1)
+        self._spin_peer = futex.spin_for(memory.layout.world)
+        self._spin_coordinator = futex.spin_for(memory.layout.world + 1)
         self._lock = threading.Lock()
         self._planner = RoundPlanner(memory)
         self._averager = Averager(1)
@@ -254,7 +255,7 @@ class LaneClient:
                     "the coordinator did not say within this worker's deadline whether every worker "
                     "uses the collective lane"
                 )
-            shared.futex_wait(memory.state_address(), int(LaneState.FORMING), min(left, 0.05))
+            futex.futex_wait(memory.state_address(), int(LaneState.FORMING), min(left, 0.05))
         if memory.generation != self._generation:
             self._usable = False
             raise UnavailableError("the coordinator started a fresh job: this worker is no longer a member")

@@ -52,7 +52,7 @@ from gradserver.common.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from gradserver.common.lane import spin_for
+from gradserver.common.futex import NO_SPIN, spin_for
 from gradserver.common.messages import JoinAccepted, PeerDeliveredOut, PeerPiece
 
 from .base import Link
@@ -195,7 +195,7 @@ class Mailbox:
         self._local = {w: peers.index(w) for w in peers if w != self.worker_id}
         self._bell = _Bell(rings)
         # Spin before sleeping only while every peer of this host can have a core of its own.
-        self._spins = spin_for(max(2, len(peers))) if rings is not None else 0
+        self._spin = spin_for(max(2, len(peers))) if rings is not None else NO_SPIN
         self._lock = threading.Lock()
         self._sequence = itertools.count()
         self._posted: list[PeerReceive] = []
@@ -686,7 +686,7 @@ class Mailbox:
     def wait_for(self, operation: PeerSend | PeerReceive, timeout: float) -> None:
         """Moves messages until `operation` is done (or the link broke, or `timeout` passed)."""
         deadline = time.monotonic() + timeout
-        spins = self._spins
+        spin_end = time.perf_counter() + self._spin.budget_s
         while not operation.done:
             seen = self._bell.value()
             if self._progress_rings() or _done(operation):
@@ -694,8 +694,7 @@ class Mailbox:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceededError(f"{operation.describe()}: not done within {timeout:g} s")
-            if spins > 0:
-                spins -= 1
+            if time.perf_counter() < spin_end:
                 continue
             self._bell.sleep(seen, min(remaining, _SLEEP_S))
 

@@ -25,11 +25,10 @@ import contextlib
 import logging
 import mmap
 import struct
-import threading
 
 import numpy as np
 
-from gradserver.common.lane import futex_wait, futex_wake
+from gradserver.common.futex import Bells
 from gradserver.common.shm import round_up
 
 from . import arena_sharing as sharing
@@ -84,10 +83,8 @@ class PeerRings:
         self.bytes = np.frombuffer(mapping, dtype=np.uint8)
         self.words = np.frombuffer(mapping, dtype=np.uint32)
         self._wide = np.frombuffer(mapping, dtype=np.uint64)
-        self._base = int(self.bytes.__array_interface__["data"][0])
         self._rings_start = _rings_start(n)
-        self._ring_lock = threading.Lock()
-        self._rings = 0
+        self._bells = Bells(self.words, self._bell_index, position)
 
     @staticmethod
     def size(members: int, capacity: int) -> int:
@@ -117,18 +114,15 @@ class PeerRings:
 
     def bell(self) -> int:
         """This member's bell: read it before looking for what it waits for, then `sleep`."""
-        return int(self.words[self._bell_index(self.position)])
+        return self._bells.value()
 
     def ring(self, member: int) -> None:
-        """Tells `member` (a position) that something it may wait for changed: a value no one
-        else writes, so its sleep on the old value always returns."""
-        with self._ring_lock:
-            self._rings = (self._rings + 1) & 0xFFFFFF
-            self.words[self._bell_index(member)] = (self.position + 1) << 24 | self._rings
-        futex_wake(self._base + 4 * self._bell_index(member))
+        """Tells `member` that something it may wait for changed (common.futex.Bells)."""
+        self._bells.ring(member)
 
     def sleep(self, seen: int, timeout_s: float) -> None:
-        futex_wait(self._base + 4 * self._bell_index(self.position), seen, timeout_s)
+        """Sleeps while this member's bell still reads `seen`, at most `timeout_s`."""
+        self._bells.sleep(seen, timeout_s)
 
     def mark_attached(self) -> None:
         self.words[(_HEADER + self.position * _CONTROL) // 4 + _C_ATTACHED] = 1
@@ -219,6 +213,7 @@ class PeerRings:
             out[first:] = self.bytes[data_at : data_at + out.size - first]
 
     def close(self) -> None:
+        self._bells.release()
         self.words = np.zeros(0, np.uint32)
         self._wide = np.zeros(0, np.uint64)
         self.bytes = np.zeros(0, np.uint8)

@@ -1,0 +1,224 @@
+"""Futexes on 32-bit words of shared memory, the bell built on them, and how long to spin first.
+
+Every one-host path (the collective lane, the host arena, the peer rings and the mailbox that
+reads them) waits the same way: look at a word, and when it has not changed, sleep on it with a
+futex until the process that changes it wakes the word. This module is that mechanism, once:
+
+- `futex_wait` / `futex_wake`: the two system calls (Linux, x86-64), on words that other
+  processes map too (so not FUTEX_PRIVATE).
+- `Bells`: one wake-up word per member of a shared mapping. A member that may wait reads its
+  bell, looks for what it waits for, and sleeps while the bell still reads the same; whoever
+  changes something that member may wait for rings its bell with a value nobody else writes
+  (the ringer's position and its own count), so a sleep on the old value always returns.
+- `Spin`: how long to look at a word before sleeping on it. A futex sleep costs the waiter the
+  time the kernel takes to run it again after the wake, and that differs by an order of
+  magnitude between machines (docs/PERFORMANCE.md: a wake round trip of 9-17 µs on a busy
+  2-core machine, 117-134 µs on a quiet one of the same kind, whose idle cores sleep deeply).
+  A fixed spin tuned on one is wrong on the other, so the budget is sized from this process's
+  own measure of a wake (`wake_latency_s`, measured once, in about a millisecond): spinning
+  for as long as a wake would cost before sleeping is the classic rule that is never worse than
+  twice the best choice made knowing the wait in advance; we spin twice that, since the waker
+  also pays for the wake. No spin at all where the processes the wait needs cannot each have a
+  core: a spinning process would only delay the one it waits for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .cores import available_cores
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the words are shared between processes
+_WAKE_ALL = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_syscall: object = None
+
+
+def libc_syscall() -> object:
+    """libc's `syscall`, or None where there is none (the futex paths are then not offered)."""
+    global _syscall  # noqa: PLW0603 - loaded once, on first use
+    if _syscall is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            function = libc.syscall
+        except (OSError, AttributeError):
+            return None
+        function.restype = ctypes.c_long
+        _syscall = function
+    return _syscall
+
+
+def futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleeps while the 32-bit word at `address` holds `expected`, at most `timeout_s` (a wake,
+    a changed word, a signal or the timeout all return; callers look at the word again)."""
+    seconds = max(timeout_s, 0.0)
+    spec = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
+    libc_syscall()(  # type: ignore[operator]
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        _FUTEX_WAIT,
+        ctypes.c_uint32(expected),
+        ctypes.byref(spec),
+        None,
+        0,
+    )
+
+
+def futex_wake(address: int) -> None:
+    """Wakes every thread of every process sleeping on the word at `address`."""
+    libc_syscall()(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _WAKE_ALL, None, None, 0)  # type: ignore[operator]
+
+
+# --- bells ---------------------------------------------------------------------------------------
+
+
+class Bells:
+    """The wake-up words of the members of one shared mapping, as member `position` uses them.
+    `words` is the mapping's uint32 view, `index_of(member)` the index of that member's bell."""
+
+    def __init__(self, words: np.ndarray, index_of: Callable[[int], int], position: int) -> None:
+        self._words = words
+        self._base = int(words.__array_interface__["data"][0])
+        self._index_of = index_of
+        self._position = position
+        self._lock = threading.Lock()
+        self._rings = 0
+
+    def address(self, member: int) -> int:
+        return self._base + 4 * self._index_of(member)
+
+    def release(self) -> None:
+        """Lets go of the mapping's view (so the mapping can close). A sleep after this returns at
+        once: its futex call finds the address unmapped."""
+        self._words = np.zeros(0, np.uint32)
+
+    def value(self) -> int:
+        """This member's bell: read it before looking for what it waits for, then `sleep`."""
+        return int(self._words[self._index_of(self._position)])
+
+    def ring(self, member: int) -> None:
+        """Tells `member` that something it may wait for changed: a value no one else writes
+        (this member's position and count), so its sleep on the old value always returns."""
+        index = self._index_of(member)
+        with self._lock:
+            self._rings = (self._rings + 1) & 0xFFFFFF
+            self._words[index] = (self._position + 1) << 24 | self._rings
+        futex_wake(self._base + 4 * index)
+
+    def sleep(self, seen: int, timeout_s: float) -> None:
+        """Sleeps while this member's bell still reads `seen`, at most `timeout_s`."""
+        futex_wait(self.address(self._position), seen, timeout_s)
+
+
+# --- how long to spin ----------------------------------------------------------------------------
+
+_SPIN_MIN_S = 10e-6  # below this a spin is a handful of looks: not worth a clock read
+_SPIN_MAX_S = 300e-6  # a wait longer than this is not saved by spinning; the core is given back
+_DEFAULT_WAKE_S = 20e-6  # if the measure fails: a busy machine's one-way wake
+_MEASURE_ROUNDS = 24
+_MEASURE_LIMIT_S = 0.25
+
+_measured: float | None = None
+_measure_lock = threading.Lock()
+
+
+def wake_latency_s() -> float:
+    """How long, on this machine, a thread sleeping on a futex takes to run again once woken:
+    half the median round trip of two threads waking each other (measured once per process, on
+    first use). Two threads of one process stand in for two
+    processes: the cost is the kernel's (waking a sleeping core and scheduling onto it), the
+    same for both; the handoff of the GIL adds a little, which only lengthens the spin."""
+    global _measured  # noqa: PLW0603 - measured once, on first use
+    with _measure_lock:
+        if _measured is None:
+            try:
+                _measured = _measure_wake_s()
+            except (OSError, RuntimeError):
+                _measured = _DEFAULT_WAKE_S
+        return _measured
+
+
+def _measure_wake_s() -> float:
+    """Half the median round trip of a ping-pong between this thread and another over futexes."""
+    if libc_syscall() is None:
+        raise RuntimeError("no futexes here")
+    words = np.zeros(32, dtype=np.uint32)  # ping and pong on separate cache lines
+    ping, pong = 0, 16
+    base = int(words.__array_interface__["data"][0])
+    deadline = time.monotonic() + _MEASURE_LIMIT_S
+
+    def echo() -> None:
+        seen = 0
+        while time.monotonic() < deadline:
+            value = int(words[ping])
+            if value == seen:
+                futex_wait(base + 4 * ping, value, 0.01)
+                continue
+            seen = value
+            words[pong] = value
+            futex_wake(base + 4 * pong)
+            if value == _MEASURE_ROUNDS + 2:
+                return
+
+    thread = threading.Thread(target=echo, name="gradserver-wake-measure", daemon=True)
+    thread.start()
+    trips: list[float] = []
+    try:
+        for value in range(1, _MEASURE_ROUNDS + 3):
+            started = time.perf_counter()
+            words[ping] = value
+            futex_wake(base + 4 * ping)
+            while (seen := int(words[pong])) != value:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the wake measure did not finish in time")
+                futex_wait(base + 4 * pong, seen, 0.01)
+            if value > 2:  # the first two start the thread's loop
+                trips.append(time.perf_counter() - started)
+    finally:
+        words[ping] = _MEASURE_ROUNDS + 2
+        futex_wake(base + 4 * ping)
+        thread.join(_MEASURE_LIMIT_S)
+    return statistics.median(trips) / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Spin:
+    """How long a waiter looks at a word before it sleeps on it (0: it sleeps at once)."""
+
+    budget_s: float = 0.0
+
+    def until(self, done: Callable[[], bool]) -> bool:
+        """Looks at `done()` until it holds (True) or the budget is spent (False)."""
+        if self.budget_s <= 0:
+            return done()
+        end = time.perf_counter() + self.budget_s
+        while True:
+            if done():
+                return True
+            if time.perf_counter() > end:
+                return False
+
+
+NO_SPIN = Spin()
+
+
+def spin_for(processes: int) -> Spin:
+    """The spin of a wait that needs `processes` running for the awaited word to change (the
+    workers, plus the coordinator when it serves the round): twice this machine's wake latency,
+    within [10 µs, 300 µs], when each of them can have a core; none when they share cores."""
+    if available_cores() < processes:
+        return NO_SPIN
+    return Spin(min(max(2 * wake_latency_s(), _SPIN_MIN_S), _SPIN_MAX_S))
