@@ -3,10 +3,13 @@ validation of everything one message can be judged on."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import numpy as np
 import pytest
 
-from gradserver.common import codec
+from gradserver.common import codec, collective_rules
 from gradserver.common._pb import gradient_server_pb2 as pb
 from gradserver.common.chunking import chunk_spans
 from gradserver.common.components import NonBlockComponent, compute_block_sizes
@@ -17,6 +20,7 @@ from gradserver.common.messages import (
     BarrierReleaseOut,
     ChunkHeader,
     ChunkIn,
+    CollectiveKind,
     DType,
     ErrorOut,
     HeartbeatAckOut,
@@ -227,6 +231,32 @@ def test_decoder_rejects_with_a_named_reason(raw: bytes, error: type, text: str)
     with pytest.raises(error) as info:
         codec.decode_worker_message(raw, LIMITS)
     assert text in info.value.message
+
+
+@pytest.mark.parametrize("world", [0, 3])
+def test_a_collective_key_is_refused_exactly_where_the_rules_of_collectives_say(world: int) -> None:
+    limits = dataclasses.replace(LIMITS, world_size=world)
+    for kind, root, splits in itertools.product(CollectiveKind, (0, 1, 3), ((), (4,), (4, 8, 12), (2, 4, 4))):
+        moves_bytes = kind in (CollectiveKind.ALL_GATHER, CollectiveKind.BROADCAST, CollectiveKind.ALL_TO_ALL)
+        # A chunk right in every other way: from the root, of a total its splits sum to.
+        total = sum(splits) if kind is CollectiveKind.ALL_TO_ALL else 12
+        raw = _chunk(
+            worker_id=root,
+            key=pb.TensorKey(
+                step=9, collective=pb.CollectiveKey(group=2, kind=int(kind), root=root, split_bytes=splits)
+            ),
+            dtype=pb.DTYPE_BYTES if moves_bytes else pb.DTYPE_FLOAT32,
+            total_elements=total,
+            data=b"\0" * (total if moves_bytes else 4 * total),
+        )
+        problem = collective_rules.key_problem(kind, root, splits, world)
+        if problem is None:
+            key = codec.decode_worker_message(raw, limits).key
+            assert (key.collective_kind, key.root, key.split_bytes) == (kind, root, splits)
+        else:
+            with pytest.raises(InvalidArgumentError) as info:
+                codec.decode_worker_message(raw, limits)
+            assert info.value.message == f"worker {root}, operation 9 of group 2: {problem}"
 
 
 def test_chunk_key_reads_the_key_of_a_refused_chunk() -> None:

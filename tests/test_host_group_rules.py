@@ -13,6 +13,7 @@ import pytest
 
 from gradserver.common import codec
 from gradserver.common.averaging import Averager
+from gradserver.common.collective_rules import MAX_HOST_GROUP
 from gradserver.common.components import NonBlockComponent
 from gradserver.common.errors import InternalError, InvalidArgumentError, Status
 from gradserver.common.messages import (
@@ -274,7 +275,7 @@ def test_host_group_fields_beyond_their_limits_are_refused_naming_them() -> None
     base = JoinRequestIn("n", 0, "cpu", codec.PROTOCOL_VERSION)
     for wrong in (
         dataclasses.replace(base, host_id="x" * (codec.MAX_NAME_LENGTH + 1)),
-        dataclasses.replace(base, job_host_group=tuple(range(codec.MAX_HOST_GROUP + 1))),
+        dataclasses.replace(base, job_host_group=tuple(range(MAX_HOST_GROUP + 1))),
         dataclasses.replace(base, peer_host_id="x" * (codec.MAX_NAME_LENGTH + 1)),
     ):
         with pytest.raises(
@@ -283,9 +284,7 @@ def test_host_group_fields_beyond_their_limits_are_refused_naming_them() -> None
         ):
             codec.decode_join_request(codec.encode_join_request(wrong))
     limits = codec.WireLimits(chunk_elements=CHUNK, max_tensor_elements=1 << 20, world_size=0)
-    huge = dataclasses.replace(
-        chunk(0, np.ones(CHUNK, np.float32)), covers=tuple(range(codec.MAX_HOST_GROUP + 1))
-    )
+    huge = dataclasses.replace(chunk(0, np.ones(CHUNK, np.float32)), covers=tuple(range(MAX_HOST_GROUP + 1)))
     with pytest.raises(InvalidArgumentError, match="covers 1025 workers, above the limit of 1024"):
         codec.decode_worker_message(codec.encode_worker_event(huge), limits)
     unknown = StepFailureIn(0, 999, "why", 1)

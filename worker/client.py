@@ -29,7 +29,7 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
-from gradserver.common import codec
+from gradserver.common import codec, collective_rules
 from gradserver.common.chunking import chunk_spans
 from gradserver.common.components import (
     BLOCK_GRAD_COMPONENTS,
@@ -852,36 +852,10 @@ class WorkerClient:
         """How many elements (bytes for BYTES) `key`'s result holds when this worker sends `size`;
         None for an ALL_TO_ALL, whose result says. Refuses, naming the key, a collective whose
         shape cannot fit the job's workers (the coordinator would fail the operation later)."""
-        if key.kind is not KeyKind.COLLECTIVE:
-            return size
-        kind, world = key.collective_kind, self.total_workers
-        problem = ""
-        if kind is CollectiveKind.REDUCE_SCATTER and key.split_bytes:
-            if len(key.split_bytes) != world or sum(key.split_bytes) != 4 * size:
-                problem = (
-                    f"split_bytes {list(key.split_bytes)} must hold one entry per worker ({world}) and "
-                    f"sum to the {4 * size} float32 bytes sent"
-                )
-        elif kind is CollectiveKind.REDUCE_SCATTER and size % world:
-            problem = f"{size} elements do not split into {world} equal parts, one per worker"
-        elif kind is CollectiveKind.BROADCAST and key.root >= world:
-            problem = f"root {key.root} is out of range for {world} workers"
-        elif kind is CollectiveKind.ALL_TO_ALL and (
-            len(key.split_bytes) != world or sum(key.split_bytes) != size
-        ):
-            problem = (
-                f"split_bytes {list(key.split_bytes)} must hold one entry per worker ({world}) and "
-                f"sum to the {size} bytes sent"
-            )
+        problem = collective_rules.shape_problem(key, size, self.total_workers)
         if problem:
             raise InvalidArgumentError(f"{key}: {problem}", step=key.step, key=str(key))
-        if kind is CollectiveKind.REDUCE_SCATTER:
-            return key.split_bytes[self.worker_id] // 4 if key.split_bytes else size // world
-        if kind is CollectiveKind.ALL_GATHER:
-            return size * world
-        if kind is CollectiveKind.ALL_TO_ALL:
-            return None
-        return size
+        return collective_rules.result_length(key, size, self.total_workers, self.worker_id)
 
     def _receive(self, kind: KeyKind, timeout: float | None) -> tuple[TensorKey, transports.PendingResult]:
         if self._closed:

@@ -40,6 +40,7 @@ import numpy as np
 
 from gradserver.common import codec
 from gradserver.common.chunking import chunk_count
+from gradserver.common.collective_rules import result_in_pieces
 from gradserver.common.errors import (
     CoordinatorShutdownError,
     DeadlineExceededError,
@@ -57,13 +58,11 @@ from gradserver.common.messages import (
     BarrierReleaseOut,
     ChunkHeader,
     ChunkIn,
-    CollectiveKind,
     DType,
     ErrorOut,
     HeartbeatAckOut,
     HeartbeatIn,
     JoinAccepted,
-    KeyKind,
     LeaveIn,
     MemberJoinedOut,
     MemberLeftOut,
@@ -734,12 +733,6 @@ class GrpcLink:
             self._results.clear()
             self._barriers.clear()
             self._samples.clear()
-
-
-def result_in_pieces(key: TensorKey) -> bool:
-    """Whether `key`'s result arrives as pieces at any offsets (every collective kind but
-    REDUCE), counted in elements instead of chunks."""
-    return key.kind is KeyKind.COLLECTIVE and key.collective_kind is not CollectiveKind.REDUCE
 
 
 def _result_array(length: int, dtype: DType) -> np.ndarray:

@@ -45,7 +45,7 @@ import numpy as np
 
 from gradserver.common.averaging import Averager, NonFiniteContribution, SumOverflow
 from gradserver.common.chunking import chunk_count
-from gradserver.common.codec import handed_on_hosts, summed_on_hosts
+from gradserver.common.collective_rules import handed_on_hosts, summed_on_hosts
 from gradserver.common.errors import (
     DeadlineExceededError,
     GradServerError,

@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from gradserver.common.chunking import chunk_count
+from gradserver.common.collective_rules import served_by_partitions
 from gradserver.common.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -34,10 +35,8 @@ from gradserver.common.errors import (
 )
 from gradserver.common.messages import (
     ChunkHeader,
-    CollectiveKind,
     DType,
     JoinAccepted,
-    KeyKind,
     SampleRangeAssignmentOut,
     SampleStats,
     ServerEvent,
@@ -230,9 +229,7 @@ class PartitionedLink:
         *,
         array: np.ndarray | None = None,
     ) -> None:
-        if total is None or (
-            key.kind is KeyKind.COLLECTIVE and key.collective_kind is not CollectiveKind.REDUCE
-        ):
+        if total is None or not served_by_partitions(key):
             # Each partition sees only its chunks, so it cannot gather, relay or route whole
             # contributions (the coordinators refuse these kinds too; this says so before sending).
             raise FailedPreconditionError(

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from gradserver.common.collective_rules import result_in_pieces
 from gradserver.common.messages import (
     AveragedChunkOut,
     ChunkHeader,
@@ -33,7 +34,7 @@ from gradserver.common.timeouts import Timeouts
 
 from ..tensors import same_memory
 from .base import ErrorRecord
-from .grpc_link import GrpcLink, result_in_pieces
+from .grpc_link import GrpcLink
 from .lane import LaneClient
 from .shm_channel import ShmChannel
 
