@@ -275,3 +275,20 @@ def test_a_step_counts_only_when_every_key_is_done_and_its_workers_moved_on() ->
     t.worker_lost(0, "left the job")
     t.worker_lost(1, "left the job")
     assert t.steps_completed == 2 and t.last_completed_step == 2, "the last step counts when all left"
+
+
+def test_a_worker_that_rejoined_owes_no_barrier_it_was_excused_from() -> None:
+    """Under continue, a worker lost while a barrier of step 0 waited for it is excused from it; its
+    replacement takes part from step 1 and its first contribution fails nothing (it used to fail
+    step 0's barrier as 'moved on without completing' it)."""
+    clock = Clock()
+    t = ReductionTable(3, CHUNK, 10.0, clock, on_worker_loss="continue")
+    t.barrier(BarrierIn(0, 0, "commit"))
+    t.worker_lost(2, "gone")
+    t.worker_joined(2)
+    key = TensorKey.non_block(1, NonBlockComponent.LM_HEAD)
+    out = t.contribute(chunks(2, key, np.ones(CHUNK, np.float32))[0])
+    assert errors(out) == []
+    out = t.barrier(BarrierIn(1, 0, "commit"))
+    assert errors(out) == []
+    assert any(isinstance(o.event, BarrierReleaseOut) for o in out), "workers 0 and 1 were all it awaited"
