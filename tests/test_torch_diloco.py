@@ -1,0 +1,387 @@
+"""gradserver.torch.diloco over real processes: three replicas, each a spawned torch rank of the
+"gradserver" backend, run every case below once (one spawn for the module) and save what they saw.
+
+- Outer steps (H = 5) in float32, bf16, int8, int4 and streaming (2 fragments, delay 2, int8):
+  the global weights' digest after every outer step, equal on every replica; the held-out loss
+  of each format close to float32's; the relative error of the averaged pseudo-gradient each outer
+  step applied against the exact average of the same pseudo-gradients, and of their sum (error
+  feedback keeps the sum's error within one step's).
+- The identity: H = 1, inner SGD, outer SGD lr 1 without momentum is data-parallel SGD on the
+  averaged gradient, θ ← θ - η·mean gᵢ (up to float32 rounding of Δᵢ = θ - (θ - η gᵢ)).
+- The weighting: with outer SGD lr 1 without momentum the new global weights are the weighted
+  mean of the replicas' local weights, Σ wᵢθᵢ / Σ wᵢ, a replica that counted 0 left out.
+- Refusals with clear messages, and an example run under `gradserver run`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradserver.worker import state_digest
+
+from .helpers.processes import ROOT, ProcessGroup
+from .helpers.ranks import rank_results, spawn_and_join
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
+
+WORLD = 3
+H = 5
+STEPS = 60  # inner steps of each training run: 12 outer steps
+TEACHER_SEED = 11
+RUNS: dict[str, dict[str, Any]] = {
+    "float32": {},
+    "bf16": {"quantize": "bf16"},
+    "int8": {"quantize": "int8"},
+    "int4": {"quantize": "int4"},
+    "streaming": {"quantize": "int8", "fragments": 2, "delay": 2, "keep_local": 0.5},
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def _batch(step: int, replica: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + replica)
+    x = torch.randn(size, 8, generator=generator)
+    teacher = torch.randn(8, 1, generator=torch.Generator().manual_seed(TEACHER_SEED)) * 0.35
+    return x, torch.sin(x @ teacher)
+
+
+def _held_out_loss(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> float:
+    x, y = _batch(10**6, 0, size=512)
+    with torch.no_grad():
+        prediction = torch.func.functional_call(model, weights, (x,))
+    return float(torch.nn.functional.mse_loss(prediction, y))
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that keeps every gradient it steps with: the averaged pseudo-gradient of each outer step."""
+
+    def __init__(self, params: list[torch.Tensor], **options: Any) -> None:
+        super().__init__(params, **options)
+        self.seen: list[torch.Tensor] = []
+
+    def step(self, closure: Any = None) -> Any:
+        grads = [p.grad for group in self.param_groups for p in group["params"]]
+        self.seen.append(torch.cat([g.reshape(-1) for g in grads if g is not None]).clone())
+        return super().step(closure)
+
+
+def _pseudo_gradient(model: torch.nn.Module, outer: Any) -> torch.Tensor:
+    weights = outer.global_tensors()
+    return torch.cat([(weights[n] - p.detach()).reshape(-1) for n, p in model.named_parameters()])
+
+
+def _train(rank: int, options: dict[str, Any]) -> dict[str, Any]:
+    """STEPS inner steps (AdamW) with outer steps every H; the inner optimizer's hook is not used
+    here: the loop calls `outer.step()` so that it can take the exact average first."""
+    from gradserver.torch.diloco import DiLoCo
+
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    recorders: list[_RecordingSGD] = []
+
+    def outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        recorders.append(_RecordingSGD(params, lr=0.7, momentum=0.9, nesterov=True))
+        return recorders[-1]
+
+    outer = DiLoCo(model, inner, sync_every=H, outer_optimizer=outer_optimizer, group=None, **options)
+    exact: list[torch.Tensor] = []
+    digests: list[int] = []
+    local_equals_global: list[bool] = []
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        if "fragments" not in options and (step + 1) % H == 0:
+            average = _pseudo_gradient(model, outer)
+            dist.all_reduce(average, op=dist.ReduceOp.AVG)  # exact: float64 sums, rounded once
+            exact.append(average)
+        before = outer.outer_steps
+        outer.step()
+        if outer.outer_steps > before:
+            digests.append(state_digest(outer.global_tensors()))
+            local_equals_global.append(
+                all(torch.equal(p, outer.global_tensors()[n]) for n, p in model.named_parameters())
+            )
+    outer.close()  # applies what streaming still had on its way
+    if outer.outer_steps > len(digests):
+        digests.append(state_digest(outer.global_tensors()))
+    return {
+        "digests": digests,
+        "local_equals_global": local_equals_global,
+        "loss": _held_out_loss(model, outer.global_tensors()),
+        "untrained_loss": _held_out_loss(_model(), dict(_model().named_parameters())),
+        "applied": recorders[0].seen if "fragments" not in options else [],
+        "exact": exact,
+        "sent_bytes": outer.sent_bytes,
+        "received_bytes": outer.received_bytes,
+    }
+
+
+def _identity(rank: int) -> dict[str, Any]:
+    """H = 1, inner SGD, outer SGD lr 1 momentum 0; beside it the same steps of data-parallel SGD
+    computed here from every replica's batch."""
+    from gradserver.torch.diloco import DiLoCo
+
+    lr = 0.05
+    model, reference = _model(), _model()
+    inner = torch.optim.SGD(model.parameters(), lr=lr)
+    sgd = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
+    globals_seen, reference_seen = [], []
+    with DiLoCo(model, inner, sync_every=1, outer_optimizer=sgd) as outer:
+        for step in range(8):
+            x, y = _batch(step, rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            inner.step()  # the hook runs the outer step
+            inner.zero_grad()
+            globals_seen.append(torch.cat([t.reshape(-1) for t in outer.global_tensors().values()]).clone())
+            grads = []
+            for replica in range(WORLD):
+                reference.zero_grad()
+                rx, ry = _batch(step, replica)
+                torch.nn.functional.mse_loss(reference(rx), ry).backward()
+                grads.append([p.grad.clone() for p in reference.parameters() if p.grad is not None])
+            with torch.no_grad():
+                for index, param in enumerate(reference.parameters()):
+                    param.sub_(lr * torch.stack([g[index] for g in grads]).mean(dim=0))
+            reference_seen.append(torch.cat([p.detach().reshape(-1) for p in reference.parameters()]).clone())
+    return {"globals": globals_seen, "reference": reference_seen}
+
+
+def _weighted(rank: int, quantize: str | None) -> dict[str, Any]:
+    """Two periods of H = 3, outer SGD lr 1 momentum 0: replica r counts 10(r+1) a step in the
+    first, replica 0 counts 0 in the second; the local weights of every replica gathered before
+    each outer step."""
+    from gradserver.torch.diloco import DiLoCo
+
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sgd = functools.partial(torch.optim.SGD, lr=1.0, momentum=0.0)
+    outer = DiLoCo(model, inner, sync_every=3, outer_optimizer=sgd, quantize=quantize)
+    locals_gathered, weights, globals_after = [], [], []
+    for step in range(6):
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        outer.count(10 * (rank + 1) if step < 3 else (0 if rank == 0 else 7))
+        if (step + 1) % 3 == 0:
+            mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            everyone = [torch.empty_like(mine) for _ in range(WORLD)]
+            dist.all_gather(everyone, mine)
+            locals_gathered.append(torch.stack(everyone))
+            weights.append([30.0 * (r + 1) for r in range(WORLD)] if step < 3 else [0.0, 21.0, 21.0])
+        outer.step()
+        if (step + 1) % 3 == 0:
+            globals_after.append(torch.cat([t.reshape(-1) for t in outer.global_tensors().values()]).clone())
+    return {"locals": locals_gathered, "weights": weights, "globals": globals_after}
+
+
+def _error_of(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _refusals(rank: int) -> dict[str, str]:
+    from gradserver.torch.diloco import DiLoCo
+
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    found = {
+        "sync_every": _error_of(lambda: DiLoCo(model, inner, sync_every=0)),
+        "format": _error_of(lambda: DiLoCo(model, inner, sync_every=5, quantize="int3")),
+        "fragments": _error_of(lambda: DiLoCo(model, inner, sync_every=2, fragments=3)),
+        "delay": _error_of(lambda: DiLoCo(model, inner, sync_every=4, delay=4)),
+    }
+    different = _model()
+    if rank == 1:
+        with torch.no_grad():
+            different[2].bias += 1e-6
+    found["different"] = _error_of(
+        lambda: DiLoCo(different, torch.optim.SGD(different.parameters(), lr=0.1), sync_every=5)
+    )
+    outer = DiLoCo(model, inner, sync_every=1, quantize="int8")
+    found["count"] = _error_of(lambda: outer.count(-1))
+    if rank == 2:
+        with torch.no_grad():
+            model[0].weight[0, 0] = float("nan")
+    found["nan"] = _error_of(outer.step)
+    return found
+
+
+def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
+    import gradserver.torch  # noqa: F401 - registers "gradserver"
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gradserver", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    out = Path(out_dir)
+    try:
+        results: dict[str, Any] = {"refusals": _refusals(rank), "identity": _identity(rank)}
+        results["weighted"] = _weighted(rank, None)
+        results["weighted_int8"] = _weighted(rank, "int8")
+        for name, options in RUNS.items():
+            results[name] = _train(rank, options)
+        torch.save(results, out / f"rank{rank}.pt")
+    except Exception as exc:
+        (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("diloco")
+    spawn_and_join(_rank_main, [(r, str(out / "store"), str(out)) for r in range(WORLD)], timeout_s=500)
+    return rank_results(out, WORLD)
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_the_global_weights_are_bit_identical_on_every_replica_after_every_outer_step(
+    replicas: list[dict[str, Any]], run: str
+) -> None:
+    digests = [r[run]["digests"] for r in replicas]
+    fragments = RUNS[run].get("fragments", 1)
+    assert len(digests[0]) == fragments * STEPS // H
+    assert len(set(digests[0])) == len(digests[0])  # every outer step changed them
+    assert digests[1] == digests[0] and digests[2] == digests[0]
+    if fragments == 1:  # the local weights then become the global ones
+        assert all(all(r[run]["local_equals_global"]) for r in replicas)
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r != "float32"])
+def test_each_format_trains_to_a_loss_close_to_float32s(replicas: list[dict[str, Any]], run: str) -> None:
+    baseline = replicas[0]["float32"]
+    print(f"{run}: held-out loss {replicas[0][run]['loss']:.5f}, float32 {baseline['loss']:.5f}")
+    assert baseline["loss"] < 0.5 * baseline["untrained_loss"], baseline
+    assert replicas[0][run]["loss"] < baseline["loss"] * 1.1 + 0.002, (
+        run,
+        replicas[0][run]["loss"],
+        baseline,
+    )
+
+
+# Relative error of the averaged pseudo-gradient of one outer step against the exact average of
+# the same pseudo-gradients (at most), and of their sum over the 12 outer steps.
+STEP_ERROR = {"float32": 1e-6, "bf16": 0.01, "int8": 0.02, "int4": 0.2}
+
+
+@pytest.mark.parametrize("run", list(STEP_ERROR))
+def test_the_averaged_pseudo_gradient_is_as_accurate_as_its_format(
+    replicas: list[dict[str, Any]], run: str
+) -> None:
+    result = replicas[0][run]
+    applied, exact = torch.stack(result["applied"]), torch.stack(result["exact"])
+    assert applied.shape == exact.shape and applied.shape[0] == STEPS // H
+    step_errors = (applied - exact).norm(dim=1) / exact.norm(dim=1)
+    sum_error = float((applied.sum(0) - exact.sum(0)).norm() / exact.sum(0).norm())
+    print(
+        f"{run}: loss {result['loss']:.5f}, per outer step {step_errors.tolist()}, of the sum {sum_error:.3g}"
+    )
+    assert float(step_errors.max()) <= STEP_ERROR[run]
+    if run != "float32":
+        assert float(step_errors.min()) > 0  # it was quantized
+        # Error feedback: the sum trails by one residual, not by the sum of the steps' errors.
+        assert sum_error < float(step_errors.mean())
+
+
+def test_wire_bytes_are_one_payload_up_and_n_down(replicas: list[dict[str, Any]]) -> None:
+    numel = sum(p.numel() for p in _model().parameters())
+    outer_steps = STEPS // H
+    float32 = replicas[0]["float32"]
+    assert float32["sent_bytes"] == float32["received_bytes"] == outer_steps * 4 * (numel + 1 + WORLD)
+    int8 = replicas[0]["int8"]
+    payload = 8 + numel + 4 * -(-numel // 64)
+    payload += -payload % 8
+    assert int8["sent_bytes"] == outer_steps * payload
+    assert int8["received_bytes"] == WORLD * int8["sent_bytes"]
+
+
+def test_with_h_1_and_outer_sgd_lr_1_it_is_data_parallel_sgd(replicas: list[dict[str, Any]]) -> None:
+    for replica in replicas:
+        seen = replica["identity"]
+        assert len(seen["globals"]) == 8
+        for got, expected in zip(seen["globals"], seen["reference"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert all(
+        torch.equal(r["identity"]["globals"][-1], replicas[0]["identity"]["globals"][-1]) for r in replicas
+    )
+
+
+@pytest.mark.parametrize("run", ["weighted", "weighted_int8"])
+def test_the_average_is_weighted_by_what_each_replica_counted(
+    replicas: list[dict[str, Any]], run: str
+) -> None:
+    seen = replicas[0][run]
+    for local_weights, counted, got in zip(seen["locals"], seen["weights"], seen["globals"], strict=True):
+        w = torch.tensor(counted)[:, None]
+        expected = (local_weights * w).sum(0) / w.sum()
+        tolerance = 1e-6 if run == "weighted" else 2e-3  # int8: the deltas carry a 1/254 step error
+        torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
+        equal = torch.stack([local_weights[1], local_weights[2]]).mean(0)
+        assert not torch.allclose(got, equal, rtol=0, atol=1e-6) or counted[0] == 0
+    assert all(torch.equal(r[run]["globals"][-1], seen["globals"][-1]) for r in replicas)
+
+
+def test_bad_input_is_refused_with_a_clear_message(replicas: list[dict[str, Any]]) -> None:
+    found = replicas[0]["refusals"]
+    assert (
+        found["sync_every"]
+        == "InvalidArgumentError: INVALID_ARGUMENT: sync_every must be at least 1 inner step, got 0"
+    )
+    assert found["format"] == (
+        "InvalidArgumentError: INVALID_ARGUMENT: unknown quantization format 'int3': use one of bf16, int8, "
+        "int4 or None"
+    )
+    assert "fragments must be between 1 and min(sync_every, parameters) = 2, got 3" in found["fragments"]
+    assert "delay must be between 0 and sync_every - 1 = 3 inner steps, got 4" in found["delay"]
+    assert (
+        found["count"] == "InvalidArgumentError: INVALID_ARGUMENT: count takes a non-negative amount, got -1"
+    )
+    for rank, replica in enumerate(replicas):
+        assert replica["refusals"]["different"] == (
+            f"FailedPreconditionError: FAILED_PRECONDITION: replica {rank}: parameter '2.bias' differs "
+            "across replicas at the start (replicas [1] against replica 0): every replica must start "
+            "from the same weights (seed the model's initialisation, or load one checkpoint)"
+        )
+        assert re.fullmatch(
+            r"FailedPreconditionError: FAILED_PRECONDITION: outer step at inner step 1: the pseudo-gradient "
+            r"of parameters 0\.weight\.\.2\.bias holds NaN or Inf on replicas 2 \(1 values\)",
+            replica["refusals"]["nan"],
+        ), replica["refusals"]["nan"]
+
+
+def test_the_example_runs_under_gradserver_run(processes: ProcessGroup) -> None:
+    run = processes.gradserver(
+        "run",
+        "--workers",
+        "2",
+        "--",
+        sys.executable,
+        str(ROOT / "examples" / "diloco.py"),
+        "--steps",
+        "100",
+        "--quantize",
+        "int4",
+        name="run",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert run.wait(300) == 0, run.output
+    digests = re.findall(r'"param_sha256": "([0-9a-f]+)"', run.output)
+    assert len(digests) == 2 and digests[0] == digests[1], run.output
+    assert len(re.findall(r"rank \d: 5 outer steps, \d+ bytes sent", run.output)) == 2, run.output
