@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gradserver.train.launch import print_line
+from gradserver.train.supervision import print_line
 
 from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
 

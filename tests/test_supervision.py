@@ -6,6 +6,7 @@ not outlive it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -370,3 +371,70 @@ def test_launch_follows_its_workers_progress_through_their_channel_not_their_out
     assert "PROGRESS" not in output
     assert re.search(r"2/2 \[.*loss=\d", output), output
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+# --- the supervision run and launch share (gradserver.train.supervision*) -------------------------
+
+
+def test_a_replacement_that_found_the_job_finished_is_said_one_way() -> None:
+    from gradserver.train.supervision_restarts import replacement_note
+
+    loss = LostWorker(1, "local-1", "lost: no message for 2.0 s", step=12)
+    assert replacement_note("local-1", loss, "step") == (
+        "local-1 was lost at step 12 (lost: no message for 2.0 s) and its replacement found the job finished"
+    )
+    assert replacement_note("rank 1", LostWorker(1, "host/pid3", "cut off"), "operation") == (
+        "rank 1 was lost (cut off) and its replacement found the job finished"
+    )
+    assert replacement_note("rank 1", None, "operation") == (
+        "rank 1 ended and its replacement found the job finished"
+    )
+
+
+def test_the_coordinator_is_placed_on_this_machine_or_on_task_0_of_a_slurm_step() -> None:
+    from gradserver.train.slurm import SlurmStep
+    from gradserver.train.supervision_placement import coordinator_place
+
+    alone = coordinator_place(None)
+    assert (alone.here, alone.bind, alone.address(4321), alone.store_port) == (
+        True,
+        "127.0.0.1",
+        "127.0.0.1:4321",
+        None,
+    )
+    hosts = ("node1", "node2")
+    second = SlurmStep(job_id=7, tasks=2, task=1, node=1, local_task=0, tasks_per_node=(1, 1), hosts=hosts)
+    coordinator, store = second.ports()
+    place = coordinator_place(second)
+    assert not place.here and place.address() == f"node1:{coordinator}" and place.store_port == store
+    first = coordinator_place(dataclasses.replace(second, task=0, node=0), port=20000)
+    assert first.here and (first.bind, first.port, first.store_port) == ("0.0.0.0", 20000, 20001)
+
+
+def test_a_setting_for_one_machine_is_refused_in_a_slurm_step_of_several_tasks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradserver.common.errors import InvalidArgumentError
+    from gradserver.train.supervision_placement import job_step
+
+    step = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+    }
+    for name, value in step.items():
+        monkeypatch.setenv(name, value)
+    found = job_step(no_slurm=False)
+    assert found is not None and (found.task, found.tasks) == (1, 2)
+    why = "--in-process runs every worker in one process"
+    assert job_step(no_slurm=True, one_machine_only=why) is None
+    with pytest.raises(InvalidArgumentError) as refused:
+        job_step(no_slurm=False, one_machine_only=why)
+    assert refused.value.message == (
+        f"{why}, and this SLURM step has 2 tasks: start one task, or give --no-slurm"
+    )

@@ -15,6 +15,17 @@ names it and its error. When the coordinator had lost another worker first (one 
 cut off, whose step then failed for the others), the line names that one, from the coordinator's
 --events-file: `launch: local-1 was lost at step 12 (lost: no message for 10.2 s ...); local-0
 exited with code 1: ...`. `--run-timeout` is only a last resort for a job that stops making progress.
+SIGINT and SIGTERM are forwarded to every process; launch then stops what is left and exits 128 +
+the signal.
+
+With `--restart-lost K` a worker that fails or is killed is started again with its command and
+takes a live worker's state; a worker the coordinator declared lost while it still runs (stopped,
+hung, cut off) is stopped so that it restarts; and with the workers' `--reconnect-timeout` a lost
+coordinator is started again on its port, which they rejoin. Each restart is one of the K. A
+replacement that found the job finished is no failure: the last line names it.
+
+The supervision (the watch loop, the restarts, the SLURM placement) is gradserver.train.supervision,
+shared with `gradserver run`; this module says what launch starts.
 
 Settings (`LaunchConfig`, and the worker's own fields for what launch shares with the worker:
 --job, --model, --steps, --engine, --batch-size, --lr, --out, --timeout, with the worker's
@@ -35,61 +46,46 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
-import queue
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gradserver.common.config import add_config_arguments, config_from_sources, deprecated_names_of, flag_name
-from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
-from gradserver.worker.local_coordinator import (
-    LostWorker,
-    coordinator_command,
-    coordinator_failure,
-    coordinator_pid,
-    job_finished,
-    loss_of,
-    lost_workers,
-    remove_leftovers,
-    verdict,
-)
-from gradserver.worker.supervisor import STOP_GRACE_S, Child, await_port, start_child, still_running, stop
+from gradserver.common.cores import available_cores
+from gradserver.common.errors import InvalidArgumentError
+from gradserver.worker.local_coordinator import LostWorker
+from gradserver.worker.supervisor import Child, start_child
 
-from .cli import WorkerConfig, available_cores, worker_parser
+from .cli import WorkerConfig, worker_parser
 from .extra import require_training_extra
 from .plots import plot_metrics
-from .slurm import NO_SLURM_HELP, OTHER_TASKS_S, SlurmStep, several_tasks
+from .slurm import NO_SLURM_HELP, OTHER_TASKS_S, SlurmStep
+from .supervision import (
+    RESTART_LOST_HELP,
+    RUN_TIMEOUT_HELP,
+    WORKERS_HELP,
+    Ending,
+    FrontEnd,
+    Supervision,
+    print_line,
+    supervised,
+)
+from .supervision_placement import coordinator_place, job_step, why_slurm_stopped
 
 log = logging.getLogger("gradserver.launch")
 
 _COORDINATOR_EXIT_S = 10.0
-_RESTART_WAIT_S = 1.0  # for the coordinator to record the loss a restart answers
-# A replacement that took part ends by itself this soon after the job finished; one still
-# joining is stopped then.
-_LATE_GRACE_S = 5.0
-_STDOUT_LOCK = threading.Lock()
 
 # The worker's settings launch takes as its own flags: the worker's fields themselves, so they
 # have the worker's defaults, choices and meanings.
 SHARED_WITH_WORKER = ("job", "model", "steps", "engine", "batch_size", "lr", "out", "timeout")
-WORKERS_HELP = "number of worker processes (ranks) to start"
-RUN_TIMEOUT_HELP = "seconds for the whole run, a last resort (0: none)"
-RESTART_LOST_HELP = (
-    "start a worker or rank that fails or is killed again, alone, with its command, up to this many "
-    "times in all (0: a loss ends the job); the coordinator then lets the others go on, and the "
-    "restarted one takes the state of a live one (launch: the trainer; run: gradserver.torch.ft programs, "
-    "and run restarts their lost coordinator too, on its port, unless there are several)"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,14 +111,6 @@ class LaunchConfig:
             raise InvalidArgumentError(f"--restart-lost must not be negative, got {self.restart_lost}")
         if self.run_timeout < 0:
             raise InvalidArgumentError(f"--run-timeout must not be negative, got {self.run_timeout:g}")
-
-
-def print_line(text: str) -> None:
-    """Writes one whole line to stdout. Several relay threads print at once, and `print` writes
-    the text and its newline separately, so two ranks' lines could otherwise run together."""
-    with _STDOUT_LOCK:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
 
 
 def register(commands: Any) -> None:
@@ -226,12 +214,9 @@ def _job(args: argparse.Namespace) -> _Job:
             shared += [flag_name(name), str(value)]
     flags = (*shared, *(a for a in args.worker_args if a != "--"))
     worker: WorkerConfig = config_from_sources(WorkerConfig, worker_parser().parse_args(list(flags)))
-    step = None if config.no_slurm else several_tasks()
-    if step is not None and config.in_process:
-        raise InvalidArgumentError(
-            f"--in-process runs every worker in one process, and this SLURM step has {step.tasks} "
-            "tasks: start one task, or give --no-slurm"
-        )
+    step = job_step(
+        config.no_slurm, "--in-process runs every worker in one process" if config.in_process else ""
+    )
     job = _Job(config, flags, worker, step)
     if worker.steps < 1:
         raise InvalidArgumentError(f"--steps must be at least 1, got {worker.steps}")
@@ -318,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress(worker.steps, enabled=bar)
     started = time.monotonic()
     try:
-        code = _run_processes(job, progress) if job.processes else _run_in_process(job)
+        code, note = _run_processes(job, progress) if job.processes else (_run_in_process(job), "")
     finally:
         progress.close()
     elapsed = time.monotonic() - started
@@ -327,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     if worker.out and worker.job == "train" and job.task_zero:
         plot = plot_metrics(Path(worker.out) / "metrics.jsonl", Path(worker.out) / "loss.png")
         print(f"launch: {worker.steps} steps in {elapsed:.1f} s; {plot}")
-    print("launch: all processes finished")
+    print(f"launch: all processes finished{note}")
     return 0
 
 
@@ -369,103 +354,72 @@ def _run_in_process(job: _Job) -> int:
     return 1 if errors or any(t.is_alive() for t in threads) else 0
 
 
-def _run_processes(job: _Job, progress: _Progress) -> int:
-    deadline = _deadline(job)
-    children: list[Child] = []
-    failure = ""
-    with tempfile.TemporaryDirectory(prefix="gradserver-launch-") as tmp:
-        try:
-            failure = _supervise(job, progress, Path(tmp), deadline, children)
-        finally:
-            stop(children)
-            remove_leftovers(Path(tmp) / "events", coordinator_pid(children))
-    for child in children:
-        child.finish_output()
-    if failure:
-        # Last, after the other processes' final lines: the one line that says what went wrong.
-        print(f"launch: {failure}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+def _front(job: _Job, progress: _Progress) -> FrontEnd:
+    return FrontEnd(
+        prefix="launch:",
+        sink=progress.line,
+        unit="step",
+        restarting="restarting it",
+        timeout_error=f"the run did not finish within --run-timeout {job.launch.run_timeout:g} s",
+        coordinator_article="",
+        survivor_grace_s=0.0,  # a failed step fails the others' at once: no wait for their errors
+        coordinator_ends_itself=True,  # --max-steps
+        coordinator_start_s=float("inf"),  # --run-timeout alone bounds it
+    )
 
 
-def _supervise(job: _Job, progress: _Progress, tmp: Path, deadline: float, children: list[Child]) -> str:
-    """Starts the processes and watches them until the job ends; returns '' on success, else the
-    first failure (the caller stops whatever still runs)."""
-    exits: queue.Queue[Child] = queue.Queue()
-    coordinator = None
+def _run_processes(job: _Job, progress: _Progress) -> tuple[int, str]:
+    """The exit code, and on success what the last line adds (a replacement that found the job
+    finished)."""
+    with supervised(
+        _front(job, progress), job.launch.run_timeout, job.launch.restart_lost, "gradserver-launch-"
+    ) as supervision:
+        ending = _supervise(job, progress, supervision)
+    if ending.code == 0:
+        return 0, ending.line
+    # Last, after the other processes' final lines: the one line that says what went wrong.
+    print(f"launch: {ending.line}", file=sys.stderr, flush=True)
+    return (ending.code if supervision.received else 1), ""
+
+
+def _supervise(job: _Job, progress: _Progress, supervision: Supervision) -> Ending:
+    """Starts the processes and watches them until the job ends (the caller stops whatever still
+    runs); on success the Ending's line is what the last line adds."""
     step = job.step
-    if job.worker.engine == "remote" and job.task_zero:
-        coordinator, target = _start_coordinator(job, progress, tmp, deadline)
-        children.append(coordinator)
-        coordinator.watch(exits)
+    place = coordinator_place(step)
+    if job.worker.engine == "remote" and place.here:
+        options = ["--max-steps", str(job.worker.steps)]
+        target = place.address(
+            supervision.start_coordinator("coordinator", job.world, place.bind, place.port, options)
+        )
     elif step is None:
-        target = f"file://{tmp}/dist-store"
+        target = f"file://{supervision.tmp}/dist-store"
     elif job.worker.engine == "remote":  # every task knows the ports from the job id
-        target = f"{step.first_host}:{step.ports()[0]}"
+        target = place.address()
     else:  # rank 0's torch Store, on the first node
-        target = f"tcp://{step.first_host}:{step.ports()[1]}"
+        target = f"tcp://{place.host}:{place.store_port}"
     threads = max(1, available_cores() // job.launch.workers)
     argvs = job.argvs(target)
-    workers = [_start_worker(argv, job.node_id(i), progress, threads) for i, argv in enumerate(argvs)]
-    children.extend(workers)
-    for child in workers:
-        child.watch(exits)
-    running = set(workers)
-    restarts_left = job.launch.restart_lost
-    answered: set[int] = set()  # losses (events-file positions) a restart answered
-    replacements: set[Child] = set()  # workers started again
-    while running:
-        child = next_exit(exits, deadline, job.launch.run_timeout)
-        if child is coordinator:
-            if child.proc.returncode != 0:
-                return coordinator_failure(child, tmp / "events")
-            if job_finished(tmp / "events") is not None:
-                # Every step done and every worker that took part left: a replacement that took
-                # part ends by itself; one still joining has nothing left to join.
-                for late in still_running(running & replacements, _LATE_GRACE_S):
-                    _too_late(late, tmp / "events", progress)
-                    late.proc.terminate()
-                    running.discard(late)
-            continue  # done with its steps; the workers finish (or fail) on their own
-        running.discard(child)
-        if child in replacements and job_finished(tmp / "events") is not None:
-            if child.proc.returncode != 0:
-                _too_late(child, tmp / "events", progress)
-            continue
-        if child.proc.returncode != 0:
-            if coordinator is None:
-                return child.failure()
-            if restarts_left > 0 and coordinator.proc.poll() is None:
-                # The same command: it joins the running job in its old place and takes the state
-                # of a live worker (docs/RELIABILITY.md "Live recovery").
-                restarts_left -= 1
-                position = loss_of(tmp / "events", _named(child.name), answered, _RESTART_WAIT_S)
-                if position is not None:
-                    answered.add(position)
-                index = workers.index(child)
-                progress.line(
-                    "launch:",
-                    f"{child.failure()}; restarting it ({restarts_left} restart(s) left)",
-                )
-                again = _start_worker(argvs[index], child.name, progress, threads)
-                replacements.add(again)
-                workers[index] = again
-                children.append(again)
-                again.watch(exits)
-                running.add(again)
-                continue
-            return verdict(child, tmp / "events", _node_name, workers, answered=answered)[1]
-    if coordinator is not None:
+
+    def start(i: int) -> Child:
+        # The same command again for a restart: it joins the running job in its old place.
+        return supervision.adopt(_start_worker(argvs[i], job.node_id(i), progress, threads))
+
+    supervision.ranks.extend(start(i) for i in range(job.launch.workers))
+    # A lost coordinator is started again only for workers that rejoin one (without
+    # --reconnect-timeout each fails at once, and a new coordinator would only hide why).
+    rejoin = job.worker.reconnect_timeout > 0
+    restarts = supervision.restarts(start, _node_name, restart_coordinators=rejoin)
+    why = functools.partial(why_slurm_stopped, step, job.launch.workers) if step is not None else str
+    ending = supervision.watch(restarts, why)
+    if ending is not None:
+        return ending
+    if supervision.coordinators:
         # In a SLURM step it also waits for the other tasks' workers to leave.
-        return _end_coordinator(coordinator, tmp / "events", OTHER_TASKS_S if step else _COORDINATOR_EXIT_S)
-    return ""
-
-
-def _too_late(child: Child, events: Path, progress: _Progress) -> None:
-    """Says that `child`, a worker started again, found the job finished (no failure)."""
-    loss = next((w for w in lost_workers(events) if w.node == child.name), None)
-    lost = f"{child.name} was lost ({loss.reason})" if loss is not None else f"{child.name} ended"
-    progress.line("launch:", f"{lost} and its replacement found the job finished")
+        ending = supervision.await_coordinators_end(OTHER_TASKS_S if step else _COORDINATOR_EXIT_S)
+        if ending.code:
+            return ending
+    return Ending(0, restarts.finished_note())
 
 
 def _start_worker(argv: list[str], name: str, progress: _Progress, threads: int) -> Child:
@@ -483,61 +437,6 @@ def _start_worker(argv: list[str], name: str, progress: _Progress, threads: int)
     return child
 
 
-def _named(name: str) -> Callable[[LostWorker], bool]:
-    """Whether a loss is of the worker launch calls `name`."""
-    return lambda lost: lost.node == name
-
-
 def _node_name(lost: LostWorker) -> str:
     """launch's name of a worker: its node id (local-0, ...), which is also its child's name."""
     return lost.node
-
-
-def _end_coordinator(coordinator: Child, events: Path, wait_s: float) -> str:
-    """Every worker is done: the coordinator exits by itself once its job finished (--max-steps
-    is the absolute last step, so resumed jobs end too); if it has not after `wait_s` (the
-    workers left early), it is asked to stop."""
-    try:
-        code = coordinator.proc.wait(wait_s)
-    except subprocess.TimeoutExpired:
-        coordinator.proc.terminate()
-        try:
-            code = coordinator.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            return f"coordinator did not stop within {STOP_GRACE_S:g} s of SIGTERM"
-        if code == -signal.SIGTERM:
-            return ""
-    return coordinator_failure(coordinator, events) if code != 0 else ""
-
-
-def _start_coordinator(job: _Job, progress: _Progress, tmp: Path, deadline: float) -> tuple[Child, str]:
-    port_file = tmp / "port"
-    events = str(tmp / "events")
-    options = ["--max-steps", str(job.worker.steps), "--log-level", "WARNING", "--events-file", events]
-    if job.launch.restart_lost:
-        options += ["--on-worker-loss", "continue"]  # the others go on while a lost one restarts
-    bind, port, host = "127.0.0.1", 0, "127.0.0.1"
-    if job.step is not None:  # every task's workers reach it on the first node
-        bind, port, host = "0.0.0.0", job.step.ports()[0], job.step.first_host
-    argv = coordinator_command(job.world, port_file, *options, port=port, host=bind)
-    coordinator = start_child(argv, "coordinator", progress.line)
-    return coordinator, f"{host}:{await_coordinator(coordinator, port_file, deadline)}"
-
-
-def await_coordinator(coordinator: Child, port_file: Path, deadline: float) -> int:
-    """The port the started coordinator listens on; stops it and raises if it exits first or does
-    not listen by `deadline`."""
-    timeout_s = max(0.0, deadline - time.monotonic())
-    try:
-        return await_port(coordinator, port_file, timeout_s)
-    except DeadlineExceededError:
-        raise DeadlineExceededError("the coordinator did not start within --run-timeout") from None
-
-
-def next_exit(exits: queue.Queue[Child], deadline: float, timeout: float) -> Child:
-    try:
-        if deadline == float("inf"):
-            return exits.get()
-        return exits.get(timeout=max(0.0, deadline - time.monotonic()))
-    except queue.Empty:
-        raise DeadlineExceededError(f"the run did not finish within --run-timeout {timeout:g} s") from None

@@ -206,8 +206,3 @@ def coordinator_failure(coordinator: Child, events: Path) -> str:
     failure = coordinator.failure()
     why = job_failure(events)
     return f"{failure}: job failed: {why}" if why and not error_line(list(coordinator.tail)) else failure
-
-
-def coordinator_pid(children: list[Child]) -> int | None:
-    """The pid of the coordinator among `children`; None when none was started."""
-    return next((c.proc.pid for c in children if c.name == "coordinator"), None)
