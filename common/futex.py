@@ -25,7 +25,6 @@ futex until the process that changes it wakes the word. This module is that mech
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import statistics
 import threading
 import time
@@ -126,7 +125,9 @@ class Bells:
 # --- how long to spin ----------------------------------------------------------------------------
 
 _SPIN_MIN_S = 10e-6  # below this a spin is a handful of looks: not worth a clock read
-_SPIN_MAX_S = 300e-6  # a wait longer than this is not saved by spinning; the core is given back
+_SPIN_MAX_S = 300e-6  # the floor's bound: a wake-up slower than this is not the usual case
+_SPIN_CAP_S = 1e-3  # waits typically longer than this are slept, not spun
+_SPIN_AVERAGE_OVER = 8  # waits: how fast a waiter's typical wait follows its recent ones
 _DEFAULT_WAKE_S = 20e-6  # if the measure fails: a busy machine's one-way wake
 _MEASURE_ROUNDS = 24
 _MEASURE_LIMIT_S = 0.25
@@ -194,11 +195,29 @@ def _measure_wake_s() -> float:
     return statistics.median(trips) / 2
 
 
-@dataclasses.dataclass(frozen=True)
 class Spin:
-    """How long a waiter looks at a word before it sleeps on it (0: it sleeps at once)."""
+    """How long one waiter looks at a word before it sleeps on it, learnt from its own waits.
 
-    budget_s: float = 0.0
+    At least `floor_s` (twice the machine's wake-up: a sleep would cost that much), and as long
+    as twice the waiter's typical wait (a running average of how long its recent waits took,
+    `observe`) when that is within `cap_s`: a collective's ranks arrive a few hundred µs apart,
+    more than a wake-up, and a spin that ends just before the other rank posts pays the wake-up
+    anyway. Waits typically longer than `cap_s` (a rank computing its backward pass) get the
+    floor only: spinning would burn a core for nothing. A budget of 0 sleeps at once."""
+
+    def __init__(self, floor_s: float = 0.0, cap_s: float = 0.0) -> None:
+        self._floor = floor_s
+        self._cap = max(cap_s, floor_s)
+        self._typical = floor_s
+        self.budget_s = floor_s
+
+    def observe(self, waited_s: float) -> None:
+        """One wait of this waiter took `waited_s` (spin and sleep together)."""
+        if self._floor <= 0:
+            return
+        self._typical += (waited_s - self._typical) / _SPIN_AVERAGE_OVER
+        typical = self._typical
+        self.budget_s = self._floor if typical > self._cap else min(self._cap, max(self._floor, 2 * typical))
 
     def until(self, done: Callable[[], bool]) -> bool:
         """Looks at `done()` until it holds (True) or the budget is spent (False)."""
@@ -216,9 +235,10 @@ NO_SPIN = Spin()
 
 
 def spin_for(processes: int) -> Spin:
-    """The spin of a wait that needs `processes` running for the awaited word to change (the
-    workers, plus the coordinator when it serves the round): twice this machine's wake latency,
-    within [10 µs, 300 µs], when each of them can have a core; none when they share cores."""
+    """A new waiter's spin, for a wait that needs `processes` running for the awaited word to
+    change (the workers, plus the coordinator when it serves the round): from twice this
+    machine's wake latency (within [10 µs, 300 µs]) up to 1 ms as its waits show, when each of
+    them can have a core; none when they share cores (the waiter is its own, not shared)."""
     if available_cores() < processes:
         return NO_SPIN
-    return Spin(min(max(2 * wake_latency_s(), _SPIN_MIN_S), _SPIN_MAX_S))
+    return Spin(min(max(2 * wake_latency_s(), _SPIN_MIN_S), _SPIN_MAX_S), _SPIN_CAP_S)

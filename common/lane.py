@@ -559,12 +559,16 @@ def wait_word(
 ) -> bool:
     """Waits until `read()` reaches round `target` (True) or `deadline` passes (False). `check()`
     runs at every wake-up and raises to stop waiting (a failure seen elsewhere). A futex wait on
-    `address` in `slice_s` slices, after looking for the length of `spin`."""
+    `address` in `slice_s` slices, after looking for the length of `spin` (which learns from how
+    long the wait took)."""
+    started = time.perf_counter()
     if spin.budget_s > 0 and spin.until(lambda: reached(read(), target)):
+        spin.observe(time.perf_counter() - started)
         return True
     while True:
         value = read()
         if reached(value, target):
+            spin.observe(time.perf_counter() - started)
             return True
         check()
         left = deadline - time.monotonic()

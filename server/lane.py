@@ -269,6 +269,7 @@ class Lane:
         longer OPEN."""
         memory, world = self.memory, self.layout.world
         first_ring = self._clock()
+        started = time.perf_counter()
         for w in range(world):
             while True:
                 bell = memory.bell(w)  # read first: a ring after it wakes the wait below at once
@@ -288,6 +289,7 @@ class Lane:
                 if self._spin.budget_s > 0 and self._spun(w, g):
                     continue
                 futex.futex_wait(memory.bell_address(w), bell, _BUSY_SLICE_S)
+        self._spin.observe(time.perf_counter() - started)
         # A worker that gave up after ringing would never read this round nor post the next.
         self._fail_if_given_up()
 

@@ -99,3 +99,19 @@ def test_released_bells_let_their_mapping_close() -> None:
     bells.release()
     mapping.close()  # BufferError if the bells still held a view
     assert mapping.closed
+
+
+def test_a_spin_grows_to_cover_short_waits_and_falls_back_for_long_ones() -> None:
+    spin = futex.Spin(20e-6, 1e-3)
+    assert spin.budget_s == 20e-6
+    for _ in range(60):
+        spin.observe(200e-6)  # the other rank posts ~200 us after this one waits
+    assert spin.budget_s == pytest.approx(400e-6, rel=0.05), "twice the typical wait"
+    for _ in range(60):
+        spin.observe(0.05)  # now it waits for a backward pass
+    assert spin.budget_s == 20e-6, "waits past the cap are slept, the spin back at its floor"
+    for _ in range(150):
+        spin.observe(0.0)
+    assert spin.budget_s == 20e-6, "never below the floor"
+    futex.NO_SPIN.observe(1e-4)
+    assert futex.NO_SPIN.budget_s == 0

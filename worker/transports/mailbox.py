@@ -686,7 +686,8 @@ class Mailbox:
     def wait_for(self, operation: PeerSend | PeerReceive, timeout: float) -> None:
         """Moves messages until `operation` is done (or the link broke, or `timeout` passed)."""
         deadline = time.monotonic() + timeout
-        spin_end = time.perf_counter() + self._spin.budget_s
+        started = time.perf_counter()
+        spin_end = started + self._spin.budget_s
         while not operation.done:
             seen = self._bell.value()
             if self._progress_rings() or _done(operation):
@@ -697,6 +698,7 @@ class Mailbox:
             if time.perf_counter() < spin_end:
                 continue
             self._bell.sleep(seen, min(remaining, _SLEEP_S))
+        self._spin.observe(time.perf_counter() - started)
 
     def _progress_rings(self) -> bool:
         """Reads the rings unless another thread is at it; True when a message was completed
