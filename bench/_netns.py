@@ -305,6 +305,12 @@ class Cluster(Emulation):
             self._add_host(host)
 
     def _add_host(self, host: Host) -> None:
+        self.attach(host)
+        self._limit(host.outer_if, [])
+        self._limit(host.inner_if, host.prefix())
+
+    def attach(self, host: Host) -> None:
+        """Makes `host`'s namespace and joins it to the bridge by a veth pair (no shaping)."""
         add_namespace(self.teardown, host.namespace)
         add_veth(self.teardown, host.outer_if, host.inner_if)
         run("ip", "link", "set", host.inner_if, "netns", host.namespace)
@@ -314,8 +320,6 @@ class Cluster(Emulation):
         run(*inside, "ip", "addr", "add", f"{host.ip}/24", "dev", host.inner_if)
         run(*inside, "ip", "link", "set", host.inner_if, "up")
         run(*inside, "ip", "link", "set", "lo", "up")
-        self._limit(host.outer_if, [])
-        self._limit(host.inner_if, inside)
 
     def _limit(self, device: str, inside: list[str]) -> None:
         rate_bytes = self.link_mbit * 1e6 / 8

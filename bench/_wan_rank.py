@@ -1,0 +1,329 @@
+"""One rank of bench.wan: the trainer's model on the shipped corpus, DDP or DiLoCo, timed.
+
+    python -m bench._wan_rank --variant ddp --rank 0 --world 4 --store /tmp/x/store --out r0.json ...
+
+Run by bench.wan inside a host (GRADSERVER_COORDINATOR names the relay in front of the
+coordinator). Every rank builds the same model (train/model.py's TransformerLM with the bench's
+small config, seed 0) and trains on its own windows of the shipped corpus (train/corpus.py):
+batch b of rank r at step s is windows perm[(s·world + r)·batch ...] of one fixed permutation of
+the training windows, so every variant sees the same tokens. Every 50th window is held out; the
+evaluation set is `--eval-seqs` of them, each rank evaluating every world-th one.
+
+- ddp, ddp-bf16: the model in DistributedDataParallel over the "gradserver" backend. The
+  backend has no wire-dtype setting of its own: for ddp-bf16 this process makes the backend's
+  client connect as `WorkerClient.connect(wire_dtype="bfloat16")` does (the worker's 16-bit
+  wire: gradients go up as bf16 and the averages come down as bf16). Computing time is
+  forward + backward up to the moment DDP's comm hook gets the last bucket (autograd's work) +
+  the optimizer step; the rest of backward is the wait for the averages.
+- diloco, streaming: gradserver.torch.diloco.DiLoCo, its `step()` called by hand after each
+  inner step, so that computing time is forward + backward + inner optimizer and the outer step
+  (sending, waiting, applying) is not.
+
+The clock stops while the rank evaluates (every rank at the same steps, so none waits on
+another's evaluation). The result, one JSON object, goes to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from gradserver.train.corpus import TokenWindows, corpus_bytes
+from gradserver.train.model import ModelConfig, TransformerLM
+
+from ._wan_report import VARIANTS, Variant
+
+HOLDOUT_EVERY = 50  # every 50th window of the corpus is held out
+
+
+class Data:
+    """The corpus's training and held-out windows."""
+
+    def __init__(self, seq_len: int, batch: int, world: int, eval_seqs: int, seed: int = 0) -> None:
+        self.windows = TokenWindows(corpus_bytes(), seq_len)
+        n = self.windows.num_samples
+        held = list(range(HOLDOUT_EVERY - 1, n, HOLDOUT_EVERY))
+        train = torch.tensor([i for i in range(n) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1])
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+        self.train = train[order].tolist()
+        stride = max(1, len(held) // eval_seqs)
+        self.held = held[::stride][:eval_seqs]
+        self.batch_size = batch
+        self.world = world
+
+    def batch(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = (step * self.world + rank) * self.batch_size
+        ids = [self.train[(start + j) % len(self.train)] for j in range(self.batch_size)]
+        return self.windows.batch(ids)
+
+    def held_out(self, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mine = self.held[rank :: self.world]
+        return [self.windows.batch(mine[i : i + 16]) for i in range(0, len(mine), 16)]
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        "wan",
+        hidden=args.hidden,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        num_layers=args.layers,
+        vocab=256,
+        max_seq_len=args.seq_len,
+    )
+
+
+def use_bf16_wire() -> None:
+    """Makes the backend's client connect with a bfloat16 wire (see the module docstring)."""
+    collective = importlib.import_module("gradserver.torch._collective")
+    cls = collective.CollectiveClient
+    connect = cls.connect
+
+    def with_bf16(address: str, **kwargs: Any) -> Any:
+        return connect(address, wire_dtype="bfloat16", **kwargs)
+
+    cls.connect = staticmethod(with_bf16)
+
+
+class Clock:
+    """Seconds of training since `start`, less the time spent evaluating."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.paused = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.started - self.paused
+
+
+def evaluate(model: TransformerLM, held: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+    """Sum of per-token losses over this rank's held-out windows, and their token count."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in held:
+            logits = model(inputs)
+            total += float(
+                F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+            )
+            count += targets.numel()
+    return total, count
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Trainer:
+    """The loop shared by the variants: data, clock, evaluations, computing time."""
+
+    def __init__(self, args: argparse.Namespace, model: TransformerLM, data: Data) -> None:
+        self.args = args
+        self.model = model
+        self.data = data
+        self.held = data.held_out(args.rank)
+        self.clock = Clock()
+        self.compute_s = 0.0
+        self.evals: list[list[float]] = []
+        self.window: list[float] = []
+
+    def evaluate_at(self, step: int) -> None:
+        at = self.clock.now()
+        began = time.perf_counter()
+        loss_sum, count = evaluate(self.model, self.held)
+        self.clock.paused += time.perf_counter() - began
+        self.evals.append([step, at, loss_sum, count])
+
+    def due(self, step: int) -> bool:
+        return bool(step % self.args.eval_every == 0)
+
+
+def _optimizer(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.warmup_steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / warmup))
+    return inner, schedule
+
+
+def train_ddp(trainer: Trainer) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    args, model = trainer.args, trainer.model
+    ddp = DistributedDataParallel(model)
+    ready: list[float] = []
+
+    # Unannotated: DDP refuses a hook whose `bucket` annotation is not the class dist.GradBucket,
+    # and under `from __future__ import annotations` every annotation is a string.
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        ready.append(time.perf_counter())  # this bucket's gradients are computed
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    inner, schedule = _optimizer(args, model)
+    _start(trainer)
+    for step in range(args.steps):
+        inputs, targets = trainer.data.batch(step, args.rank)
+        began = time.perf_counter()
+        logits = ddp(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        ready.clear()
+        loss.backward()
+        computed = ready[-1] if ready else time.perf_counter()
+        stepped = time.perf_counter()
+        inner.step()
+        schedule.step()
+        inner.zero_grad(set_to_none=True)
+        trainer.compute_s += (computed - began) + (time.perf_counter() - stepped)
+        if trainer.due(step + 1) or step + 1 == args.steps:
+            trainer.evaluate_at(step + 1)
+    trainer.window.append(time.time())
+    return {}
+
+
+def _start(trainer: Trainer) -> None:
+    """Every rank starts its clocks together, after the loss of the untrained model."""
+    dist.barrier()
+    trainer.clock = Clock()
+    trainer.window.append(time.time())
+    trainer.evaluate_at(0)
+
+
+def train_diloco(trainer: Trainer, variant: Variant) -> dict[str, Any]:
+    from gradserver.torch import diloco
+
+    args, model = trainer.args, trainer.model
+    inner, schedule = _optimizer(args, model)
+    # Not as a context manager: its hook would put the outer step inside the inner optimizer's
+    # step, and the outer step is not computing time.
+    outer = diloco.DiLoCo(
+        model,
+        inner,
+        sync_every=args.sync_every,
+        quantize=variant.quantize,
+        fragments=variant.fragments,
+        delay=variant.delay,
+        keep_local=variant.keep_local,
+    )
+    _start(trainer)
+    for step in range(args.steps):
+        inputs, targets = trainer.data.batch(step, args.rank)
+        began = time.perf_counter()
+        loss = model.loss(inputs, targets)
+        loss.backward()
+        inner.step()
+        schedule.step()
+        inner.zero_grad(set_to_none=True)
+        trainer.compute_s += time.perf_counter() - began
+        outer.step()
+        if step + 1 == args.steps:
+            finish(outer, model)
+        if trainer.due(step + 1) or step + 1 == args.steps:
+            trainer.evaluate_at(step + 1)
+    trainer.window.append(time.time())
+    return {
+        "outer_steps": outer.outer_steps,
+        "sent_bytes": outer.sent_bytes,
+        "received_bytes": outer.received_bytes,
+    }
+
+
+def finish(outer: Any, model: torch.nn.Module) -> None:
+    """Lands the exchanges still on their way and makes the model DiLoCo's result, the global
+    weights (with streaming, the fragments exchanged before the last step lack the local steps
+    taken since; without, they are the local weights already)."""
+    outer.close()
+    weights = outer.global_tensors()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)  # one core's worth per rank: the machine's cores are shared out
+    variant = VARIANTS[args.variant]
+    importlib.import_module("gradserver.torch")  # registers the "gradserver" backend
+    if variant.wire_dtype == "bfloat16":
+        use_bf16_wire()
+    dist.init_process_group(
+        "gradserver",
+        init_method=f"file://{args.store}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
+    try:
+        model = TransformerLM(model_config(args), seed=0)
+        data = Data(args.seq_len, args.batch, args.world, args.eval_seqs)
+        trainer = Trainer(args, model, data)
+        extra = train_ddp(trainer) if variant.ddp else train_diloco(trainer, variant)
+        result = {
+            "rank": args.rank,
+            "variant": variant.name,
+            "tokens": args.steps * args.batch * args.seq_len,
+            "wall_s": trainer.evals[-1][1],
+            "compute_s": trainer.compute_s,
+            "evals": trainer.evals,
+            "window": trainer.window,
+            "digest": digest(model),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            **extra,
+        }
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--store", required=True, help="the torch FileStore's file (shared by the ranks)")
+    p.add_argument("--out", required=True, help="where this rank's result goes (JSON)")
+    p.add_argument("--timeout", type=float, default=600.0, help="the process group's timeout, s")
+    add_training_arguments(p)
+    return p
+
+
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """The settings every rank of a run shares (bench.wan passes them on)."""
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per rank")
+    p.add_argument("--batch", type=int, default=4, help="windows per rank and step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's (DDP's, and DiLoCo's inner)")
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--sync-every", type=int, default=50, help="DiLoCo's H")
+    p.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations")
+    p.add_argument("--eval-seqs", type=int, default=128, help="held-out windows evaluated (all ranks)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    result = run(args)
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

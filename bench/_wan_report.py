@@ -1,0 +1,208 @@
+"""bench.wan's variants and the arithmetic of its report (pure: no torch, no network).
+
+Each rank of a run writes one result (bench/_wan_rank.py): its training time without the
+evaluations (`wall_s`), its time computing (forward, backward up to its last gradient, inner
+optimizer: `compute_s`), its tokens, its held-out evaluations `[step, time_s, loss_sum, count]`
+(each rank evaluates its own share of the held-out windows, so a point's loss is the sum over
+the ranks' sums over the sum of their counts), the wall-clock window of its training loop and a
+digest of its final weights. `summarize` turns the ranks' results and the links' byte counts
+into one `Summary` per variant; `compare` adds what needs DDP's run (the loss at equal wall time,
+the ratios).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of training: plain DDP (optionally with a 16-bit wire) or DiLoCo outer steps."""
+
+    name: str
+    label: str
+    ddp: bool
+    wire_dtype: str = "float32"  # DDP's: what the backend's client sends gradients as
+    fragments: int = 1  # DiLoCo's
+    delay: int = 0
+    quantize: str | None = None
+    keep_local: float = 0.0  # streaming's mixing (the paper's alpha)
+
+
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("ddp", "DDP", ddp=True),
+        Variant("ddp-bf16", "DDP, bf16 wire", ddp=True, wire_dtype="bfloat16"),
+        Variant("diloco", "DiLoCo H={H}", ddp=False),
+        # The paper's choice with a delay: alpha = 0.5 keeps half of the local progress made
+        # while a fragment's exchange was on its way.
+        Variant(
+            "streaming",
+            "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int8",
+            ddp=False,
+            fragments=4,
+            delay=5,
+            quantize="int8",
+            keep_local=0.5,
+        ),
+    )
+}
+
+
+def variant_label(variant: Variant, sync_every: int) -> str:
+    return variant.label.format(H=sync_every)
+
+
+@dataclasses.dataclass
+class Summary:
+    """One variant's figures."""
+
+    variant: str
+    label: str
+    ranks: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    wire_bytes: int
+    wire_bytes_per_token: float
+    busiest_link_mbit: float  # the busiest link direction's mean rate over the run
+    compute_share: float
+    final_loss: float
+    curve: list[tuple[float, float]]  # (seconds of training, held-out loss)
+    identical: bool  # every rank's final weights the same bytes
+    loss_at_ddp_time: float | None = None
+    ddp_loss_at_this_time: float | None = None
+    speedup_vs_ddp: float | None = None
+    bytes_reduction_vs_ddp: float | None = None
+    loss_vs_ddp: float | None = None  # final loss / DDP's - 1
+    note: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def curve(results: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(time, held-out loss) at each evaluated step: the ranks' loss sums over their counts, at
+    the latest of their times (the point is reached when the slowest rank got there)."""
+    by_step: dict[int, list[list[float]]] = {}
+    for result in results:
+        for step, at, loss_sum, count in result["evals"]:
+            by_step.setdefault(int(step), []).append([at, loss_sum, count])
+    points = []
+    for step in sorted(by_step):
+        rows = by_step[step]
+        if len(rows) != len(results):
+            continue  # a step not every rank evaluated (a rank that failed) is no point
+        points.append((max(r[0] for r in rows), sum(r[1] for r in rows) / sum(r[2] for r in rows)))
+    return points
+
+
+def loss_at(points: Sequence[tuple[float, float]], when: float) -> float | None:
+    """The loss at time `when` along `points`, linear between them; a run that ended before
+    `when` holds its last loss; None before the first point."""
+    if not points or when < points[0][0]:
+        return None
+    for (t0, l0), (t1, l1) in itertools.pairwise(points):
+        if t0 <= when <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (when - t0) / (t1 - t0)
+    return points[-1][1]
+
+
+def summarize(
+    variant: Variant, sync_every: int, results: Sequence[dict[str, Any]], wire_bytes: int, busiest_bytes: int
+) -> Summary:
+    """One variant's figures from its ranks' results and the bytes its hosts' links carried
+    during training (both directions of every host's link, summed; `busiest_bytes`: the most
+    one direction of one link carried)."""
+    tokens = sum(int(r["tokens"]) for r in results)
+    wall = max(float(r["wall_s"]) for r in results)
+    points = curve(results)
+    return Summary(
+        variant=variant.name,
+        label=variant_label(variant, sync_every),
+        ranks=len(results),
+        tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=tokens / wall if wall > 0 else math.nan,
+        wire_bytes=wire_bytes,
+        wire_bytes_per_token=wire_bytes / tokens if tokens else math.nan,
+        busiest_link_mbit=busiest_bytes * 8 / 1e6 / wall if wall > 0 else math.nan,
+        compute_share=sum(float(r["compute_s"]) / float(r["wall_s"]) for r in results) / len(results),
+        final_loss=points[-1][1] if points else math.nan,
+        curve=points,
+        identical=len({r["digest"] for r in results}) == 1,
+    )
+
+
+def compare(summaries: list[Summary]) -> None:
+    """Fills in each summary's figures against the DDP run (when there is one): the loss this
+    variant had at DDP's wall time (its last loss if it finished sooner), DDP's loss at this
+    variant's wall time, and the ratios of tokens/s, bytes per token and final loss."""
+    ddp = next((s for s in summaries if s.variant == "ddp"), None)
+    if ddp is None:
+        return
+    for s in summaries:
+        s.loss_at_ddp_time = loss_at(s.curve, ddp.wall_s)
+        s.ddp_loss_at_this_time = loss_at(ddp.curve, s.wall_s)
+        s.speedup_vs_ddp = s.tokens_per_s / ddp.tokens_per_s
+        if s.wire_bytes_per_token > 0:
+            s.bytes_reduction_vs_ddp = ddp.wire_bytes_per_token / s.wire_bytes_per_token
+        s.loss_vs_ddp = s.final_loss / ddp.final_loss - 1.0
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def table(summaries: Sequence[Summary]) -> list[str]:
+    """The report as Markdown table lines."""
+    lines = [
+        "| variant | tokens/s | x DDP | wire B/token | DDP / this | busiest link Mbit/s | computing "
+        "| held-out loss | vs DDP | loss at DDP's time | DDP's loss at this time | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s.label} | {s.tokens_per_s:.0f} | {_fmt(s.speedup_vs_ddp, '.2f')} "
+            f"| {s.wire_bytes_per_token:.1f} | {_fmt(s.bytes_reduction_vs_ddp, '.1f')} "
+            f"| {s.busiest_link_mbit:.1f} | {s.compute_share:.0%} | {s.final_loss:.4f} "
+            f"| {_fmt(None if s.loss_vs_ddp is None else s.loss_vs_ddp * 100, '+.1f')}% "
+            f"| {_fmt(s.loss_at_ddp_time, '.4f')} | {_fmt(s.ddp_loss_at_this_time, '.4f')} "
+            f"| {'yes' if s.identical else 'NO'} |"
+        )
+    return lines
+
+
+def as_json(summaries: Sequence[Summary], setup: dict[str, Any]) -> str:
+    return json.dumps({"setup": setup, "variants": [s.as_json() for s in summaries]})
+
+
+def plot(summaries: Sequence[Summary], target: Path, title: str) -> str:
+    """A loss-vs-wall-time PNG (matplotlib, no display); returns what it did."""
+    try:
+        import matplotlib
+    except ImportError:
+        return f"matplotlib is not installed: no plot written to {target}"
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in summaries:
+        if s.curve:
+            ax.plot([t for t, _ in s.curve], [loss for _, loss in s.curve], marker=".", label=s.label)
+    ax.set_xlabel("wall time of training, s (evaluations excluded)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return f"wrote {target}"
