@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -54,7 +55,9 @@ def test_a_sleep_on_a_bell_that_already_changed_returns_at_once() -> None:
 
 def test_the_wake_latency_is_measured_once_and_bounded(fresh_measure: None) -> None:
     started = time.monotonic()
+    cores = os.sched_getaffinity(0)
     first = futex.wake_latency_s()
+    assert os.sched_getaffinity(0) == cores, "the measure pins this thread to one core and must restore it"
     assert time.monotonic() - started < 2.0
     assert 0 < first < 0.05, first
     assert futex.wake_latency_s() == first, "measured again"
