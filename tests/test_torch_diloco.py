@@ -19,7 +19,6 @@ import functools
 import re
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from gradserver.worker import state_digest
 
 from .helpers.processes import ROOT, ProcessGroup
-from .helpers.ranks import rank_results, spawn_and_join
+from .helpers.ranks import gradserver_rank, rank_results, spawn_and_join
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(600)]
 
@@ -225,23 +224,17 @@ def _refusals(rank: int) -> dict[str, str]:
     return found
 
 
-def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
-    import gradserver.torch  # noqa: F401 - registers "gradserver"
+def _results(rank: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"refusals": _refusals(rank), "identity": _identity(rank)}
+    results["weighted"] = _weighted(rank, None)
+    results["weighted_int8"] = _weighted(rank, "int8")
+    for name, options in RUNS.items():
+        results[name] = _train(rank, options)
+    return results
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gradserver", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    out = Path(out_dir)
-    try:
-        results: dict[str, Any] = {"refusals": _refusals(rank), "identity": _identity(rank)}
-        results["weighted"] = _weighted(rank, None)
-        results["weighted_int8"] = _weighted(rank, "int8")
-        for name, options in RUNS.items():
-            results[name] = _train(rank, options)
-        torch.save(results, out / f"rank{rank}.pt")
-    except Exception as exc:
-        (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
-    finally:
-        dist.destroy_process_group()
+
+def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
+    gradserver_rank(rank, WORLD, store_path, out_dir, _results)
 
 
 @pytest.fixture(scope="module")

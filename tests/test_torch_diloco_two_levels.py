@@ -13,7 +13,6 @@ local weights differ (they train on different data).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from gradserver.worker import state_digest
 
-from .helpers.ranks import rank_results, spawn_and_join
+from .helpers.ranks import gradserver_rank, rank_results, spawn_and_join
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(300)]
 
@@ -39,42 +38,33 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
-    import gradserver.torch  # noqa: F401 - registers "gradserver"
+def _results(rank: int) -> dict[str, Any]:
     from gradserver.torch.diloco import DiLoCo
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gradserver", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    out = Path(out_dir)
-    try:
-        # Every rank creates every group, in the same order (torch.distributed's rule).
-        sites = [
-            dist.new_group(list(range(s * RANKS_PER_SITE, (s + 1) * RANKS_PER_SITE))) for s in range(SITES)
-        ]
-        places = [
-            dist.new_group([p + s * RANKS_PER_SITE for s in range(SITES)]) for p in range(RANKS_PER_SITE)
-        ]
-        site, place = divmod(rank, RANKS_PER_SITE)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=sites[site])
-        inner = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-        digests: list[int] = []
-        local: list[int] = []
-        with DiLoCo(model, inner, sync_every=H, group=places[place]) as outer:
-            for step in range(STEPS):
-                x, y = _batch(step, rank)
-                torch.nn.functional.mse_loss(ddp(x), y).backward()
-                inner.step()  # every H-th step is also an outer step
-                inner.zero_grad()
-                local.append(state_digest({n: p.detach() for n, p in model.named_parameters()}))
-                if (step + 1) % H == 0:
-                    digests.append(state_digest(outer.global_tensors()))
-        torch.save({"site": site, "digests": digests, "local": local}, out / f"rank{rank}.pt")
-    except Exception as exc:
-        (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
-    finally:
-        dist.destroy_process_group()
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    sites = [dist.new_group(list(range(s * RANKS_PER_SITE, (s + 1) * RANKS_PER_SITE))) for s in range(SITES)]
+    places = [dist.new_group([p + s * RANKS_PER_SITE for s in range(SITES)]) for p in range(RANKS_PER_SITE)]
+    site, place = divmod(rank, RANKS_PER_SITE)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=sites[site])
+    inner = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    digests: list[int] = []
+    local: list[int] = []
+    with DiLoCo(model, inner, sync_every=H, group=places[place]) as outer:
+        for step in range(STEPS):
+            x, y = _batch(step, rank)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            inner.step()  # every H-th step is also an outer step
+            inner.zero_grad()
+            local.append(state_digest({n: p.detach() for n, p in model.named_parameters()}))
+            if (step + 1) % H == 0:
+                digests.append(state_digest(outer.global_tensors()))
+    return {"site": site, "digests": digests, "local": local}
+
+
+def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
+    gradserver_rank(rank, WORLD, store_path, out_dir, _results)
 
 
 @pytest.fixture(scope="module")

@@ -70,3 +70,24 @@ def rank_results(out: Path, world: int) -> list[dict[str, Any]]:
     errors = rank_errors(out)
     assert not errors, errors
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def gradserver_rank(
+    rank: int, world: int, store_path: str, out_dir: str, body: Callable[[int], dict[str, Any]]
+) -> None:
+    """One rank of the "gradserver" backend (one torch thread, a file store): saves what
+    `body(rank)` returns as rankN.pt, or what it raised as rankN.error (`rank_results` fails the
+    test with it); the process group is destroyed either way."""
+    import torch.distributed as dist
+
+    import gradserver.torch  # noqa: F401 - registers "gradserver"
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gradserver", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    out = Path(out_dir)
+    try:
+        torch.save(body(rank), out / f"rank{rank}.pt")
+    except Exception as exc:
+        (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
