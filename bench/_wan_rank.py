@@ -9,10 +9,9 @@ batch b of rank r at step s is windows perm[(s·world + r)·batch ...] of one fi
 the training windows, so every variant sees the same tokens. Every 50th window is held out; the
 evaluation set is `--eval-seqs` of them, each rank evaluating every world-th one.
 
-- ddp, ddp-bf16: the model in DistributedDataParallel over the "gradserver" backend. The
-  backend has no wire-dtype setting of its own: for ddp-bf16 this process makes the backend's
-  client connect as `WorkerClient.connect(wire_dtype="bfloat16")` does (the worker's 16-bit
-  wire: gradients go up as bf16 and the averages come down as bf16). Computing time is
+- ddp, ddp-bf16: the model in DistributedDataParallel over the "gradserver" backend; for
+  ddp-bf16 bench.wan sets GRADSERVER_WIRE_DTYPE=bfloat16 (gradients go up as bf16 and the
+  averages come down as bf16). Computing time is
   forward + backward up to the moment DDP's comm hook gets the last bucket (autograd's work) +
   the optimizer step; the rest of backward is the wait for the averages.
 - diloco, streaming: gradserver.torch.diloco.DiLoCo, its `step()` called by hand after each
@@ -84,18 +83,6 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         vocab=256,
         max_seq_len=args.seq_len,
     )
-
-
-def use_bf16_wire() -> None:
-    """Makes the backend's client connect with a bfloat16 wire (see the module docstring)."""
-    collective = importlib.import_module("gradserver.torch._collective")
-    cls = collective.CollectiveClient
-    connect = cls.connect
-
-    def with_bf16(address: str, **kwargs: Any) -> Any:
-        return connect(address, wire_dtype="bfloat16", **kwargs)
-
-    cls.connect = staticmethod(with_bf16)
 
 
 class Clock:
@@ -257,8 +244,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)  # one core's worth per rank: the machine's cores are shared out
     variant = VARIANTS[args.variant]
     importlib.import_module("gradserver.torch")  # registers the "gradserver" backend
-    if variant.wire_dtype == "bfloat16":
-        use_bf16_wire()
     dist.init_process_group(
         "gradserver",
         init_method=f"file://{args.store}",

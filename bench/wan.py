@@ -21,7 +21,7 @@ shipped corpus (train/corpus.py, bytes as tokens), --steps steps of --batch wind
 bytes per rank: the same tokens, in the same order, for every variant:
 
 - ddp: plain DistributedDataParallel over the "gradserver" torch.distributed backend;
-- ddp-bf16: the same with the worker's bfloat16 wire (bench/_wan_rank.py says how);
+- ddp-bf16: the same with GRADSERVER_WIRE_DTYPE=bfloat16 (the backend's 16-bit wire);
 - diloco: gradserver.torch.diloco outer steps every --sync-every (H) inner steps, float32;
 - streaming: the same with 4 fragments, delay 5 and int8 pseudo-gradients.
 
@@ -78,9 +78,10 @@ _SHARED = (
 )
 
 
-def rank_env(site_address: str) -> dict[str, str]:
+def rank_env(site_address: str, wire_dtype: str = "float32") -> dict[str, str]:
     """A rank's environment: this one without gradserver or rendezvous settings, the relay as the
-    coordinator, gRPC (no shared memory across hosts), one OpenMP thread."""
+    coordinator, gRPC (no shared memory across hosts), the torch backend's wire dtype, one OpenMP
+    thread."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -90,6 +91,7 @@ def rank_env(site_address: str) -> dict[str, str]:
         GRADSERVER_COORDINATOR=site_address,
         GRADSERVER_TRANSPORT="grpc",
         GRADSERVER_HOST_GROUPS="off",
+        GRADSERVER_WIRE_DTYPE=wire_dtype,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
@@ -139,7 +141,7 @@ def run_variant(cluster: WanCluster, args: argparse.Namespace, name: str) -> Sum
                 logs.append(tmp / f"rank{rank}.log")
                 with logs[-1].open("w") as sink:
                     argv = rank_argv(args, name, rank, tmp)
-                    env = rank_env(site.address)
+                    env = rank_env(site.address, variant.wire_dtype)
                     procs.append(
                         cluster.spawn(host, argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=_REPO)
                     )

@@ -36,9 +36,11 @@ class CollectiveClient(WorkerClient):
         tls: TlsFiles | None = None,
         auth_token: str = "",
         server_name: str = "",
+        wire_dtype: str = "float32",
     ) -> CollectiveClient:
         """Like `WorkerClient.connect`, but asks the coordinator for worker id `rank`: a rank out
-        of range or already taken is refused, naming it."""
+        of range or already taken is refused, naming it. `wire_dtype`: what float32 reductions
+        travel as, except the keys sent `exact`."""
         return cls.connect(
             address,
             node_id=node_id or f"{socket.gethostname()}/rank{rank}",
@@ -48,6 +50,7 @@ class CollectiveClient(WorkerClient):
             auth_token=auth_token,
             server_name=server_name,
             rank=rank,
+            wire_dtype=wire_dtype,
             peer_memory=True,  # send/recv between ranks of one host through shared memory
         )
 
@@ -63,15 +66,16 @@ class CollectiveClient(WorkerClient):
         split_bytes: tuple[int, ...] = (),
         into: np.ndarray | None = None,
         propagate_non_finite: bool = False,
+        exact: bool = False,
     ) -> None:
         """Contributes `array` to operation `sequence` of `group`: 1-D float32 for REDUCE and
         REDUCE_SCATTER, raw bytes (uint8) for ALL_GATHER, BROADCAST (`root`'s bytes; the others'
         only say how many) and ALL_TO_ALL (`split_bytes[j]` of them for rank j). With `into` (it
         may be `array` for a REDUCE) the result is written there (see `send_block_gradient`).
         With `propagate_non_finite` a NaN or Inf (or a float32 overflow) is a result, not an
-        error."""
+        error. `exact`: float32 on a 16-bit wire too (`WorkerClient.send`)."""
         key = _key(sequence, group, op, kind, root, split_bytes, propagate_non_finite)
-        self.send(key, _payload(array, kind), into=into)
+        self.send(key, _payload(array, kind), into=into, exact=exact)
 
     def run_collective(
         self,
@@ -86,11 +90,12 @@ class CollectiveClient(WorkerClient):
         into: np.ndarray | None = None,
         propagate_non_finite: bool = False,
         timeout: float | None = None,
+        exact: bool = False,
     ) -> np.ndarray:
         """`send_collective` and its receive in one call (`WorkerClient.collective`): through the
         coordinator's collective lane when every rank is on its host, else over gRPC."""
         key = _key(sequence, group, op, kind, root, split_bytes, propagate_non_finite)
-        return self.collective(key, _payload(array, kind), into=into, timeout=timeout)
+        return self.collective(key, _payload(array, kind), into=into, timeout=timeout, exact=exact)
 
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:
         """The result of the oldest collective this rank sent and has not received yet: float32

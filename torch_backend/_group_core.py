@@ -62,9 +62,11 @@ class GroupCore(dist.ProcessGroup):
         kind: CollectiveKind = CollectiveKind.REDUCE,
         into: np.ndarray | None = None,
         split_bytes: tuple[int, ...] = (),
+        exact: bool = False,
     ) -> np.ndarray:
         """One coordinator reduction of float32 `payload`: all of it (REDUCE) or this rank's
-        part (REDUCE_SCATTER: equal parts, or `split_bytes` of float32 bytes per rank)."""
+        part (REDUCE_SCATTER: equal parts, or `split_bytes` of float32 bytes per rank).
+        `exact`: float32 on the wire whatever GRADSERVER_WIRE_DTYPE says (integer limbs)."""
         return self._client.run_collective(
             sequence,
             DEFAULT_GROUP,
@@ -75,6 +77,7 @@ class GroupCore(dist.ProcessGroup):
             split_bytes=split_bytes,
             propagate_non_finite=not self._check_finite,
             timeout=self._timeout_s,
+            exact=exact,
         )
 
     def _gather_rows(self, sequence: int, mine: np.ndarray) -> np.ndarray:

@@ -162,9 +162,13 @@ class ReduceCollectives(GroupCore):
         flat = premultiplied(flat, plan)  # PREMUL_SUM's factor, on this rank's contribution
         in_place = in_place or root == self.rank()
 
-        def exchange(payload: np.ndarray, op: ReduceOp, into: np.ndarray | None = None) -> np.ndarray:
+        def exchange(
+            payload: np.ndarray, op: ReduceOp, into: np.ndarray | None = None, exact: bool = False
+        ) -> np.ndarray:
             splits = () if root is None else tuple(payload.size * 4 * (r == root) for r in range(self.size()))
-            return self._exchange(sequence, payload, op, kind=kind, into=into, split_bytes=splits)
+            return self._exchange(
+                sequence, payload, op, kind=kind, into=into, split_bytes=splits, exact=exact
+            )
 
         if plan.route == "coordinator":
             payload = host_view(flat)
@@ -175,7 +179,8 @@ class ReduceCollectives(GroupCore):
             widened = exchange(flat.float().numpy(), plan.wire_op)
             return torch.from_numpy(widened).to(flat.dtype)
         if plan.route == "limbs":
-            limbs = exchange(to_limbs(host_view(flat)), ReduceOp.SUM)
+            # Sums of 16-bit limbs need float32's 24 bits: never rounded to a 16-bit wire.
+            limbs = exchange(to_limbs(host_view(flat)), ReduceOp.SUM, exact=True)
             return torch.from_numpy(from_limbs(limbs))
         size, mine = self.size(), bytes_of(flat)
         if scatter:

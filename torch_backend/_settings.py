@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 
 from gradserver.common.config import AUTH_TOKEN_HELP, LOG_LEVEL_HELP, client_setting, config_from_sources
+from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.wire_dtype import parse_wire_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,14 @@ class RankSettings:
         default=False,
         metadata={"help": "torch backend: a collective with NaN or Inf fails, naming the rank and element"},
     )
+    wire_dtype: str = dataclasses.field(
+        default="float32",
+        metadata={
+            "help": "torch backend: what floating-point SUM/AVG all_reduce and reduce_scatter values travel "
+            "as: float32, bfloat16 or float16 (the same on every rank; integers, other ops and the "
+            "byte-moving collectives stay exact); a 16-bit wire is for networks (no shared memory)"
+        },
+    )
     ft_reconnect_timeout: float = dataclasses.field(
         default=60.0,
         metadata={
@@ -47,6 +57,10 @@ class RankSettings:
 def rank_settings(environ: Mapping[str, str] | None = None) -> RankSettings:
     """This rank's settings from `environ` (default: the process environment)."""
     settings: RankSettings = config_from_sources(RankSettings, None, environ)
+    try:
+        parse_wire_dtype(settings.wire_dtype)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"GRADSERVER_WIRE_DTYPE: {exc}") from None
     return settings
 
 

@@ -223,6 +223,7 @@ def create_process_group(
             tls=tls if membership.external else None,
             auth_token=membership.auth_token,
             server_name=settings.tls_server_name,
+            wire_dtype=settings.wire_dtype,
         )
     except BaseException:
         if embedded is not None:

@@ -331,11 +331,15 @@ class WorkerClient:
         into: Any = None,
         component_sizes: tuple[int, ...] | list[int] = (),
         stats: SampleStats | None = None,
+        exact: bool = False,
     ) -> None:
         """Contributes `array` (float32: numpy, CPU or CUDA torch, or a sequence) to `key`'s
         reduction. Block keys carry their 9 `component_sizes`, whole-model keys this worker's
         `stats`. With `into` the result is written there (see `send_block_gradient`). Returns once
         every chunk is queued for the transport; `receive(key.kind)` returns the result.
+        `exact`: sent and averaged as float32 whatever the client's wire dtype, for values a
+        16-bit wire must not round (integers carried as float32, counts); every worker must
+        say the same for a key.
         A collective key of a kind that moves bytes (ALL_GATHER, BROADCAST, ALL_TO_ALL) takes an
         array of any dtype and sends its raw bytes (a BROADCAST's non-root ranks send none, only
         their length); its result is uint8 (`into`: any dtype of the result's size in bytes)."""
@@ -357,7 +361,7 @@ class WorkerClient:
                 step=key.step,
                 key=str(key),
             )
-        self._send_tensor(key, flat, sizes, stats, into=into)
+        self._send_tensor(key, flat, sizes, stats, into=into, exact=exact)
 
     def receive(self, kind: KeyKind, timeout: float | None = None) -> AveragedTensor:
         """The result of the oldest key of `kind` this worker sent and has not received yet: the
@@ -373,14 +377,20 @@ class WorkerClient:
         )
 
     def collective(
-        self, key: TensorKey, array: Any, *, into: Any = None, timeout: float | None = None
+        self,
+        key: TensorKey,
+        array: Any,
+        *,
+        into: Any = None,
+        timeout: float | None = None,
+        exact: bool = False,
     ) -> np.ndarray:
         """Runs the collective `key` to its end and returns its result: what `send(key, array,
         into=into)` then `receive(COLLECTIVE, timeout)` give, in one call. When every worker of
         the job reaches the coordinator through this host's shared memory, it goes through the
         coordinator's collective lane (docs/PROTOCOL.md): no gRPC message, about 30-100 µs of
         control instead of a millisecond. Every worker must run its collectives in the same
-        order, and none may be sent with `send` and not yet received."""
+        order, and none may be sent with `send` and not yet received. `exact`: as `send`'s."""
         self._check_step(key.step)
         if key.kind is not KeyKind.COLLECTIVE:
             raise InvalidArgumentError(
@@ -391,7 +401,7 @@ class WorkerClient:
             result = self._run_in_lane(lane, key, array, into, timeout)
             if result is not None:
                 return result
-        self.send(key, array, into=into)
+        self.send(key, array, into=into, exact=exact)
         return self.receive(KeyKind.COLLECTIVE, timeout).gradients
 
     # --- per-block gradients ------------------------------------------------------------------
@@ -705,6 +715,7 @@ class WorkerClient:
         stats: SampleStats | None = None,
         *,
         into: Any = None,
+        exact: bool = False,
     ) -> None:
         self._check_size(key, int(array.size), "elements")
         total = self._result_length(key, int(array.size))
@@ -716,9 +727,10 @@ class WorkerClient:
         else:
             result = self._result_for(key, total, np.float32)
         self._link.raise_if_broken()
-        payload = self._encoder.encode(key, array)
-        header = ChunkHeader(self._encoder.dtype, int(array.size), sizes)
-        self._link.expect(key, sizes, total, self._encoder.dtype, array=result)
+        encoder = _FLOAT32_WIRE if exact else self._encoder
+        payload = encoder.encode(key, array)
+        header = ChunkHeader(encoder.dtype, int(array.size), sizes)
+        self._link.expect(key, sizes, total, encoder.dtype, array=result)
         self._send_chunks(key, header, payload, stats)
 
     def _send_bytes(self, key: TensorKey, data: np.ndarray, *, into: Any = None) -> None:
@@ -937,6 +949,8 @@ def _ready(array: Any, dtype: np.dtype[Any], *, writable: bool = False) -> bool:
     )
 
 
+# What an `exact` key is sent with: float32, whatever the client's wire dtype.
+_FLOAT32_WIRE = WireEncoder()
 _STATE_BARRIER = "gradserver.state"
 
 
