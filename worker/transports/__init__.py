@@ -2,7 +2,9 @@
 which picks one for a joined worker.
 
 - `grpc_link.GrpcLink`: every payload inline in the Exchange stream's gRPC messages.
-- `shm_link.ShmLink`: the same stream for control, payloads through shared memory (same host).
+- `shm_payloads.ShmPayloads`: a `GrpcLink` whose payloads go through shared memory (same host);
+  a link's payloads are a strategy (`payloads.Payloads`), its awaited results a
+  `result_ledger.ResultLedger`, its pacing a `pacing.Pacer`.
 - `partitioned_link.PartitionedLink`: one `GrpcLink` per coordinator partition (partitioned coordinators).
 - `host_link.HostLink`: a host group member's (the workers of one host other than the
   coordinator's, summing there): wraps a `GrpcLink` or `PartitionedLink`, with the group's
@@ -37,7 +39,7 @@ from .lane import LaneClient
 from .mailbox import Mailbox, PeerReceive, PeerSend
 from .partitioned_link import JoinPartition, PartitionedLink, join_other_partitions
 from .shm_channel import ShmChannel
-from .shm_link import ShmLink
+from .shm_payloads import ShmPayloads
 
 __all__ = [
     "DEFAULT_SHM_ARENA_MIB",
@@ -157,7 +159,10 @@ def open_link(
         return _constructed(lambda: GrpcLink(channel, accepted, timeouts, metadata), channel)
     log.info("worker %d sends its gradients through shared memory", accepted.worker_id)
     try:
-        return _constructed(lambda: ShmLink(channel, accepted, timeouts, metadata, arenas), channel)
+        payloads = ShmPayloads(arenas)  # owned by the link once it exists
+        return _constructed(
+            lambda: GrpcLink(channel, accepted, timeouts, metadata, payloads=payloads), channel
+        )
     except BaseException:
         arenas.close()
         raise
