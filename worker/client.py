@@ -289,8 +289,7 @@ class WorkerClient:
     @property
     def host_group(self) -> tuple[int, ...]:
         """The worker ids of the host group this worker sums with (empty: none)."""
-        group = getattr(self._link, "group", ())
-        return tuple(group)
+        return self._link.host_group
 
     @property
     def transport(self) -> str:

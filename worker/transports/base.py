@@ -138,6 +138,11 @@ class Link(Protocol):
         """How gradients move: "grpc" or "shm"."""
         ...
 
+    @property
+    def host_group(self) -> tuple[int, ...]:
+        """The worker ids of the host group this link sums with (empty: none; see `HostLink`)."""
+        ...
+
     def confirm_open(self, timeout: float) -> None:
         """Returns once the coordinator holds this worker's stream(s)."""
         ...

@@ -153,6 +153,7 @@ class GrpcLink:
         self.timeouts = timeouts
         self.payloads: Payloads = payloads if payloads is not None else InlinePayloads()
         self.transport = self.payloads.transport
+        self.host_group: tuple[int, ...] = ()
         cond = cond if cond is not None else threading.Condition()
         self._cond = cond
         chunk_elements = accepted.chunk_bytes // 4

@@ -193,7 +193,7 @@ class HostLink:
     transport = "grpc"
 
     @property
-    def group(self) -> tuple[int, ...]:
+    def host_group(self) -> tuple[int, ...]:
         return self._group
 
     # --- what goes where ---------------------------------------------------------------------

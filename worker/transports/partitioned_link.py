@@ -105,6 +105,7 @@ class PartitionedLink:
     """A `Link` over one `GrpcLink` per coordinator partition."""
 
     transport = "grpc"
+    host_group: tuple[int, ...] = ()
 
     def __init__(
         self,
