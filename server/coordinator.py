@@ -6,11 +6,15 @@ may be retaken within `--rejoin-timeout`; it answers events with effects (state 
 lines, the rejoin timer, a reset, stop). `ReductionTable` (server/reduction.py) answers every
 contribution, barrier and loss with the messages to send (`Outgoing`).
 
-The shell: the gRPC servicer (Join, Exchange, NotifyPartition) behind one error-mapping boundary,
-the stream loops (`streams`), the liveness tick (`liveness`), and `_deliver`, which hands the
-table's messages to the transports' outboxes (`outbox`: shared memory in `shm`, the other
-coordinator partitions in `peers`), encodes each message once and queues the same bytes to each
-recipient. Finished and failed stop the coordinator (exit 0 and 1 from the CLI).
+The shell: the gRPC servicer (Join, Exchange, Probe and the calls features serve) behind one
+error-mapping boundary, the stream loops (`streams`), the liveness tick (`liveness`), and
+`_deliver`, which hands the table's messages to the transports' outboxes (`outbox`), encodes each
+message once and queues the same bytes to each recipient. Finished and failed stop the
+coordinator (exit 0 and 1 from the CLI).
+
+It names no feature: the features (`features`) subscribe to its lifecycle events (`lifecycle`:
+a join, the world complete, a stream opened, messages sent, a departure, a reset, a shutdown)
+and borrow from it only what `lifecycle.Shell` lends them.
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ import dataclasses
 import functools
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from gradserver.common import codec, shm
+from gradserver.common import codec
 from gradserver.common.averaging import Averager
 from gradserver.common.config import parse_address
 from gradserver.common.cores import available_cores
@@ -51,7 +55,7 @@ from .binding import bind_port, grpc_server, publish_endpoints
 from .chunk_size import ChunkChoice, choose_chunk
 from .config import CoordinatorConfig
 from .events import EventLog
-from .host_groups import HostGroups
+from .features import assemble
 from .job import (
     ArmTimer,
     CancelTimer,
@@ -63,17 +67,14 @@ from .job import (
     Stop,
     WriteEvent,
 )
+from .lifecycle import Departure, Lifecycle, Shell
 from .liveness import Monitor, Timer
 from .membership import Member, Membership
 from .metrics import CoordinatorMetrics, Traffic
 from .outbox import Outboxes
 from .outgoing import Outgoing
-from .peers import PartitionRole
-from .recovery import recovery_offer
-from .reducer import Reducer, Result, average_on_loop
+from .reducer import Reducer, Result
 from .reduction import Reduce, ReductionTable
-from .relay import AfterWritten, PeerRelay, Relayed
-from .shm import ShmHub, ShmOutbox
 from .streams import Streams, WorkerStream
 
 __all__ = ["GradientServer", "JobState"]
@@ -98,12 +99,11 @@ def _auto_in_place_threads() -> int:
 def _new_table(
     config: CoordinatorConfig,
     metrics: CoordinatorMetrics,
-    partition: PartitionRole | None,
+    lifecycle: Lifecycle,
     averager: Averager,
     chunk_bytes: int,
-    host_groups: HostGroups,
 ) -> ReductionTable:
-    """A fresh job's reduction table (this partition's chunks only, with --partition-map)."""
+    """A fresh job's reduction table, with what the features put into it (`TableParts`)."""
     return ReductionTable(
         config.world_size,
         chunk_bytes // 4,
@@ -111,10 +111,9 @@ def _new_table(
         on_key_reduced=metrics.reduce_latency.observe,
         on_barrier_released=metrics.barrier_wait.observe,
         on_worker_loss=config.on_worker_loss,
-        partition=(partition.partition_map, partition.own_index) if partition is not None else None,
         averager=averager,
         defer_reductions=True,  # averaged by the `Reducer`, off the event loop
-        host_groups=host_groups,
+        **lifecycle.table_parts(),
     )
 
 
@@ -154,11 +153,6 @@ class GradientServer:
         self._health = health.aio.HealthServicer()
         self._membership = Membership(config.world_size, config.join_timeout, self.session_id)
         self.metrics = CoordinatorMetrics(config.world_size)
-        # Partitioned coordinators (--partition-map): this process averages only its partition's chunks.
-        self._partition = (
-            PartitionRole(config.partitions, config.partition_index, config) if config.partitions else None
-        )
-        self.shm: ShmHub | None = None  # the same-host fast path, when offered
         self._averager = Averager(
             config.reduce_threads or _auto_reduce_threads(),
             in_place_threads=config.reduce_threads or _auto_in_place_threads(),
@@ -166,22 +160,8 @@ class GradientServer:
         # The job's chunk size: fixed by the configuration, or chosen as its world completes
         # (`_choose_chunk`); until then buffers and the table are sized for the largest it can be.
         self._chunk: ChunkChoice | None = None
-        # The members on another host than this one that sum there (formed with the chunk size).
-        self._host_id = shm.host_id()
-        self._groups = self._new_groups()
-        self._new_table = functools.partial(_new_table, config, self.metrics, self._partition, self._averager)
-        self._table = self._new_table(self.chunk_bytes, self._groups)
-        self._cores = available_cores()
-        self._reducer = Reducer(self._averager, self._reduced, self._average_on_loop)
+        self._lifecycle = Lifecycle()
         self._job = _new_job(config)
-        # Point-to-point messages; memory shared between members only where no replacement joins.
-        self._relay = PeerRelay(
-            config.world_size,
-            host_peers=config.on_worker_loss == "abort",
-            streaming=lambda w: w in self._streams.by_worker,
-            first_step=lambda w: self._table.first_step(w),  # noqa: PLW0108 - the table is replaced
-            piece_bytes=lambda: self.chunk_bytes,
-        )
         self._streams = Streams(
             config,
             self.metrics,
@@ -190,12 +170,29 @@ class GradientServer:
             buffered=lambda w: self._table.buffered_bytes(w),  # noqa: PLW0108 - a reset replaces the table
             stopping=lambda: self._stopping is not None,
             ended=self._stream_ended,
-            opened=lambda w: self._relayed(self._relay.opened(w)),
-            held_back=self._relay.holding_back,
+            opened=self._lifecycle.stream_opened,
+            held_back=self._lifecycle.holding_back,
         )
         self._outboxes = Outboxes(self._streams, self.metrics)
-        self._outboxes.add(self._partition)
-        self._outboxes.add(self._relay)
+        shell = Shell(
+            config,
+            self.metrics,
+            self._averager,
+            authenticate=self._membership.authenticate,
+            deliver=self._deliver,
+            add_outbox=self._outboxes.add,
+            after_written=self._streams.after_written,
+            streaming_workers=lambda: self._streams.by_worker,
+            table=lambda: self._table,
+            chunk_bytes=lambda: self.chunk_bytes,
+            resume_step=self._membership.resume_step,
+            cores=available_cores(),
+        )
+        # By name, what each feature's `subscribe` returned (for tests and inspection).
+        self.features = assemble(self._lifecycle, shell)
+        self._new_table = functools.partial(_new_table, config, self.metrics, self._lifecycle, self._averager)
+        self._table = self._new_table(self.chunk_bytes)
+        self._reducer = Reducer(self._averager, self._reduced, self._lifecycle.average_on_loop)
         watched = (self._job, self._membership, self._streams)
         interval = min(1.0, config.heartbeat_timeout / 4)
         expire = lambda: self._deliver(self._table.expire())  # noqa: E731 - a reset replaces the table
@@ -234,26 +231,20 @@ class GradientServer:
         handlers = {
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange),
-            "NotifyPartition": grpc.unary_unary_rpc_method_handler(self._notify_partition),
             "Probe": grpc.unary_unary_rpc_method_handler(self._probe),
         }
+        for method, call in self._lifecycle.calls.items():
+            handlers[method] = grpc.unary_unary_rpc_method_handler(functools.partial(self._call, call))
         server = grpc_server(cfg, handlers, self._health, self.metrics)
         self.port = bind_port(server, cfg)
         await server.start()
         self._server = server
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        shm = await ShmOutbox.open(cfg, self.metrics, self._membership.authenticate, self._averager)
-        self._outboxes.add(shm)
-        self.shm = shm.hub if shm is not None else None
+        await self._lifecycle.start()
         # Where its leftovers would be, for a supervisor that has to SIGKILL it.
         self.events.write("serving", port=self.port, shm_socket=self._outboxes.offer().get("shm_socket", ""))
         self._monitor.start()
-        if self._partition is not None:
-            partition = self._partition
-            partition.peers.watch(
-                lambda index, why: self._deliver(partition.unreachable(index, why, self._table))
-            )
         publish_endpoints(cfg, self.metrics, self.port)
         facts = (self.address, cfg.world_size, self.session_id, self.state.value)
         log.info("coordinator listening on %s for %d worker(s), session %#x; job %s", *facts)
@@ -269,8 +260,7 @@ class GradientServer:
     def traffic(self, worker_id: int) -> Traffic:
         """Payload bytes read from and written to `worker_id` so far (inline and shared memory
         together, the collective lane's included; headers not counted)."""
-        if self.shm is not None and self.shm.lane is not None:
-            self.shm.lane.sync_counters()  # what the workers counted of their peer rounds
+        self._lifecycle.counting()  # e.g. what the workers counted of their lane's peer rounds
         return self.metrics.traffic(worker_id)
 
     def pending_steps(self) -> set[int]:
@@ -300,7 +290,7 @@ class GradientServer:
         log.info("shutting down: %s", reason)
         await self._health.enter_graceful_shutdown()
         self._streams.broadcast(codec.encode_server_event(ShutdownOut(reason)))
-        self._outboxes.stopping(reason)
+        self._lifecycle.stopping(reason)
         deadline = asyncio.get_running_loop().time() + self.config.drain_timeout
         await self._streams.drain(lambda: self._table.has_pending(), deadline)  # noqa: PLW0108 - a reset replaces the table
         self._deliver(self._table.fail_all(Status.UNAVAILABLE, f"coordinator {reason}"))
@@ -309,7 +299,7 @@ class GradientServer:
         await self._reducer.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
-        await self._outboxes.close()
+        await self._lifecycle.close()
         self.metrics.close()
         self.events.close()
         self._stopped.set()
@@ -328,16 +318,16 @@ class GradientServer:
             elif isinstance(effect, CancelTimer):
                 self._rejoin_timer.cancel()
             elif isinstance(effect, ResetJob):
-                self._chunk = None  # the next job's world chooses again, and forms its host groups
-                self._groups = self._new_groups()
-                self._table = self._new_table(self.chunk_bytes, self._groups)
+                self._chunk = None  # the next job's world chooses the chunk size again
+                self._lifecycle.reset()  # before the new table: features put fresh parts into it
+                self._table = self._new_table(self.chunk_bytes)
                 self.metrics.new_table()
-                self._outboxes.reset()
                 log.info("job state reset: the next joiners start with ids from 0 and fresh steps")
             elif isinstance(effect, Stop):
                 self.request_stop(effect.reason)
 
     def _deliver(self, outgoing: list[Outgoing]) -> None:
+        self._lifecycle.sent(outgoing)
         self._outboxes.deliver(outgoing)
         # A replica whose state digest differs from the others' is never averaged with again.
         for worker_id, reason in self._table.take_diverged():
@@ -356,10 +346,6 @@ class GradientServer:
         self._deliver(sent)
         return sent
 
-    def _average_on_loop(self) -> bool:
-        hub = self.shm
-        return hub is not None and average_on_loop(self._streams.by_worker, hub.registered, self._cores)
-
     def _worker_gone(self, member: Member, reason: str, *, lost: bool) -> None:
         worker_id = member.worker_id
         self.metrics.workers_joined.set(self._membership.joined)
@@ -367,10 +353,10 @@ class GradientServer:
             self.metrics.workers_lost.inc()
         # Before the others are told (below), so a supervisor finds it when they exit.
         step = min(self._table.pending_steps(), default=None)
-        if step is None and self.shm is not None and self.shm.lane is not None:
-            step = self.shm.lane.operation_in_flight()
+        if step is None:
+            step = self._lifecycle.step_in_flight()
         self._apply(self._job.worker_left(worker_id, reason, lost=lost, node=member.node_id, step=step))
-        self._outboxes.worker_gone(worker_id, reason, lost=lost, table=self._table)
+        self._lifecycle.departed(Departure(worker_id, reason, lost))
         self._deliver(self._table.worker_lost(worker_id, reason))
         members = self._membership.members()
         waiting = sum(1 for m in members if not self._took_part(m))
@@ -400,32 +386,12 @@ class GradientServer:
         finally:
             self.metrics.workers_joined.set(self._membership.joined)
         if self._chunk is None:
-            self._form_host_groups()
+            self._lifecycle.world_complete(self._membership.members())
             self._choose_chunk()
         self._table.worker_joined(member.worker_id)
         self._apply(self._job.world_complete())
-        offers = self._outboxes.offer() | self._groups.offer(member.worker_id)
-        offers |= self._relay.offer_to(member, self._membership.members())
-        offers |= recovery_offer(
-            member,
-            self._membership.members(),
-            first_step=self._table.first_step,
-            resume_step=self._membership.resume_step(),
-        )
+        offers = self._outboxes.offer() | self._lifecycle.joined(member, self._membership.members())
         return join.accepted(member, self._membership, self.config, self.session_id, self.chunk_bytes, offers)
-
-    def _new_groups(self) -> HostGroups:
-        # A job that goes on without a lost worker would have to change a group mid-step.
-        return HostGroups(self._host_id, enabled=self.config.on_worker_loss == "abort")
-
-    def _form_host_groups(self) -> None:
-        """The job's host groups, as its world completes: partition 0 (or the one coordinator)
-        forms them from where its members are; partitions 1..K-1 adopt partition 0's."""
-        members = self._membership.members()
-        if self._partition is not None and self._partition.own_index > 0:
-            self._groups.adopt({m.worker_id: m.job_host_group for m in members})
-        else:
-            self._groups.form([(m.worker_id, m.host_id) for m in members])
 
     def _choose_chunk(self) -> None:
         """The job's chunk size, chosen once its world is complete (the first Join to return
@@ -433,26 +399,26 @@ class GradientServer:
         by it: the reduction table (still untouched: no stream opens before the world is
         complete), the streams' chunk checks and the output arena's slots."""
         members = self._membership.members()
-        rates = self._groups.link_rates({m.worker_id: m.link_bytes_per_s for m in members})
+        inputs = self._lifecycle.chunk_inputs({m.worker_id: m.link_bytes_per_s for m in members}, members)
         choice = choose_chunk(
             self.config,
             [m.host for m in members],
-            shared_memory=self.shm is not None and all(m.shared_memory for m in members),
-            link_rates=[rates[m.worker_id] for m in members],
+            shared_memory=inputs.shared_memory,
+            link_rates=[inputs.link_rates[m.worker_id] for m in members],
             item_sizes=[m.wire_item_size for m in members],
             brought=[m.job_chunk_bytes for m in members],
         )
         self._chunk = choice
         if self._table.chunk_elements != choice.chunk_bytes // 4:
-            self._table = self._new_table(choice.chunk_bytes, self._groups)
+            self._table = self._new_table(choice.chunk_bytes)
         self._streams.chunk_elements = choice.chunk_bytes // 4
-        if self.shm is not None:
-            self.shm.reslot(choice.chunk_bytes)
+        self._lifecycle.chunk_chosen(choice.chunk_bytes)
         log.info("chunk size %g MiB: %s", choice.chunk_bytes / 2**20, choice.why)
 
     async def _admit(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Member:
         request = codec.decode_join_request(raw)
-        join.check_request(request, self._job, self._partition)
+        join.check_request(request, self._job)
+        self._lifecycle.check_join(request)
         identity = client_identity(context, self.config.tls_client_ca)
         return await self._membership.join(request, identity, peer_host(context.peer()))
 
@@ -461,20 +427,21 @@ class GradientServer:
         await self._refusing(context, _probed(raw))
         return b""
 
-    async def _notify_partition(self, raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        """Another partition failed a step (or lost a worker): fail it here too."""
-        await self._refusing(context, self._heard(raw))
+    async def _call(
+        self, call: Callable[[bytes], list[Outgoing]], raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes:
+        """A unary call a feature serves (NotifyPartition): what it answers goes out."""
+        await self._refusing(context, self._called(call, raw))
         return b""
 
-    async def _heard(self, raw: bytes) -> None:
-        self._deliver(PartitionRole.hear(self._partition, raw, self._table))
+    async def _called(self, call: Callable[[bytes], list[Outgoing]], raw: bytes) -> None:
+        self._deliver(call(raw))
 
     async def _exchange(self, _: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
         async def admit() -> Member:
             return self._streams.admit(stream_member(context, self._membership, self.config.tls_client_ca))
 
         member = await self._refusing(context, admit())
-        self._outboxes.streaming(member.worker_id)
         await self._streams.serve(member, context)
 
     def _handle(
@@ -483,7 +450,7 @@ class GradientServer:
         event: ChunkIn | BarrierIn | SampleRangeRequestIn | StepFailureIn | PeerPiece | StartAtIn,
     ) -> None:
         """Hands one contribution, barrier arrival, request, host group's report or later first
-        step to the table, and a point-to-point piece to the relay."""
+        step to the table, and any other event to the feature that handles its kind."""
         if isinstance(event, ChunkIn):
             chunk = self._outboxes.resolve(event, stream.member)
             self.metrics.payload_received(chunk.worker_id, len(chunk.data))
@@ -494,23 +461,12 @@ class GradientServer:
             self._deliver(self._table.step_failure_reported(event))
         elif isinstance(event, StartAtIn):
             self._deliver(self._table.start_at(event))
-        elif isinstance(event, PeerPiece):
-            self._relayed(self._relay.forward(stream.member.worker_id, event))
-        else:
+        elif isinstance(event, SampleRangeRequestIn):
             self._deliver(self._table.sample_ranges(event))
-
-    def _relayed(self, items: Relayed) -> None:
-        """Sends what the relay answered; a notice to a sender goes once the receiver's stream
-        wrote the piece before it."""
-        batch: list[Outgoing] = []
-        for item in items:
-            if isinstance(item, AfterWritten):
-                self._deliver(batch)
-                batch = []
-                self._streams.after_written(item.worker, functools.partial(self._deliver, [item.notice]))
-            else:
-                batch.append(item)
-        self._deliver(batch)
+        else:
+            handler = self._lifecycle.message_handler(type(event))
+            assert handler is not None, f"no feature takes {type(event).__name__}"
+            handler(stream.member, event)
 
     def _stream_ended(self, stream: WorkerStream, why: str, expected: bool) -> None:
         if self._membership.remove(stream.member, why, expected=expected):

@@ -16,8 +16,9 @@ job that continues without a lost worker would have to change a group in the mid
 Partitioned coordinators: partition 0 forms the groups; partitions 1..K-1 adopt the group each
 worker brings in its Join (`JoinRequest.job_host_group`), as they adopt the chunk size.
 
-Pure: no I/O; the coordinator owns one per job and the reduction table asks it what a partial
-sum may cover (docs/PROTOCOL.md "Host groups").
+Pure: no I/O; `JobHostGroups` keeps one per job, subscribed to the coordinator's lifecycle
+(`subscribe`), and the reduction table asks it what a partial sum may cover (docs/PROTOCOL.md
+"Host groups").
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ import logging
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from gradserver.common import shm
+
+from .lifecycle import ChunkInputs, Lifecycle, Shell, TableParts
+from .membership import Member
 
 log = logging.getLogger("gradserver.server.host_groups")
 
@@ -149,3 +155,54 @@ class HostGroups:
             measured = [rates.get(w, 0) for w in group.workers]
             out[worker] = sum(measured) if all(measured) else 0
         return out
+
+
+class JobHostGroups:
+    """The current job's `HostGroups` (a fresh one per job), as the coordinator's lifecycle
+    drives them: formed as the world completes, offered to each joiner, counted in the chunk
+    size's link rates and handed to each job's table."""
+
+    def __init__(self, own_host_id: str, *, enabled: bool, adopt: bool) -> None:
+        """`adopt`: partitions 1..K-1 adopt partition 0's groups instead of forming their own."""
+        self._own = own_host_id
+        self._enabled = enabled
+        self._adopt = adopt
+        self.groups = self._fresh()
+
+    def _fresh(self) -> HostGroups:
+        return HostGroups(self._own, enabled=self._enabled)
+
+    def reset(self) -> None:
+        self.groups = self._fresh()
+
+    def world_complete(self, members: Sequence[Member]) -> None:
+        if self._adopt:
+            self.groups.adopt({m.worker_id: m.job_host_group for m in members})
+        else:
+            self.groups.form([(m.worker_id, m.host_id) for m in members])
+
+    def offer(self, member: Member, members: Sequence[Member]) -> dict[str, Any]:
+        return self.groups.offer(member.worker_id)
+
+    def chunk_inputs(self, inputs: ChunkInputs, members: Sequence[Member]) -> ChunkInputs:
+        return dataclasses.replace(inputs, link_rates=self.groups.link_rates(inputs.link_rates))
+
+    def table_parts(self) -> TableParts:
+        return {"host_groups": self.groups}
+
+
+def subscribe(lifecycle: Lifecycle, shell: Shell) -> JobHostGroups:
+    """Host groups for every job of the coordinator. Formed only under `--on-worker-loss abort`:
+    a job that goes on without a lost worker would have to change a group mid-step."""
+    config = shell.config
+    job = JobHostGroups(
+        shm.host_id(),
+        enabled=config.on_worker_loss == "abort",
+        adopt=bool(config.partitions) and config.partition_index > 0,
+    )
+    lifecycle.on_table(job.table_parts)
+    lifecycle.on_world_complete(job.world_complete)
+    lifecycle.on_chunk_inputs(job.chunk_inputs)
+    lifecycle.on_joined(job.offer)
+    lifecycle.on_reset(job.reset)
+    return job

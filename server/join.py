@@ -12,12 +12,12 @@ from gradserver.common.messages import JoinAccepted, JoinRequestIn
 from .config import CoordinatorConfig
 from .job import Job
 from .membership import Member, Membership
-from .peers import PartitionRole
 
 
-def check_request(request: JoinRequestIn, job: Job, partition: PartitionRole | None) -> None:
-    """Raises naming the node when it speaks another protocol version, the job no longer takes
-    members (the coordinator stops) or it asks for a partition this coordinator does not have."""
+def check_request(request: JoinRequestIn, job: Job) -> None:
+    """Raises naming the node when it speaks another protocol version or the job no longer takes
+    members (the coordinator stops); the features' checks follow (`Lifecycle.check_join`: the
+    partition asked for, server/peers.py)."""
     if request.protocol_version != codec.PROTOCOL_VERSION:
         raise FailedPreconditionError(
             f"node {request.node_id!r} speaks protocol version {request.protocol_version}, "
@@ -26,13 +26,6 @@ def check_request(request: JoinRequestIn, job: Job, partition: PartitionRole | N
     refusal = job.join_refusal()
     if refusal is not None:
         raise refusal
-    if partition is not None:
-        partition.check_join(request)
-    elif request.partition_index is not None:
-        raise FailedPreconditionError(
-            f"node {request.node_id!r} asked for partition {request.partition_index}, but this "
-            "coordinator runs without --partition-map"
-        )
 
 
 def accepted(

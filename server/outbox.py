@@ -3,12 +3,12 @@ transport behind one interface.
 
 The table returns messages as `Outgoing`; `Outboxes.deliver` encodes each once and queues the
 same bytes on every recipient's gRPC stream (`streams`). An outbox per other transport sits in
-between: it may reroute a message (the shared-memory outbox writes an average
-once into its output arena and names it to its readers: `ShmOutbox` in `shm`), resolve what a
-chunk names (a range of the sender's arena), hear that a worker left (its memory is never read
-again; other coordinator partitions are told: `PartitionRole` in `peers`) and see every step failure
-that goes out (the peer outbox tells the other partitions). Adding a transport is one class
-here, with its own module, and one line where the coordinator builds its `Outboxes`.
+between: it may reroute a message (the shared-memory outbox writes an average once into its
+output arena and names it to its readers: `ShmOutbox` in `shm_transport`), resolve what a chunk
+names (a range of the sender's arena) and offer joiners its JoinAccepted fields. Delivery only:
+what a transport does as members come and go, jobs reset and the coordinator stops, it
+subscribes to (server/lifecycle.py). Adding a transport is one module with its outbox and its
+subscriptions, and one line in server/features.py.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from gradserver.common.messages import AveragedChunkOut, ChunkIn, ErrorOut
 from .membership import Member
 from .metrics import CoordinatorMetrics
 from .outgoing import Outgoing
-from .reduction import ReductionTable
 from .streams import Streams
 
 
 class Outbox(Protocol):
-    """One transport's part in delivery (each method may do nothing)."""
+    """One transport's part in delivery."""
 
     def route(self, item: Outgoing) -> list[Outgoing]:
         """The messages that carry `item` (the same one, or parts for different recipients)."""
@@ -39,31 +38,9 @@ class Outbox(Protocol):
         """The chunk with its data in hand when it names this transport's memory; else None."""
         ...
 
-    def sent(self, outgoing: Sequence[Outgoing]) -> None:
-        """Sees every batch of messages the cores answered with (before they are queued)."""
-        ...
-
-    def streaming(self, worker_id: int) -> None:
-        """A member's Exchange stream opened (it chose its transport by then)."""
-        ...
-
-    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
-        """A member left (`lost`: without a goodbye), before the table hears of it."""
-        ...
-
     def offer(self) -> dict[str, Any]:
         """The JoinAccepted fields that tell a joiner how to use this transport."""
         ...
-
-    def reset(self) -> None:
-        """A fresh job starts (every worker left)."""
-        ...
-
-    def stopping(self, reason: str) -> None:
-        """The coordinator began a graceful shutdown (workers were just told)."""
-        ...
-
-    async def close(self) -> None: ...
 
 
 class Outboxes:
@@ -82,7 +59,6 @@ class Outboxes:
 
     def deliver(self, outgoing: Sequence[Outgoing]) -> None:
         """Sends every message to its recipients (errors counted by code, per recipient)."""
-        self.sent(outgoing)
         for item in outgoing:
             if isinstance(item.event, ErrorOut):
                 code = status_code_from_value(item.event.code)
@@ -117,35 +93,11 @@ class Outboxes:
             worker_id=w,
         )
 
-    def sent(self, outgoing: Sequence[Outgoing]) -> None:
-        for outbox in self._outboxes:
-            outbox.sent(outgoing)
-
-    def streaming(self, worker_id: int) -> None:
-        for outbox in self._outboxes:
-            outbox.streaming(worker_id)
-
-    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
-        for outbox in self._outboxes:
-            outbox.worker_gone(worker_id, reason, lost=lost, table=table)
-
     def offer(self) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         for outbox in self._outboxes:
             fields.update(outbox.offer())
         return fields
-
-    def reset(self) -> None:
-        for outbox in self._outboxes:
-            outbox.reset()
-
-    def stopping(self, reason: str) -> None:
-        for outbox in self._outboxes:
-            outbox.stopping(reason)
-
-    async def close(self) -> None:
-        for outbox in self._outboxes:
-            await outbox.close()
 
 
 def _payload_bytes(event: AveragedChunkOut) -> int:

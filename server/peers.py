@@ -29,7 +29,7 @@ from gradserver.common.errors import (
     Status,
     status_code_from_value,
 )
-from gradserver.common.messages import ChunkIn, ErrorOut, JoinRequestIn
+from gradserver.common.messages import ErrorOut, JoinRequestIn
 from gradserver.common.partition_map import (
     NOTIFY_METHOD,
     PartitionMap,
@@ -41,9 +41,8 @@ from gradserver.common.rpc import worker_channel_options
 from gradserver.common.security import bearer_metadata
 
 from .config import CoordinatorConfig
-from .membership import Member
+from .lifecycle import Departure, Lifecycle, Shell, TableAccess
 from .outgoing import Outgoing
-from .reduction import ReductionTable
 
 log = logging.getLogger("gradserver.server.peers")
 
@@ -166,8 +165,8 @@ class PartitionPeers:
 class PartitionRole:
     """What makes a coordinator one partition of several: the Join checks, the map in JoinAccepted,
     and the step failures it tells the other partitions about or hears from them (each step once, so
-    two partitions never echo one failure back and forth). It is the peer outbox
-    (server/outbox.py): it sees every step failure and every lost worker on their way out."""
+    two partitions never echo one failure back and forth). It subscribes to the coordinator's
+    lifecycle (`subscribe`): it sees every step failure and every lost worker on their way out."""
 
     def __init__(self, partition_map: PartitionMap, own_index: int, config: CoordinatorConfig) -> None:
         self.partition_map = partition_map
@@ -207,28 +206,8 @@ class PartitionRole:
                 f"{self.largest_chunk_bytes} bytes"
             )
 
-    # --- the outbox ---------------------------------------------------------------------------
-
-    def route(self, item: Outgoing) -> list[Outgoing]:
-        return [item]
-
-    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn | None:
-        return None
-
-    def sent(self, outgoing: Sequence[Outgoing]) -> None:
-        self.failed_steps(outgoing)
-
-    def streaming(self, worker_id: int) -> None:
-        pass
-
-    def stopping(self, reason: str) -> None:
-        pass
-
-    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
-        if lost:
-            self.worker_lost(worker_id, reason, table.unsettled_steps())
-
     def offer(self) -> dict[str, Any]:
+        """The JoinAccepted fields: the map, and which partition this is."""
         return {"partition_map": self.partition_map.addresses, "partition_index": self.own_index}
 
     def failed_steps(self, outgoing: Sequence[Outgoing]) -> None:
@@ -264,7 +243,7 @@ class PartitionRole:
             )
         )
 
-    def unreachable(self, index: int, why: str, table: ReductionTable) -> list[Outgoing]:
+    def unreachable(self, index: int, why: str, table: TableAccess) -> list[Outgoing]:
         """Another partition stopped answering: every step still unsettled here fails for every
         worker, naming it (the workers cannot get that partition's part of those steps)."""
         where = self.partition_map.describe(index)
@@ -276,13 +255,13 @@ class PartitionRole:
         return out
 
     @staticmethod
-    def hear(role: PartitionRole | None, raw: bytes, table: ReductionTable) -> list[Outgoing]:
+    def hear(role: PartitionRole | None, raw: bytes, table: TableAccess) -> list[Outgoing]:
         """`role.heard`, refused (naming why) on a coordinator without --partition-map."""
         if role is None:
             raise FailedPreconditionError("NotifyPartition: this coordinator runs without --partition-map")
         return role.heard(raw, table)
 
-    def heard(self, raw: bytes, table: ReductionTable) -> list[Outgoing]:
+    def heard(self, raw: bytes, table: TableAccess) -> list[Outgoing]:
         """Applies a notice from another partition to `table`: the step (or, for a lost worker, every
         step in flight) fails for every worker, naming the partition that failed it first."""
         notice = decode_notice(raw)
@@ -327,3 +306,44 @@ class PartitionRole:
 
     async def close(self) -> None:
         await self.peers.close()
+
+
+NOTIFY_PARTITION = "NotifyPartition"  # the RPC another partition tells this one through
+
+
+def check_join(role: PartitionRole | None, request: JoinRequestIn) -> None:
+    """`role.check_join`; without --partition-map, a request for a partition is refused."""
+    if role is not None:
+        role.check_join(request)
+    elif request.partition_index is not None:
+        raise FailedPreconditionError(
+            f"node {request.node_id!r} asked for partition {request.partition_index}, but this "
+            "coordinator runs without --partition-map"
+        )
+
+
+def subscribe(lifecycle: Lifecycle, shell: Shell) -> PartitionRole | None:
+    """This coordinator's partition role (None without --partition-map), subscribed to its
+    lifecycle; NotifyPartition is served either way (refused without a map)."""
+    config = shell.config
+    role = PartitionRole(config.partitions, config.partition_index, config) if config.partitions else None
+    lifecycle.on_join_request(lambda request: check_join(role, request))
+    lifecycle.handle_call(NOTIFY_PARTITION, lambda raw: PartitionRole.hear(role, raw, shell.table()))
+    if role is None:
+        return None
+
+    def departed(departure: Departure) -> None:
+        if departure.lost:
+            role.worker_lost(departure.worker_id, departure.reason, shell.table().unsettled_steps())
+
+    async def start() -> None:
+        role.peers.watch(lambda index, why: shell.deliver(role.unreachable(index, why, shell.table())))
+
+    lifecycle.on_table(lambda: {"partition": (role.partition_map, role.own_index)})
+    lifecycle.on_joined(lambda member, members: role.offer())
+    lifecycle.on_start(start)
+    lifecycle.on_sent(role.failed_steps)
+    lifecycle.on_departed(departed)
+    lifecycle.on_reset(role.reset)
+    lifecycle.on_close(role.close)
+    return role

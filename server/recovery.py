@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .lifecycle import Lifecycle, Shell
 from .membership import Member
 
 
@@ -45,3 +46,12 @@ def recovery_offer(
         donors = [m for m in others if m.committed_step is not None]
         return {"recovery_step": resume_step, "donors": tuple(m.worker_id for m in donors)}
     return {}
+
+
+def subscribe(lifecycle: Lifecycle, shell: Shell) -> None:
+    """Every joiner is offered its plan (none when it needs no state)."""
+    lifecycle.on_joined(
+        lambda member, members: recovery_offer(
+            member, members, first_step=shell.table().first_step, resume_step=shell.resume_step()
+        )
+    )

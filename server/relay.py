@@ -26,8 +26,10 @@ anyone, a donor's answer only to a worker that asked it. What the relay refuses,
 error to the sender naming the sender, the message (its receiver, tag and number) and the rule; a
 refused message's later pieces are dropped without another answer.
 
-It is also the outbox (server/outbox.py) that learns when a stream opens and when a worker leaves,
-and it offers each joiner the members it shares memory with (`host_peers`): workers that said the
+It subscribes to the coordinator's lifecycle (`subscribe`, server/lifecycle.py): it hears when a
+stream opens, every batch that goes out (the notices that free its bounds), when a worker leaves
+and when a job resets, holds back senders, takes the `PeerPiece`s read from the streams, and offers
+each joiner the members it shares memory with (`host_peers`): workers that said the
 same `peer_host_id` move their messages to each other through shared memory
 (worker/transports/peer_rings.py) and never through here. That memory is shared out once, as the job
 begins, so it is offered only under `--on-worker-loss abort` and never to a worker taking a departed
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import secrets
 from collections.abc import Callable, Sequence
@@ -46,11 +49,11 @@ from typing import Any
 
 from gradserver.common.config import MIB
 from gradserver.common.errors import Status
-from gradserver.common.messages import ChunkIn, ErrorOut, MemberJoinedOut, PeerDeliveredOut, PeerPiece
+from gradserver.common.messages import ErrorOut, MemberJoinedOut, PeerDeliveredOut, PeerPiece
 
+from .lifecycle import Departure, Lifecycle, Shell
 from .membership import Member
 from .outgoing import Outgoing
-from .reduction import ReductionTable
 
 _KEY_BYTES = 16
 
@@ -367,13 +370,7 @@ class PeerRelay:
             del self._from[waiting.sender]
         waiting.sender = None
 
-    # --- the outbox ------------------------------------------------------------------------------
-
-    def route(self, item: Outgoing) -> list[Outgoing]:
-        return [item]
-
-    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn | None:
-        return None
+    # --- the lifecycle -------------------------------------------------------------------------
 
     def sent(self, outgoing: Sequence[Outgoing]) -> None:
         """A notice going out: its piece was written, and counts no more."""
@@ -384,10 +381,7 @@ class PeerRelay:
                     del self._waiting[id(item)]
                     self._written(waiting)
 
-    def streaming(self, worker_id: int) -> None:
-        pass
-
-    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
+    def worker_gone(self, worker_id: int, reason: str, *, lost: bool) -> None:
         """Pieces for it are refused from now on, naming why (those held for it are dropped: it
         never read them, and neither will it read those queued on its stream); a worker that takes
         its place starts afresh, as receiver and as sender."""
@@ -404,9 +398,6 @@ class PeerRelay:
                 del rules[pair]
         self._asked = {pair for pair in self._asked if worker_id not in pair}
 
-    def offer(self) -> dict[str, Any]:
-        return {}
-
     def reset(self) -> None:
         self._gone.clear()
         self._held.clear()
@@ -419,8 +410,41 @@ class PeerRelay:
         self._from.clear()
         self._to.clear()
 
-    def stopping(self, reason: str) -> None:
-        pass
 
-    async def close(self) -> None:
-        pass
+def subscribe(lifecycle: Lifecycle, shell: Shell) -> PeerRelay:
+    """The coordinator's relay: built from its settings and subscribed to its lifecycle."""
+    config = shell.config
+    relay = PeerRelay(
+        config.world_size,
+        host_peers=config.on_worker_loss == "abort",
+        streaming=lambda w: w in shell.streaming_workers(),
+        first_step=lambda w: shell.table().first_step(w),
+        piece_bytes=shell.chunk_bytes,
+    )
+    send = functools.partial(_send, shell)
+
+    def gone(departure: Departure) -> None:
+        relay.worker_gone(departure.worker_id, departure.reason, lost=departure.lost)
+
+    lifecycle.on_joined(relay.offer_to)
+    lifecycle.on_stream_opened(lambda w: send(relay.opened(w)))
+    lifecycle.on_sent(relay.sent)
+    lifecycle.on_departed(gone)
+    lifecycle.on_reset(relay.reset)
+    lifecycle.on_hold_back(relay.holding_back)
+    lifecycle.handle_message(PeerPiece, lambda sender, piece: send(relay.forward(sender.worker_id, piece)))
+    return relay
+
+
+def _send(shell: Shell, items: Relayed) -> None:
+    """Sends what the relay answered; a notice to a sender goes once the receiver's stream
+    wrote the piece before it."""
+    batch: list[Outgoing] = []
+    for item in items:
+        if isinstance(item, AfterWritten):
+            shell.deliver(batch)
+            batch = []
+            shell.after_written(item.worker, functools.partial(shell.deliver, [item.notice]))
+        else:
+            batch.append(item)
+    shell.deliver(batch)

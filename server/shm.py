@@ -18,7 +18,8 @@ nothing is copied out. A slot is reused only when every recipient released it (o
 socket) or left; when no slot is free, the average goes inline, so a slow reader never blocks
 anyone. A departed worker's arena is never read again: its peer entry goes, and the table holds
 copies of whatever of its data it still needs (`copy_held_data`).
-`ShmOutbox` is this transport's outbox (server/outbox.py): what the coordinator calls.
+`ShmOutbox` and the transport's subscriptions to the coordinator's lifecycle are in
+server/shm_transport.py.
 
 Everything here runs on the coordinator's event loop except the blocking handshake reads, which
 run in a thread bounded by the handshake timeout.
@@ -42,17 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from gradserver.common import lane, shm
-from gradserver.common.averaging import Averager, InPlace
+from gradserver.common import shm
+from gradserver.common.averaging import InPlace
 from gradserver.common.errors import GradServerError, InvalidArgumentError
 from gradserver.common.messages import AveragedChunkOut, ChunkIn, ShmRef
 
-from .config import CoordinatorConfig
 from .lane import Lane
 from .membership import Member
 from .metrics import CoordinatorMetrics
-from .outgoing import Outgoing
-from .reduction import ReductionTable
 
 log = logging.getLogger("gradserver.server.shm")
 
@@ -514,92 +512,3 @@ class ShmHub:
                     return
                 self.release(peer.worker_id, offset)
             pending = pending[whole:]
-
-
-class ShmOutbox:
-    """The shared-memory transport's outbox: resolves chunks named in a worker's input arena,
-    publishes averages through the output arena (the slot accounting is the hub's) and drops a
-    departed worker's arena after the table copied what it still holds of it."""
-
-    def __init__(self, hub: ShmHub, metrics: CoordinatorMetrics) -> None:
-        self.hub = hub
-        self._metrics = metrics
-
-    @classmethod
-    async def open(
-        cls,
-        config: CoordinatorConfig,
-        metrics: CoordinatorMetrics,
-        authenticate: Authenticate,
-        averager: Averager,
-    ) -> ShmOutbox | None:
-        """Offers the shared-memory path unless --no-shm or the platform lacks it; a failure to
-        set it up leaves gRPC only, with a warning. `averager` then writes float32 averages
-        straight into output slots, so publishing them copies nothing."""
-        if config.no_shm or not shm.supported():
-            return None
-        hub = ShmHub(
-            config.shm_dir,
-            config.shm_arena_bytes,
-            config.chunk_bytes,
-            config.heartbeat_timeout,
-            authenticate,
-            metrics,
-        )
-        try:
-            await hub.start()
-            if not config.no_lane and lane.supported():
-                hub.lane = Lane(
-                    config.world_size, config.lane_chunk_bytes, averager, metrics, config.step_timeout
-                )
-        except OSError as exc:
-            log.warning("shared memory is off (gRPC only): %r", exc)
-            await hub.stop()
-            return None
-        averager.output_buffers = hub
-        return cls(hub, metrics)
-
-    def route(self, item: Outgoing) -> list[Outgoing]:
-        """Averages go through the output arena to shared-memory workers, inline to the rest."""
-        if not isinstance(item.event, AveragedChunkOut):
-            return [item]
-        parts = self.hub.publish(item.event, item.to)
-        for event, to in parts:
-            if event.shm is not None:
-                self._metrics.shm_bytes.inc(event.shm.length * len(to))
-                self._metrics.sent_bytes.inc(event.shm.length * len(to))
-        return [Outgoing(to, event) for event, to in parts]
-
-    def resolve(self, chunk: ChunkIn, member: Member) -> ChunkIn | None:
-        resolved = self.hub.resolve(chunk, member)
-        self._metrics.shm_received_bytes.inc(len(resolved.data))
-        self._metrics.received_bytes.inc(len(resolved.data))
-        return resolved
-
-    def sent(self, outgoing: Sequence[Outgoing]) -> None:
-        pass
-
-    def streaming(self, worker_id: int) -> None:
-        if self.hub.lane is not None:
-            self.hub.lane.streaming(worker_id)
-
-    def worker_gone(self, worker_id: int, reason: str, *, lost: bool, table: ReductionTable) -> None:
-        # Its arena may still be written (a zombie): what the table keeps of it is copied.
-        table.copy_held_data(worker_id)
-        self.hub.worker_gone(worker_id)
-        if self.hub.lane is not None:
-            self.hub.lane.worker_gone(worker_id, reason, lost=lost)
-
-    def offer(self) -> dict[str, Any]:
-        return {"shm_socket": self.hub.path, "shm_nonce": self.hub.nonce}
-
-    def reset(self) -> None:
-        if self.hub.lane is not None:
-            self.hub.lane.reset()
-
-    def stopping(self, reason: str) -> None:
-        if self.hub.lane is not None:
-            self.hub.lane.stopping(reason)
-
-    async def close(self) -> None:
-        await self.hub.stop()

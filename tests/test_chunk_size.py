@@ -28,6 +28,7 @@ from gradserver.server import GradientServer
 from gradserver.server.chunk_size import choose_chunk, chunk_for_rate, is_local_peer
 from gradserver.server.config import CoordinatorConfig
 from gradserver.server.job import JobState
+from gradserver.server.shm import ShmHub
 from gradserver.worker import WorkerClient
 from gradserver.worker.joining import measure_link
 from gradserver.worker.transports.shm_channel import ShmChannel
@@ -41,6 +42,12 @@ REMOTE = MIB // 4
 ELEMENTS = 5 * MIB + 12345
 # Just over two shared-memory chunks.
 SHM_ELEMENTS = 16 * MIB + 4321
+
+
+def _hub(coordinator: GradientServer) -> ShmHub | None:
+    """The coordinator's shared-memory hub (None: it does not offer shared memory)."""
+    hub: ShmHub | None = coordinator.features["shm"].hub
+    return hub
 
 
 def _grads(worker: int, step: int, size: int = ELEMENTS) -> np.ndarray:
@@ -60,7 +67,7 @@ def _expected(world: int, step: int = 0, size: int = ELEMENTS) -> bytes:
 
 
 def _chunk_state(server: ServerThread) -> tuple[int, int | None]:
-    return server.call(lambda s: (s.chunk_bytes, s.shm.slot_bytes if s.shm is not None else None))
+    return server.call(lambda s: (s.chunk_bytes, _hub(s).slot_bytes if _hub(s) is not None else None))
 
 
 def _wait_for_a_fresh_job(server: ServerThread, timeout: float = 20.0) -> None:

@@ -27,6 +27,8 @@ from gradserver.common.errors import (
 from gradserver.common.lane import Descriptor, LaneState
 from gradserver.common.lane_rounds import RoundPlan, RoundProblem, plan_round
 from gradserver.common.messages import CollectiveKind, ReduceOp, TensorKey
+from gradserver.server import GradientServer
+from gradserver.server.shm import ShmHub
 from gradserver.torch._collective import CollectiveClient
 
 from .helpers.server import ServerThread, connect_ranks, metric
@@ -44,6 +46,12 @@ KINDS = (
     CollectiveKind.BROADCAST,
     CollectiveKind.ALL_TO_ALL,
 )
+
+
+def _hub(coordinator: GradientServer) -> ShmHub | None:
+    """The coordinator's shared-memory hub (None: it does not offer shared memory)."""
+    hub: ShmHub | None = coordinator.features["shm"].hub
+    return hub
 
 
 # --- the pure planner -----------------------------------------------------------------------------
@@ -258,7 +266,10 @@ def test_a_worker_on_grpc_closes_the_lane_and_every_collective_goes_over_grpc(
     try:
         results = _each(clients, _workload(CollectiveKind.ALL_GATHER, [10, SLOT * 2]))
         assert results[0] == results[1]
-        assert server.call(lambda s: s.shm.lane.state if s.shm and s.shm.lane else None) is LaneState.CLOSED
+        assert (
+            server.call(lambda s: _hub(s).lane.state if _hub(s) and _hub(s).lane else None)
+            is LaneState.CLOSED
+        )
         assert server.call(lambda s: metric(s, "gradserver_lane_rounds_total")) == 0
     finally:
         for c in clients:
@@ -292,7 +303,7 @@ def _clients(
 def _until_posted(server: ServerThread, worker: int) -> None:
     """Waits (bounded) until `worker` posted a round in the coordinator's lane: it is then inside
     an operation. (The lane's words have no event to wait on from another thread.)"""
-    lane = server.call(lambda s: s.shm.lane if s.shm else None)
+    lane = server.call(lambda s: _hub(s).lane if _hub(s) else None)
     assert lane is not None
     end = time.monotonic() + 10
     while lane.memory.posted(worker) == 0:
@@ -314,7 +325,7 @@ def _worker_0_waits_while(
 
 def _until_state(server: ServerThread, state: LaneState) -> None:
     """Waits (bounded) until the coordinator's lane is in `state`."""
-    lane = server.call(lambda s: s.shm.lane if s.shm else None)
+    lane = server.call(lambda s: _hub(s).lane if _hub(s) else None)
     assert lane is not None
     end = time.monotonic() + 10
     while lane.state is not state:
@@ -411,7 +422,7 @@ def test_a_non_finite_value_is_named_by_worker_and_element_unless_it_is_let_thro
 def _hold_a_round_behind(client: CollectiveClient, until_worker_gave_up: int) -> None:
     """Makes `client` stop after reading the second-to-last round of its lane operations until
     worker `until_worker_gave_up` has given up on one (bounded): a worker a round behind."""
-    lane = client._link.arenas.lane
+    lane = client._link.payloads.arenas.lane
     assert lane is not None
     read_peer = lane._read_peer
 
@@ -463,7 +474,7 @@ def test_a_worker_a_round_behind_one_that_gave_up_fails_even_with_every_round_th
     an operation that one gave up on."""
     _, clients = _clients(lane_coordinator)
     size = 3 * SLOT // 4  # three rounds
-    quitter = clients[0]._link.arenas.lane
+    quitter = clients[0]._link.payloads.arenas.lane
     assert quitter is not None
     finish = quitter._finish
 

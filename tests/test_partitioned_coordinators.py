@@ -425,7 +425,9 @@ def test_a_partition_killed_mid_step_fails_every_workers_receive_naming_the_part
     _whole_model(made[1], 1)
     dead = partitions.partition_map.describe(1)
     # A killed process tells no one: partition 1 may not warn partition 0 (its notices go nowhere).
-    partitions.servers[1].call(lambda g: setattr(g._partition.peers, "notify", lambda notice: None))
+    partitions.servers[1].call(
+        lambda g: setattr(g.features["partition"].peers, "notify", lambda notice: None)
+    )
     partitions.kill(1)
     started = time.monotonic()
     outcomes = _receive_outcomes(made, timeout=60.0)

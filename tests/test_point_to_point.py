@@ -43,7 +43,6 @@ from gradserver.common.errors import (
 from gradserver.common.messages import ErrorOut, JoinAccepted, MemberJoinedOut, PeerDeliveredOut, PeerPiece
 from gradserver.server.membership import Member
 from gradserver.server.outgoing import Outgoing
-from gradserver.server.reduction import ReductionTable
 from gradserver.server.relay import AfterWritten, PeerRelay, Relayed
 from gradserver.worker import Timeouts, WorkerClient
 from gradserver.worker.transports import Mailbox, PeerReceive
@@ -688,10 +687,6 @@ def member(worker_id: int, peer_host_id: str) -> Member:
     return Member(worker_id, f"node-{worker_id}", "cpu", 0, 0, 0.0, peer_host_id=peer_host_id)
 
 
-def table() -> ReductionTable:
-    return ReductionTable(3, 1024, 10.0, lambda: 0.0)
-
-
 def refusal(out: Relayed) -> ErrorOut:
     assert len(out) == 1
     assert isinstance(out[0].event, ErrorOut)
@@ -765,7 +760,7 @@ def test_relay_refusals_name_the_receiver_tag_and_sequence(
     r = relay()
     if gone is not None:
         reason = "left the job" if gone == "left" else "no message for 5 s"
-        r.worker_gone(receiver, reason, lost=gone == "lost", table=table())
+        r.worker_gone(receiver, reason, lost=gone == "lost")
     out = r.forward(sender, PeerPiece(receiver, 42, 17, 8, 0, b"12345678"))
     assert [item.to for item in out] == [(sender,)]  # to the sender alone, no delivery notice
     error = refusal(out)
@@ -780,7 +775,7 @@ def test_relay_refusals_name_the_receiver_tag_and_sequence(
 def test_relay_drops_what_it_held_for_a_worker_that_is_gone_and_takes_its_replacement() -> None:
     r = relay(open_streams=(0, 1))
     assert r.forward(0, PeerPiece(2, 0, 0, 4, 0, b"held")) == []
-    r.worker_gone(2, "disconnected", lost=True, table=table())
+    r.worker_gone(2, "disconnected", lost=True)
     assert refusal(r.forward(0, PeerPiece(2, 0, 1, 1, 0, b"x"))).code == Status.ABORTED
     r.open_streams.add(2)  # type: ignore[attr-defined]
     # Nothing of what its predecessor was sent; the others hear that a replacement joined.
@@ -819,7 +814,7 @@ def test_relay_reset_forgets_the_job() -> None:
     members = [member(0, "host-a"), member(1, "host-a")]
     r = relay(open_streams=(0, 1))
     key = r.offer_to(members[0], members)["peer_key"]
-    r.worker_gone(1, "left the job", lost=False, table=table())
+    r.worker_gone(1, "left the job", lost=False)
     assert r.forward(0, PeerPiece(2, 0, 0, 1, 0, b"h")) == []  # held for 2
     r.reset()
     assert r.offer_to(members[0], members)["peer_key"] != key

@@ -400,7 +400,7 @@ def test_the_relay_holds_a_sender_back_past_its_window_and_its_receivers_past_tw
     assert relay.waiting_bytes(3) == (110, 770) and not relay.holding_back(0)
     # A receiver gone: nothing waits for it any more, and notices of its ended stream count
     # nothing; what it sent counts for its receiver until written, against no sender.
-    relay.worker_gone(3, "disconnected", lost=True, table=cast(Any, None))
+    relay.worker_gone(3, "disconnected", lost=True)
     assert [relay.waiting_bytes(w) for w in range(4)] == [(0, 110), (0, 0), (0, 0), (0, 0)]
     relay.sent(written)
     assert [relay.waiting_bytes(w) for w in range(4)] == [(0, 110), (0, 0), (0, 0), (0, 0)]

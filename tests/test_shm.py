@@ -24,6 +24,8 @@ from gradserver.common.errors import (
     InvalidArgumentError,
 )
 from gradserver.common.messages import ChunkHeader, DType, ReduceOp, ShmRef, TensorKey
+from gradserver.server import GradientServer
+from gradserver.server.shm import ShmHub
 from gradserver.torch._collective import CollectiveClient
 from gradserver.worker import WorkerClient
 
@@ -34,6 +36,12 @@ pytestmark = pytest.mark.skipif(not shm_support.supported(), reason="needs Linux
 
 CHUNK_MIB = 1 / 64  # 4096 elements: every tensor below spans several chunks
 SIZES = compute_block_sizes(32, 16, 64)
+
+
+def _hub(coordinator: GradientServer) -> ShmHub | None:
+    """The coordinator's shared-memory hub (None: it does not offer shared memory)."""
+    hub: ShmHub | None = coordinator.features["shm"].hub
+    return hub
 
 
 def _poll(ready: Callable[[], bool], what: str) -> None:
@@ -252,7 +260,7 @@ def test_averages_are_written_into_the_output_arena_and_a_failed_one_gives_its_s
     """The averager writes straight into an output slot (no copy when it is published); a
     reduction that fails (a NaN) returns the slot it took, so none is lost for the job."""
     server = shm_coordinator(world_size=2)
-    slots = server.call(lambda s: s.shm._slots.free_slots if s.shm else -1)
+    slots = server.call(lambda s: _hub(s)._slots.free_slots if _hub(s) else -1)
 
     def work(c: CollectiveClient) -> tuple[list[bytes], str]:
         out = _workload(c)
@@ -274,7 +282,7 @@ def test_averages_are_written_into_the_output_arena_and_a_failed_one_gives_its_s
             assert "worker 1 sent a non-finite value" in error and "step 2" in error, error
         assert server.call(lambda s: metric(s, "gradserver_shm_averaged_in_place_bytes_total")) > 0
         _poll(
-            lambda: server.call(lambda s: s.shm._slots.free_slots if s.shm else -1) == slots,
+            lambda: server.call(lambda s: _hub(s)._slots.free_slots if _hub(s) else -1) == slots,
             "every slot free",
         )
     finally:
@@ -306,7 +314,7 @@ def test_a_gradient_buffer_is_sent_without_a_copy(shm_coordinator) -> None:
         c.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, buf)
         got = c.receive_averaged_non_block().gradients.tobytes()
         assert c.transport == "shm"
-        assert c._link.arenas.zero_copy_bytes == 40000 and c._link.arenas.staged_bytes == 0
+        assert c._link.payloads.arenas.zero_copy_bytes == 40000 and c._link.payloads.arenas.staged_bytes == 0
         return got
 
     results = _run(server, ["shm", "shm"], work)
@@ -343,7 +351,7 @@ def test_auto_falls_back_to_grpc_with_one_info_line_and_shm_refuses(shm_coordina
 def test_auto_falls_back_when_the_socket_cannot_be_reached(shm_coordinator, caplog) -> None:
     """As for a worker on another host: the announced path does not exist here."""
     server = shm_coordinator(world_size=1)
-    path = server.call(lambda s: s.shm.path if s.shm else "")
+    path = server.call(lambda s: _hub(s).path if _hub(s) else "")
     os.unlink(path)
     with caplog.at_level(logging.INFO, logger="gradserver.worker"):
         (client,) = connect_ranks(server.address, ["auto"])
@@ -368,7 +376,7 @@ def test_unknown_transport_is_refused_by_name(shm_coordinator, monkeypatch) -> N
 def test_a_registration_with_a_wrong_token_is_refused(shm_coordinator) -> None:
     server = shm_coordinator(world_size=1)
     (client,) = connect_ranks(server.address, ["grpc"])
-    path, nonce = server.call(lambda s: (s.shm.path, s.shm.nonce) if s.shm else ("", b""))
+    path, nonce = server.call(lambda s: (_hub(s).path, _hub(s).nonce) if _hub(s) else ("", b""))
     fd, arena = shm_support.create_arena(4096, "gradserver-test")
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -381,7 +389,7 @@ def test_a_registration_with_a_wrong_token_is_refused(shm_coordinator) -> None:
             status, length = shm_support.REPLY.unpack(reply)
             text = shm_support.recv_exact(sock, length)[0].decode()
         assert status != 0 and fds == [] and "worker 0 is not a member" in text
-        assert not server.call(lambda s: s.shm.registered(0) if s.shm else True)
+        assert not server.call(lambda s: _hub(s).registered(0) if _hub(s) else True)
     finally:
         arena.close()
         os.close(fd)
@@ -394,9 +402,9 @@ def test_no_side_can_write_into_another_sides_memory(shm_coordinator) -> None:
     try:
         # What the coordinator reads of a worker's input arena is read-only (it writes there only
         # the averages of chunks that ask for it, "inout").
-        assert server.call(lambda s: s.shm._peers[0].view.readonly if s.shm else False)
+        assert server.call(lambda s: _hub(s)._peers[0].view.readonly if _hub(s) else False)
         assert client.transport == "shm"
-        channel = client._link.arenas
+        channel = client._link.payloads.arenas
         with pytest.raises(TypeError):
             channel._out[0:4] = b"evil"
     finally:
@@ -437,7 +445,7 @@ def test_a_lost_workers_later_writes_cannot_change_an_average(shm_coordinator) -
         # Once the coordinator holds the zombie's whole contribution, the zombie is lost.
         _poll(lambda: server.call(lambda s: s.metrics.traffic(2).received_bytes) == 40000, "the contribution")
         zombie._link._call.cancel()
-        _poll(lambda: not server.call(lambda s: s.shm.registered(2) if s.shm else False), "the loss")
+        _poll(lambda: not server.call(lambda s: _hub(s).registered(2) if _hub(s) else False), "the loss")
         buf[:] = 1e30  # the zombie writes after it was declared lost
 
         def work(c: CollectiveClient) -> tuple[bytes, int]:
@@ -469,7 +477,7 @@ def test_a_result_in_the_arena_outlives_its_client_and_its_mapping_goes_with_it(
     def work(c: CollectiveClient) -> np.ndarray:
         c.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, _data(c.worker_id, 8, 10000))
         got = c.receive_averaged_non_block().gradients
-        assert c._link.arenas.placed(got) is not None
+        assert c._link.payloads.arenas.placed(got) is not None
         return got
 
     results = _run(server, ["shm", "shm"], work)
@@ -503,7 +511,7 @@ def test_a_chunk_naming_shared_memory_without_an_arena_is_refused(shm_coordinato
 def test_a_closed_arena_socket_does_not_hang_the_coordinator(shm_coordinator) -> None:
     """A client that connects and says nothing is dropped after the handshake timeout."""
     server = shm_coordinator(world_size=1, heartbeat_timeout=1.0)
-    path = server.call(lambda s: s.shm.path if s.shm else "")
+    path = server.call(lambda s: _hub(s).path if _hub(s) else "")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(30)
         sock.connect(path)
@@ -550,7 +558,7 @@ def test_training_over_shm_sends_from_gradient_buffers_and_matches_grpc(shm_coor
 
         def work(c: CollectiveClient, config: TrainConfig = config) -> int:
             train(CoordinatorEngine(c), config)
-            return c._link.arenas.zero_copy_bytes if c.transport == "shm" else 0
+            return c._link.payloads.arenas.zero_copy_bytes if c.transport == "shm" else 0
 
         copied = _run(server, [transport, transport], work)
         assert (min(copied) > 0) == (transport == "shm")
@@ -602,7 +610,7 @@ def test_result_memory_a_refused_key_averages_into_stays_taken_until_its_step_fa
     server = shm_coordinator(world_size=2)
     c0, c1 = connect_ranks(server.address, ["shm", "shm"])
     try:
-        arena = c0._link.arenas
+        arena = c0._link.payloads.arenas
         free = arena._pages.free_slots
         key = TensorKey.non_block(0, NonBlockComponent.EMBEDDING)
         data = _data(0, 6, 10000)  # three chunks
@@ -610,7 +618,7 @@ def test_result_memory_a_refused_key_averages_into_stays_taken_until_its_step_fa
         assert arena._pages.free_slots < free and arena.staged_bytes == 40000  # copied into the result
         header = ChunkHeader(DType.FLOAT32, 10000, ())
         c0._link.send_chunk(key, header, 0, data[:4096], None)  # refused: sent twice
-        _poll(lambda: key in c0._link._unsettled, "the refusal")
+        _poll(lambda: key in c0._link.payloads._unsettled, "the refusal")
         with pytest.raises(GradServerError, match="twice"):
             c0.receive_averaged_non_block()
         gc.collect()
@@ -620,7 +628,7 @@ def test_result_memory_a_refused_key_averages_into_stays_taken_until_its_step_fa
         c1.send_non_block_gradient(0, NonBlockComponent.EMBEDDING, bad)
         with pytest.raises(GradServerError, match="non-finite"):
             c1.receive_averaged_non_block()
-        _poll(lambda: not c0._link._unsettled, "the step's failure")
+        _poll(lambda: not c0._link.payloads._unsettled, "the step's failure")
         gc.collect()
         assert arena._pages.free_slots == free
     finally:
@@ -634,7 +642,7 @@ def test_an_average_named_outside_the_workers_own_arena_is_an_internal_error(shm
     server = shm_coordinator(world_size=1)
     (c,) = connect_ranks(server.address, ["shm"])
     try:
-        arenas = c._link.arenas
+        arenas = c._link.payloads.arenas
         size = len(arenas._arena)
         assert arenas.own_average(ShmRef("in", 64, 16)).size == 4
         for ref in (ShmRef("in", size - 8, 16), ShmRef("in", 2, 16), ShmRef("in", 0, 6)):
@@ -666,7 +674,7 @@ def test_small_buffers_take_pages_of_the_arena_not_whole_chunks(shm_coordinator)
     client = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS, shm_arena_mib=1024)
     try:
         assert client.transport == "shm" and client.chunk_bytes == 32 * 2**20
-        arena = client._link.arenas
+        arena = client._link.payloads.arenas
         buffers = [client.gradient_buffer(1000) for _ in range(100)]
         assert all(arena.placed(b) is not None for b in buffers)
         assert arena._pages.count - arena._pages.free_slots == 100

@@ -12,7 +12,8 @@ import pytest
 
 from gradserver.common import shm as shm_support
 from gradserver.common.errors import AbortedError, UnavailableError
-from gradserver.server.shm import remove_stale_dirs
+from gradserver.server import GradientServer
+from gradserver.server.shm import ShmHub, remove_stale_dirs
 from gradserver.worker import WorkerClient
 
 from .helpers.server import TEST_TIMEOUTS
@@ -51,6 +52,12 @@ _WRITER = textwrap.dedent(
 )
 
 
+def _hub(coordinator: GradientServer) -> ShmHub | None:
+    """The coordinator's shared-memory hub (None: it does not offer shared memory)."""
+    hub: ShmHub | None = coordinator.features["shm"].hub
+    return hub
+
+
 def test_row_s1_a_worker_killed_while_writing_its_arena_fails_the_step_naming_it(
     processes, coordinator, tmp_path
 ) -> None:
@@ -73,7 +80,7 @@ def test_row_s1_a_worker_killed_while_writing_its_arena_fails_the_step_naming_it
             client.receive_averaged_block()
         assert time.monotonic() - started < HEARTBEAT + MARGIN
         # Its arena is never read again: the coordinator dropped it.
-        assert not server.call(lambda s: s.shm.registered(victim) if s.shm else True)
+        assert not server.call(lambda s: _hub(s).registered(victim) if _hub(s) else True)
     finally:
         client.close()
     assert dev_shm() == before
