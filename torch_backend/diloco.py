@@ -37,13 +37,18 @@ own outer optimizer and error feedback.
 
 Every replica must take the same number of inner steps; replicas must start from the same
 parameters (checked at construction: the error names the first parameter that differs).
+
+Fault tolerant (`ft.Replica(model, inner_optimizer).diloco(sync_every=...)`, `_ft_exchange`):
+each exchange is one fault-tolerant step of the coordinator, summed over the replicas that take
+part; a lost replica costs its current inner phase, and its replacement takes a live replica's
+state at an exchange and joins there (docs/fault-tolerance.md). Quantized payloads then travel
+dequantized, as float32 SUMs (the coordinator's gather needs every rank), error feedback kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import zlib
+import logging
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
@@ -55,13 +60,15 @@ from torch.utils.hooks import RemovableHandle
 
 from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
 
+from ._outer_exchange import Landing, OuterExchange, Resumed
+from ._pg_exchange import ProcessGroupExchange
 from ._quantize import BLOCK, ErrorFeedback, check_format, decode, encoded_size
 
 __all__ = ["DiLoCo", "nesterov_outer_optimizer"]
 
+log = logging.getLogger("gradserver.torch.diloco")
+
 OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-# torch 2.13 renamed all_gather_into_tensor (which it warns about); older ones have only that.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _HEADER = 8  # a quantized payload's header: its weight and its count of non-finite values (float32)
 
 
@@ -77,12 +84,13 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class _Exchange:
-    """A fragment's average on its way: applied at inner step `due`."""
+    """A fragment's average on its way (`landing`) or in (`result`): applied at inner step `due`."""
 
     due: int
-    work: dist.Work | None
-    buffer: torch.Tensor  # the SUM all_reduce's vector, or every replica's payload gathered
+    landing: Landing | None
+    result: torch.Tensor | None
     own_weight: float
+    summed: bool  # the result is the SUM of [wΔ, w, counts]; else every replica's payload gathered
 
 
 @dataclasses.dataclass
@@ -116,12 +124,14 @@ class DiLoCo:
         fragments: int = 1,
         delay: int = 0,
         keep_local: float = 0.0,
+        exchange: OuterExchange | None = None,
     ) -> None:
         """`sync_every` (H): inner steps per period. `outer_optimizer`: makes an optimizer of a
         list of tensors (the global weights of one fragment). `group`: the process group of the
         replicas (one rank from each; default the default group). `quantize`: None (float32),
         "bf16", "int8" or "int4"; `block`: values per scale of int8 and int4. `fragments`,
-        `delay`, `keep_local`: streaming (the module's docstring)."""
+        `delay`, `keep_local`: streaming (the module's docstring). `exchange`: what carries the
+        payloads instead of `group` (`ft.Replica.diloco` passes its own)."""
         if sync_every < 1:
             raise InvalidArgumentError(f"sync_every must be at least 1 inner step, got {sync_every}")
         if quantize is not None:
@@ -145,6 +155,8 @@ class DiLoCo:
             )
         if not 0.0 <= keep_local <= 1.0:
             raise InvalidArgumentError(f"keep_local must be between 0 and 1, got {keep_local}")
+        if exchange is not None and group is not None:
+            raise InvalidArgumentError("DiLoCo takes a group or an exchange, not both")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
@@ -153,20 +165,27 @@ class DiLoCo:
         self.block = block
         self.delay = delay
         self.keep_local = keep_local
-        self.replicas = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.exchange: OuterExchange = ProcessGroupExchange(group) if exchange is None else exchange
+        self.replicas = self.exchange.replicas
+        self.rank = self.exchange.rank
         self.inner_step = 0
         self.outer_steps = 0  # fragment outer steps applied
+        self.discarded = 0  # exchanges every replica discarded (a replica lost in one: ft only)
         self.sent_bytes = 0  # collective payload bytes this replica sent, and received
         self.received_bytes = 0
         self._counted = 0.0
         self._counts = False  # whether `count` was ever called: else every weight is 1
+        self._sending = 0  # the fragment whose exchange is (or was last) sent
+        self._joined_at = -1  # the inner step this replica joined a running job at (ft)
         self._hook: RemovableHandle | None = None
-        _check_identical(params, group, self.rank, self.replicas)
+        self.exchange.check_identical(params)
         self._fragments = [
             self._fragment(part, (index + 1) * sync_every // fragments, outer_optimizer)
             for index, part in enumerate(_split(params, fragments))
         ]
+        if self.exchange.attach(self):
+            # It took a live replica's state at that one's exchange: it takes part from there.
+            self._run_from(self._joined(), resumed=True)
 
     def _fragment(
         self, params: list[tuple[str, torch.Tensor]], send_at: int, outer_optimizer: OuterOptimizer
@@ -193,17 +212,40 @@ class DiLoCo:
         self._counts = True
         self._counted += float(amount)
 
+    def steps(self, total: int) -> Iterator[int]:
+        """The inner steps to run, from where this replica is (one that joined a running job
+        starts past 0) to `total`: use the step as the data position."""
+        while self.inner_step < total:
+            yield self.inner_step
+
     def step(self) -> None:
         """Ends an inner step (the inner optimizer's step hook calls it inside `with`): sends the
         fragments due now and applies the exchanges that are due."""
         self.inner_step += 1
+        self._run_from(0, resumed=False)
+
+    def _run_from(self, first: int, *, resumed: bool) -> None:
+        """The fragments' part of an inner step, from fragment `first`; `resumed`: this replica
+        just took a live one's state at fragment `first`'s exchange, which it sends now."""
+        while True:
+            try:
+                self._fragments_from(first, resumed=resumed)
+                return
+            except Resumed:  # healed while it rejoined a lost coordinator: the donor's exchange now
+                first, resumed = self._joined(), True
+
+    def _fragments_from(self, first: int, *, resumed: bool) -> None:
         in_period = self.inner_step % self.sync_every or self.sync_every
-        for fragment in self._fragments:
-            if fragment.pending is not None and fragment.pending.due == self.inner_step:
+        for index in range(first, len(self._fragments)):
+            fragment = self._fragments[index]
+            # A resumed fragment's due exchange was applied by the donor before its state was taken.
+            due = fragment.pending is not None and fragment.pending.due == self.inner_step
+            if due and not (resumed and index == first):
                 self._apply(fragment)
             if fragment.send_at == in_period:
+                self._sending = index
                 self._send(fragment)
-                if self.delay == 0:
+                if self.delay == 0 and fragment.pending is not None:
                     self._apply(fragment)
 
     def close(self) -> None:
@@ -248,11 +290,16 @@ class DiLoCo:
     # --- exchanges ------------------------------------------------------------------------------
 
     def _weight(self, fragment: _Fragment) -> float:
-        weight = self._counted - fragment.counted_at_send if self._counts else 1.0
+        if self.inner_step == self._joined_at:
+            weight = 0.0  # it joined at this exchange: it has trained nothing to contribute yet
+        else:
+            weight = self._counted - fragment.counted_at_send if self._counts else 1.0
         fragment.counted_at_send = self._counted
         return weight
 
     def _send(self, fragment: _Fragment) -> None:
+        counted_before = fragment.counted_at_send
+        residual_before = None if fragment.feedback is None else fragment.feedback.residual
         weight = self._weight(fragment)
         with torch.no_grad():
             delta = torch.cat(
@@ -264,18 +311,39 @@ class DiLoCo:
         nonfinite = int((~torch.isfinite(delta)).sum())
         if nonfinite:
             delta.zero_()  # sent as zeros; the count in the payload fails the exchange everywhere
+        summed = fragment.feedback is None or not self.exchange.gathers
         if fragment.feedback is None:
-            buffer = self._summed_payload(delta, weight, nonfinite)
-            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            self.sent_bytes += buffer.numel() * 4
-            self.received_bytes += buffer.numel() * 4
+            payload = self._summed_payload(delta, weight, nonfinite)
+        elif summed:
+            values = self._dequantized(fragment.feedback, delta, nonfinite)
+            payload = self._summed_payload(values, weight, nonfinite)
         else:
-            mine = self._quantized_payload(fragment.feedback, delta, weight, nonfinite)
-            buffer = torch.empty(self.replicas * mine.numel(), dtype=torch.uint8, device=mine.device)
-            work = _all_gather_single(buffer, mine, group=self.group, async_op=True)
-            self.sent_bytes += mine.numel()
-            self.received_bytes += buffer.numel()
-        fragment.pending = _Exchange(self.inner_step + self.delay, work, buffer, weight)
+            payload = self._quantized_payload(fragment.feedback, delta, weight, nonfinite)
+        with self.exchange.at_boundary():
+            landing = self.exchange.sum(payload) if summed else self.exchange.gather(payload)
+        if summed:
+            self.sent_bytes += payload.numel() * 4
+            self.received_bytes += payload.numel() * 4
+        else:
+            self.sent_bytes += payload.numel()
+            self.received_bytes += self.replicas * payload.numel()
+        exchange = _Exchange(self.inner_step + self.delay, landing, None, weight, summed)
+        if self.exchange.heals:  # its result is in already, or the exchange was discarded
+            result = landing.wait()
+            if result is None:
+                # No replica applies it: what it carried is still in Δ and is sent next time.
+                fragment.counted_at_send = counted_before
+                if fragment.feedback is not None:
+                    fragment.feedback.residual = residual_before
+                self.discarded += 1
+                log.warning(
+                    "outer step of parameters %s.. at inner step %d discarded on every replica",
+                    fragment.names[0],
+                    self.inner_step,
+                )
+                return
+            exchange = dataclasses.replace(exchange, landing=None, result=result)
+        fragment.pending = exchange
 
     def _summed_payload(self, delta: torch.Tensor, weight: float, nonfinite: int) -> torch.Tensor:
         """[w·Δ, w, one slot per replica: this one's count of non-finite values]: summed by the
@@ -284,6 +352,15 @@ class DiLoCo:
         extra[0] = weight
         extra[1 + self.rank] = nonfinite
         return torch.cat([delta * weight if weight != 1.0 else delta, extra])
+
+    @staticmethod
+    def _dequantized(feedback: ErrorFeedback, delta: torch.Tensor, nonfinite: int) -> torch.Tensor:
+        """What the quantized payload of Δ + the kept error decodes to (the error it left kept):
+        summed as float32 by an exchange that offers no gather."""
+        if nonfinite:
+            return delta
+        payload = feedback.encode(delta)
+        return decode(payload, feedback.format, delta.numel(), feedback.block)
 
     def _quantized_payload(
         self, feedback: ErrorFeedback, delta: torch.Tensor, weight: float, nonfinite: int
@@ -307,17 +384,19 @@ class DiLoCo:
     def _average(self, fragment: _Fragment, exchange: _Exchange) -> torch.Tensor:
         """Σ wᵢΔᵢ / Σ wᵢ from the exchange's result, the same bits on every replica."""
         numel = fragment.numel
-        if fragment.feedback is None:
-            buffer = exchange.buffer
+        buffer = exchange.result if exchange.landing is None else exchange.landing.wait()
+        assert buffer is not None  # a discarded exchange is never pending
+        if exchange.summed:
             total_weight = float(buffer[numel])
             _refuse_nonfinite([int(c) for c in buffer[numel + 1 :].tolist()], fragment, self.inner_step)
             summed = buffer[:numel]
         else:
-            pieces = exchange.buffer.view(self.replicas, -1)
+            assert fragment.feedback is not None
+            pieces = buffer.view(self.replicas, -1)
             headers = pieces[:, :_HEADER].clone().view(torch.float32).cpu()
             _refuse_nonfinite([int(c) for c in headers[:, 1].tolist()], fragment, self.inner_step)
             size = encoded_size(fragment.feedback.format, numel, fragment.feedback.block)
-            summed = torch.zeros(numel, dtype=torch.float32, device=exchange.buffer.device)
+            summed = torch.zeros(numel, dtype=torch.float32, device=buffer.device)
             total_weight = 0.0
             for replica in range(self.replicas):  # rank order: the same sum everywhere
                 weight = float(headers[replica, 0])
@@ -341,8 +420,6 @@ class DiLoCo:
         exchange = fragment.pending
         assert exchange is not None
         fragment.pending = None
-        if exchange.work is not None:
-            exchange.work.wait()
         average = self._average(fragment, exchange)
         with torch.no_grad():
             offset = 0
@@ -358,6 +435,101 @@ class DiLoCo:
                 else:
                     local.mul_(self.keep_local).add_(weight, alpha=1.0 - self.keep_local)
         self.outer_steps += 1
+
+    # --- the state a joining replica takes (ft) -------------------------------------------------
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        """Every fragment's global weights, outer optimizer state, kept quantization error and
+        landed average not yet applied, by name (`outer/F/...`), no copies."""
+        tensors: dict[str, torch.Tensor] = {}
+        for index, fragment in enumerate(self._fragments):
+            for name, weight in zip(fragment.names, fragment.global_weights, strict=True):
+                tensors[f"outer/{index}/global/{name}"] = weight
+            for param, state in fragment.outer.state_dict()["state"].items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"outer/{index}/optimizer/{param}/{key}"] = value
+            if fragment.feedback is not None and fragment.feedback.residual is not None:
+                tensors[f"outer/{index}/residual"] = fragment.feedback.residual
+            if fragment.pending is not None and fragment.pending.result is not None:
+                tensors[f"outer/{index}/pending"] = fragment.pending.result
+        return tensors
+
+    def outer_extra(self) -> dict[str, Any]:
+        """The rest of the outer state: where the loop is and the optimizers' other values."""
+        return {
+            "inner_step": self.inner_step,
+            "outer_steps": self.outer_steps,
+            "sending": self._sending,
+            "counts": self._counts,
+            "optimizers": [
+                {
+                    f"{param}/{key}": value
+                    for param, state in fragment.outer.state_dict()["state"].items()
+                    for key, value in state.items()
+                    if not isinstance(value, torch.Tensor)
+                }
+                for fragment in self._fragments
+            ],
+            "pending": {
+                str(index): [fragment.pending.due, fragment.pending.own_weight, fragment.pending.summed]
+                for index, fragment in enumerate(self._fragments)
+                if fragment.pending is not None
+            },
+        }
+
+    def load_outer(self, tensors: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Takes what `outer_tensors` and `outer_extra` gave on another replica, as it was."""
+        if len(extra["optimizers"]) != len(self._fragments):
+            raise FailedPreconditionError(
+                f"the state taken has {len(extra['optimizers'])} fragments, this replica "
+                f"{len(self._fragments)}: every replica must run with the same settings"
+            )
+        for index, fragment in enumerate(self._fragments):
+            prefix = f"outer/{index}/"
+            with torch.no_grad():
+                for name, weight in zip(fragment.names, fragment.global_weights, strict=True):
+                    weight.copy_(torch.as_tensor(tensors[f"{prefix}global/{name}"]))
+            state: dict[int, dict[str, Any]] = {}
+            for name, value in tensors.items():
+                if name.startswith(f"{prefix}optimizer/"):
+                    param, key = name.removeprefix(f"{prefix}optimizer/").split("/", 1)
+                    state.setdefault(int(param), {})[key] = torch.as_tensor(value).clone()
+            for name, value in extra["optimizers"][index].items():
+                param, key = name.split("/", 1)
+                state.setdefault(int(param), {})[key] = value
+            fragment.outer.load_state_dict(
+                {"state": state, "param_groups": fragment.outer.state_dict()["param_groups"]}
+            )
+            if fragment.feedback is not None:
+                residual = tensors.get(f"{prefix}residual")
+                fragment.feedback.residual = None if residual is None else torch.as_tensor(residual).clone()
+            pending = extra["pending"].get(str(index))
+            fragment.pending = None
+            if pending is not None:
+                result = torch.as_tensor(tensors[f"{prefix}pending"]).clone()
+                due, own, summed = int(pending[0]), float(pending[1]), bool(pending[2])
+                fragment.pending = _Exchange(due, None, result, own, summed)
+        self.inner_step = int(extra["inner_step"])
+        self.outer_steps = int(extra["outer_steps"])
+        self._sending = int(extra["sending"])
+        self._counts = bool(extra["counts"])
+
+    def _joined(self) -> int:
+        """After a live replica's state was taken (and checked): this replica begins its inner
+        phase from the global weights, with no error kept and nothing counted (what the donor
+        trained since its last exchange, and the error it kept, are the donor's to send), and
+        weighs 0 in the exchange it joins at. The fragment whose exchange it joins at."""
+        with torch.no_grad():
+            for fragment in self._fragments:
+                for weight, param in zip(fragment.global_weights, fragment.params, strict=True):
+                    _local(param).copy_(weight)
+                if fragment.feedback is not None:
+                    fragment.feedback.residual = None
+                fragment.counted_at_send = 0.0
+        self._counted = 0.0
+        self._joined_at = self.inner_step
+        return self._sending
 
 
 def _split(params: list[tuple[str, torch.Tensor]], parts: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -380,50 +552,6 @@ def _split(params: list[tuple[str, torch.Tensor]], parts: int) -> Iterator[list[
             end = len(params)
         yield params[start:end]
         start = end
-
-
-def _structure_digest(params: list[tuple[str, torch.Tensor]]) -> int:
-    text = ";".join(f"{name}:{p.dtype}:{tuple(_local(p).shape)}" for name, p in params)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-
-
-def _check_identical(
-    params: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, rank: int, replicas: int
-) -> None:
-    """Refuses replicas whose parameters differ (names, shapes, dtypes or any byte), naming the
-    first parameter that does and the replicas whose copy differs from replica 0's; every replica
-    raises the same error."""
-    structures = _gather(
-        torch.tensor([_structure_digest(params), len(params)], dtype=torch.int64), group, replicas
-    )
-    differing = [r for r in range(replicas) if not torch.equal(structures[r], structures[0])]
-    if differing:
-        raise FailedPreconditionError(
-            f"replica {rank}: the models differ in their parameters' names, shapes or dtypes: replicas "
-            f"{differing} against replica 0 ({len(params)} parameters here)"
-        )
-    digests = torch.tensor(
-        [
-            zlib.crc32(_local(p).detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-            for _, p in params
-        ],
-        dtype=torch.int64,
-    )
-    gathered = _gather(digests, group, replicas)
-    for index, (name, _) in enumerate(params):
-        differing = [r for r in range(replicas) if gathered[r, index] != gathered[0, index]]
-        if differing:
-            raise FailedPreconditionError(
-                f"replica {rank}: parameter {name!r} differs across replicas at the start (replicas "
-                f"{differing} against replica 0): every replica must start from the same weights "
-                "(seed the model's initialisation, or load one checkpoint)"
-            )
-
-
-def _gather(values: torch.Tensor, group: dist.ProcessGroup | None, replicas: int) -> torch.Tensor:
-    out = torch.empty(replicas * values.numel(), dtype=values.dtype)
-    _all_gather_single(out, values, group=group)
-    return out.view(replicas, -1)
 
 
 def _refuse_nonfinite(counts: list[int], fragment: _Fragment, inner_step: int) -> None:

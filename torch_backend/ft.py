@@ -20,6 +20,10 @@ the step from a live rank (gradserver.worker.recovery: checked byte for byte) an
 the next step. The coordinator must run with `--on-worker-loss continue` (`gradserver run
 --restart-lost K` starts it so, and restarts lost ranks).
 
+Over slow links, `job.diloco(sync_every=H, ...)` runs outer steps (DiLoCo) instead: each
+fragment's exchange is one fault-tolerant step, and a replacement joins at the next exchange
+(`_ft_exchange`, docs/fault-tolerance.md).
+
 No torch.distributed process group is needed: DDP runs over a private group of one (its start-up
 broadcasts are local), and every cross-rank byte goes through gradserver. Settings come from the
 environment as for the torch backend (GRADSERVER_COORDINATOR, GRADSERVER_AUTH_TOKEN, TLS; RANK
@@ -37,7 +41,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -67,6 +71,10 @@ from gradserver.worker import (
 )
 
 from ._settings import launcher_rank, rank_settings, replica_group_index
+
+if TYPE_CHECKING:
+    from ._ft_exchange import FtExchange
+    from .diloco import DiLoCo
 
 __all__ = ["Replica", "load_state", "state_tensors"]
 
@@ -211,6 +219,9 @@ class Replica:
         self.committed = 0  # steps applied
         self.contributors: int | None = None  # ranks the last step was averaged over
         self.healed: RecoveredState | None = None  # the state taken when it joined a running job
+        self._outer: FtExchange | None = None  # outer steps (`diloco`): their state is part of the replica's
+        # A healed state with outer steps' state, loaded and checked once `diloco` builds them.
+        self._healed_outer: tuple[RecoveredState, dict[str, Any]] | None = None
         self._error: GradServerError | None = None
         self._pending: queue.Queue[list[tuple[torch.futures.Future[torch.Tensor], Any]] | None] = (
             queue.Queue()
@@ -249,6 +260,8 @@ class Replica:
         that take part in each step (`options` go to DDP; not `process_group`)."""
         if "process_group" in options:
             raise InvalidArgumentError("ft.Replica.ddp chooses its own process_group")
+        if self._outer is not None:
+            raise FailedPreconditionError("ft.Replica.ddp: this replica already runs outer steps (diloco)")
         wrapped = torch.nn.parallel.DistributedDataParallel(
             self.model, process_group=_private_group(), **options
         )
@@ -261,6 +274,26 @@ class Replica:
         wrapped.register_comm_hook(None, hook)
         self._hooked = True
         return wrapped
+
+    def diloco(self, **options: Any) -> DiLoCo:
+        """Outer steps (DiLoCo, `gradserver.torch.diloco`) over this job instead of a step per
+        batch: the model trains alone with the optimizer given here (the inner one), and each
+        exchange of a fragment's pseudo-gradient is one fault-tolerant step, averaged over the
+        replicas that take part. A replica that joins the running job takes a live one's state
+        (outer state included) at an exchange and takes part from there. `options` go to
+        `DiLoCo` (sync_every, fragments, delay, keep_local, quantize, block, outer_optimizer);
+        use it as `with job.diloco(sync_every=H) as outer:` and `for step in outer.steps(N):`."""
+        from ._ft_exchange import FtExchange
+        from .diloco import DiLoCo
+
+        for taken in ("group", "exchange"):
+            if taken in options:
+                raise InvalidArgumentError(f"ft.Replica.diloco chooses its own {taken}")
+        if self._hooked:
+            raise FailedPreconditionError("ft.Replica.diloco: this replica already averages through ddp()")
+        if self._outer is not None:
+            raise FailedPreconditionError("ft.Replica.diloco: this replica already runs outer steps")
+        return DiLoCo(self.model, self.optimizer, exchange=FtExchange(self), **options)
 
     def steps(self, total: int) -> Iterator[int]:
         """The steps to run, from where this replica is (a healed one starts past 0) to `total`."""
@@ -509,6 +542,16 @@ class Replica:
     # --- state ----------------------------------------------------------------------------------
 
     def _snapshot(self) -> StateSnapshot:
+        if self._outer is not None:
+            # With outer steps, the state is whole only while this replica is held at an exchange
+            # (the inner steps change it between them): anything else is never served.
+            step = self._outer.offered_step()
+            if step != self.step:
+                return StateSnapshot(step, {})
+            outer = self._outer.extra()
+            extra = {"step": step, "optimizer": _optimizer_extra(self.optimizer), "outer": outer}
+            tensors = state_tensors(self.model, self.optimizer) | self._outer.tensors()
+            return StateSnapshot(step, tensors, encode_extra(extra))
         extra = {"step": self.step, "optimizer": _optimizer_extra(self.optimizer)}
         return StateSnapshot(self.step, state_tensors(self.model, self.optimizer), encode_extra(extra))
 
@@ -517,15 +560,16 @@ class Replica:
         donors) as the ranks of a new job agreed."""
         got = self.healed = self.client.recover(at=at)
         extra = decode_extra(got.extra)
+        outer = extra.get("outer")
         with self.client.updating_state():
             load_state(self.model, self.optimizer, got.tensors, dict(extra.get("optimizer", {})))
             self.step = got.step
-        loaded = state_digest(state_tensors(self.model, self.optimizer))
-        if loaded != got.digest:
-            raise FailedPreconditionError(
-                f"the state taken from rank {got.donor} at step {got.step} loaded as digest "
-                f"{loaded:#018x}, not its {got.digest:#018x}"
-            )
+            if outer is not None and self._outer is not None:
+                self._outer.load(got.tensors, dict(outer))
+        if outer is not None and self._outer is None:
+            self._healed_outer = (got, dict(outer))  # `diloco` loads and checks it
+        else:
+            self._check_healed(got)
         who = "replica group" if self.replica_group is not None else "rank"
         log.warning(
             "%s %d joined the running job at step %d: took the state from %s %d (%d bytes, %.2f s)",
@@ -537,6 +581,18 @@ class Replica:
             got.nbytes,
             got.seconds,
         )
+
+    def _check_healed(self, got: RecoveredState) -> None:
+        """The state loaded is the donor's, byte for byte (its digest covers every tensor)."""
+        tensors = state_tensors(self.model, self.optimizer)
+        if self._outer is not None:
+            tensors |= self._outer.tensors()
+        loaded = state_digest(tensors)
+        if loaded != got.digest:
+            raise FailedPreconditionError(
+                f"the state taken from rank {got.donor} at step {got.step} loaded as digest "
+                f"{loaded:#018x}, not its {got.digest:#018x}"
+            )
 
     @staticmethod
     def _connect(coordinator: str | None, timeout: float | Timeouts | None, grouped: bool) -> WorkerClient:

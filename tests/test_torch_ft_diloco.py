@@ -1,0 +1,228 @@
+"""Outer steps (DiLoCo) over `gradserver.torch.ft`, as a user runs them: `gradserver run --workers 3
+--restart-lost 1 -- python examples/diloco_ft.py`, faults injected by
+tests/helpers/ft_diloco_rank.py (keyed by rank and inner step). Each exchange is one
+fault-tolerant step: without a fault the global weights are bit-identical on every replica after
+every outer step and equal to the process-group DiLoCo's (examples/diloco.py, same seeds); a rank
+killed mid-inner-phase is restarted, the others' exchanges meanwhile are averaged over the two of
+them, the replacement takes a live rank's state at the next exchange and joins there, and every
+rank ends with the same global weights, at the fault-free run's loss. In one process: bad input
+refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
+from gradserver.torch import ft
+from gradserver.torch.diloco import DiLoCo
+
+from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
+
+STARTED = re.compile(r"started (rank \d+) \(pid (\d+)\)")
+OUTER = re.compile(r"rank (\d) outer (\d+) at inner step (\d+): global (0x[0-9a-f]+), averaged over (\d+)")
+FINAL = re.compile(
+    r"rank (\d): (\d+) inner steps, (\d+) outer steps \((\d+) discarded\), global sha256 ([0-9a-f]+), "
+    r"held-out loss (\S+)"
+)
+JOINED = re.compile(
+    r"rank (\d): joined the running job at exchange (\d+) \(inner step (\d+)\), state from rank (\d)"
+)
+
+
+@contextlib.contextmanager
+def _run(processes: ProcessGroup, name: str, *command: str, workers: int = 3) -> Iterator[ManagedProcess]:
+    run = processes.gradserver(
+        "run",
+        "--workers",
+        str(workers),
+        "--restart-lost",
+        "1",
+        "--",
+        *command,
+        name=name,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    try:
+        yield run
+    finally:
+        run.ensure_ended()
+        for pid in {int(m[2]) for m in map(STARTED.search, run.lines) if m}:
+            if pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _faulty(*flags: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "tests.helpers.ft_diloco_rank", *flags)
+
+
+def _example(*flags: str) -> tuple[str, ...]:
+    return (sys.executable, str(ROOT / "examples" / "diloco_ft.py"), *flags)
+
+
+def _one_state(run: ManagedProcess, steps: int) -> tuple[str, float]:
+    """Every rank ended at `steps` with the same global weights: their sha256 and held-out loss."""
+    finals = {
+        int(m[1]): (m[5], float(m[6])) for m in map(FINAL.search, run.lines) if m and int(m[2]) == steps
+    }
+    assert sorted(finals) == [0, 1, 2], run.output
+    assert len(set(finals.values())) == 1, finals
+    return finals[0]
+
+
+def _digests_agree(run: ManagedProcess) -> dict[int, set[int]]:
+    """Every outer step's global digest, equal on every rank that printed it: the ranks that did,
+    by outer step."""
+    seen: dict[int, dict[int, str]] = {}
+    for m in filter(None, map(OUTER.search, run.lines)):
+        seen.setdefault(int(m[2]), {})[int(m[1])] = m[4]
+    for outer, digests in seen.items():
+        assert len(set(digests.values())) == 1, (outer, digests)
+    return {outer: set(digests) for outer, digests in seen.items()}
+
+
+@pytest.mark.timeout(240)
+def test_without_a_fault_the_global_weights_are_identical_and_those_of_the_process_group(
+    processes: ProcessGroup,
+) -> None:
+    flags = ("--steps", "100", "--sync-every", "20")
+    with (
+        _run(processes, "ft", *_example(*flags)) as ft_run,
+        _run(processes, "pg", sys.executable, str(ROOT / "examples" / "diloco.py"), *flags) as pg_run,
+    ):
+        assert ft_run.wait(180) == 0, ft_run.output
+        assert pg_run.wait(180) == 0, pg_run.output
+    by_outer = _digests_agree(ft_run)
+    assert by_outer == {outer: {0, 1, 2} for outer in range(1, 6)}, by_outer
+    sha256, _ = _one_state(ft_run, 100)
+    process_group = set(re.findall(r'"param_sha256": "([0-9a-f]+)"', pg_run.output))
+    assert process_group == {sha256}, (process_group, sha256)
+    assert all(int(m[5]) == 3 for m in map(OUTER.search, ft_run.lines) if m)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_mid_inner_phase_rejoins_at_the_next_exchange_at_the_fault_free_loss(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """Rank 1 dies in inner step 250 (period 13, exchanges every 20 steps); ranks 0 and 2 hold at
+    inner step 270 until its replacement asks for their state, so that it joins mid-job (it would
+    otherwise start after they finished: a test of the heal, not of how fast a process starts).
+    The replacement takes the state at the exchange of inner step 280 and takes part from there."""
+    flags = ("--steps", "600", "--sync-every", "20", "--decay", "--noise", "0.1", "--batch", "256")
+    faults = ("--die", "1:250:inner", "--hold", f"0,2:270:{tmp_path / 'joined'}")
+    with (
+        _run(processes, "faulty", *_faulty(*faults, *flags)) as faulty,
+        _run(processes, "fault-free", *_example(*flags)) as fault_free,
+    ):
+        faulty.wait_for(r"rank 1: dying in inner step 250", timeout=120)
+        faulty.wait_for(r"^run: rank 1 was killed by SIGKILL; starting it again", 60)
+        joined = faulty.wait_for(JOINED.pattern, 120)
+        assert (int(joined[2]), int(joined[3])) == (13, 280) and joined[4] in ("0", "2"), joined[0]
+        assert faulty.wait(180) == 0, faulty.output
+        assert fault_free.wait(180) == 0, fault_free.output
+    assert faulty.lines[-1] == "run: all 3 ranks finished", faulty.output
+    by_outer = _digests_agree(faulty)
+    # The exchanges while rank 1 was gone were averaged over the two others.
+    assert re.search(r"rank [02] outer 13 at inner step 260: .*averaged over 2", faulty.output), faulty.output
+    assert by_outer[16] == {0, 1, 2}, by_outer
+    _, loss = _one_state(faulty, 600)
+    _, fault_free_loss = _one_state(fault_free, 600)
+    print(f"held-out loss: {loss:.6f} with the fault, {fault_free_loss:.6f} without")
+    assert abs(loss - fault_free_loss) <= 0.01 * fault_free_loss
+
+
+@pytest.mark.timeout(240)
+def test_streaming_int8_survives_a_rank_killed_after_it_sent_its_payload(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """int8 with error feedback, 2 fragments (exchanges at inner steps 10 and 20 of each period),
+    delay 3, keep_local 0.5: rank 1 dies with its payload of the exchange at inner step 50 sent.
+    The replacement joins at a fragment's exchange, with the averages still to be applied taken
+    from its donor, and every rank ends with the same global weights."""
+    flags = (
+        *("--steps", "200", "--sync-every", "20", "--quantize", "int8"),
+        *("--fragments", "2", "--delay", "3", "--keep-local", "0.5"),
+    )
+    faults = ("--die", "1:50:exchange", "--hold", f"0,2:75:{tmp_path / 'joined'}")
+    with _run(processes, "faulty", *_faulty(*faults, *flags)) as faulty:
+        faulty.wait_for(r"rank 1: dying in exchange 4, its payload sent", timeout=120)
+        joined = faulty.wait_for(JOINED.pattern, 180)
+        assert (int(joined[2]), int(joined[3])) == (7, 80), joined[0]
+        assert faulty.wait(180) == 0, faulty.output
+    by_outer = _digests_agree(faulty)
+    assert by_outer[19] == {0, 1, 2}, by_outer  # the 20th lands in close()
+    _, loss = _one_state(faulty, 200)
+    assert loss < 0.01
+
+
+STARTED_COORDINATOR = re.compile(r"started coordinator \(pid (\d+)\)")
+
+
+@pytest.mark.timeout(240)
+def test_the_coordinator_killed_is_restarted_and_the_replicas_rejoin_and_go_on(
+    processes: ProcessGroup,
+) -> None:
+    with _run(processes, "ft", *_example("--steps", "400", "--sync-every", "20")) as run:
+        run.wait_for(r"rank 1 outer 5 at inner step 100", timeout=120)
+        coordinator = [int(m[1]) for m in map(STARTED_COORDINATOR.search, run.lines) if m][-1]
+        os.kill(coordinator, signal.SIGKILL)
+        run.wait_for(r"^run: coordinator was killed by SIGKILL; starting it again on its port", 30)
+        for rank in range(3):
+            run.wait_for(
+                rf"rank {rank} rejoined the restarted coordinator; the job goes on from step \d+", 120
+            )
+        assert run.wait(180) == 0, run.output
+    assert run.lines[-1] == "run: all 3 ranks finished", run.output
+    assert _digests_agree(run)[20] == {0, 1, 2}
+    _one_state(run, 400)
+
+
+def _train_into_nan(outer: DiLoCo, model: torch.nn.Module, inner: torch.optim.Optimizer) -> None:
+    """Two inner steps (one outer step), the second of which makes the weights NaN."""
+    for step in outer.steps(2):
+        loss = model(torch.ones(2, 4)).sum() * (float("nan") if step == 1 else 1.0)
+        loss.backward()
+        inner.step()
+        inner.zero_grad()
+
+
+def test_bad_input_is_refused_by_name(coordinator) -> None:
+    server = coordinator(world_size=1, on_worker_loss="continue")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ft.Replica(model, inner, coordinator=server.address, timeout=20.0) as job:
+        with pytest.raises(InvalidArgumentError, match="sync_every must be at least 1 inner step, got 0"):
+            job.diloco(sync_every=0)
+        with pytest.raises(InvalidArgumentError, match="unknown quantization format 'int3'"):
+            job.diloco(sync_every=4, quantize="int3")
+        with pytest.raises(InvalidArgumentError, match=re.escape("ft.Replica.diloco chooses its own group")):
+            job.diloco(sync_every=4, group=None)
+        with pytest.raises(InvalidArgumentError, match="DiLoCo takes a group or an exchange, not both"):
+            DiLoCo(model, inner, sync_every=4, group=object(), exchange=object())  # type: ignore[arg-type]
+        outer = job.diloco(sync_every=2)
+        with pytest.raises(FailedPreconditionError, match="this replica already runs outer steps"):
+            job.diloco(sync_every=2)
+        with outer, pytest.raises(FailedPreconditionError) as refused:
+            _train_into_nan(outer, model, inner)
+        assert re.search(
+            r"outer step at inner step 2: the pseudo-gradient of parameters 0\.weight\.\.2\.bias holds NaN "
+            r"or Inf on replicas 0 \(\d+ values\)",
+            str(refused.value),
+        ), refused.value
+    second = coordinator(world_size=1, on_worker_loss="continue")
+    other = ft.Replica(model, inner, coordinator=second.address, timeout=20.0)
+    with other:
+        other.ddp()
+        with pytest.raises(FailedPreconditionError, match="this replica already averages through ddp"):
+            other.diloco(sync_every=2)

@@ -1,0 +1,90 @@
+"""The seam between DiLoCo's outer steps and what carries their averages across replicas.
+
+DiLoCo (diloco.py) builds each fragment's payload and turns the result into the outer gradient;
+an `OuterExchange` only moves the payload: a SUM of a float32 vector over the replicas, or a
+gather of every replica's bytes in rank order. Two implementations, each in its own module:
+
+- `_pg_exchange.ProcessGroupExchange`: a torch.distributed process group (the "gradserver"
+  backend): an async SUM all_reduce or all_gather, waited for when the outer step is due. A lost
+  rank ends the job.
+- `_ft_exchange.FtExchange`: an `ft.Replica`'s WorkerClient: each exchange is one fault-tolerant
+  step of the coordinator, summed over the replicas that take part and committed behind a barrier;
+  a step that failed is discarded by every replica (`Landing.wait` gives None), and a replica
+  that joins the running job takes a live one's state, outer state included, at an exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+
+class Landing(Protocol):
+    """One exchange on its way."""
+
+    def wait(self) -> torch.Tensor | None:
+        """The exchange's result (the summed vector, or every replica's bytes one row each), the
+        same bytes on every replica; None when the exchange was discarded by every replica."""
+        ...
+
+
+class OuterState(Protocol):
+    """What an exchange that heals replicas needs of DiLoCo: its state at an exchange."""
+
+    def outer_tensors(self) -> dict[str, torch.Tensor]:
+        """The outer state's tensors by name (`outer/...`), no copies."""
+        ...
+
+    def outer_extra(self) -> dict[str, Any]:
+        """The outer state's other values (JSON-friendly)."""
+        ...
+
+    def load_outer(self, tensors: dict[str, Any], extra: dict[str, Any]) -> None:
+        """Takes what `outer_tensors` and `outer_extra` gave on another replica."""
+        ...
+
+
+class OuterExchange(Protocol):
+    """Moves DiLoCo's payloads between the replicas (see the module's docstring)."""
+
+    replicas: int  # the replicas a payload has a slot for (the world)
+    rank: int  # this replica's slot
+    gathers: bool  # whether `gather` is offered: else quantized payloads are summed dequantized
+    heals: bool  # results land at once (or the exchange is discarded), and replicas join at one
+
+    def check_identical(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """Refuses replicas that start from different parameters, naming the first that differs."""
+        ...
+
+    def sum(self, vector: torch.Tensor) -> Landing:
+        """The SUM of `vector` (float32) over the replicas taking part."""
+        ...
+
+    def gather(self, piece: torch.Tensor) -> Landing:
+        """Every replica's `piece` (uint8, the same size everywhere), in rank order."""
+        ...
+
+    def attach(self, state: OuterState) -> bool:
+        """Tells the exchange whose outer state it carries (a heal takes it). True: this replica
+        joined a running job and `state` now holds a live replica's, taken at that replica's
+        exchange (checked byte for byte), which this one takes part in next."""
+        ...
+
+    def at_boundary(self) -> contextlib.AbstractContextManager[None]:
+        """Held from the moment an exchange's payload is built until its result is in: the
+        state is then at the exchange's boundary, which a joining replica may take."""
+        ...
+
+
+class Resumed(Exception):
+    """Raised out of an exchange when this replica took a live replica's state meanwhile (it
+    rejoined a restarted coordinator behind the others): DiLoCo goes on from that state."""
+
+
+@contextlib.contextmanager
+def nothing_held() -> Iterator[None]:
+    """`at_boundary` of an exchange that heals no replica."""
+    yield

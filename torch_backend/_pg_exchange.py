@@ -1,0 +1,116 @@
+"""DiLoCo's exchange over a torch.distributed process group (the "gradserver" backend).
+
+A SUM payload is one async SUM all_reduce, a quantized one an async all_gather of bytes; both are
+waited for only when the outer step is due, so the exchange runs while the inner steps do. A lost
+rank fails the collective and ends the job (for outer steps that survive one: `_ft_exchange`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from gradserver.common.errors import FailedPreconditionError
+
+from ._outer_exchange import OuterState, nothing_held
+
+# torch 2.13 renamed all_gather_into_tensor (which it warns about); older ones have only that.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) value; a plain tensor as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+@dataclasses.dataclass
+class _Collective:
+    """A collective in flight and the buffer its result lands in."""
+
+    work: dist.Work
+    buffer: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buffer
+
+
+class ProcessGroupExchange:
+    """Exchanges over `group` (None: the default group), one rank per replica."""
+
+    gathers = True
+    heals = False
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.replicas = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def check_identical(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        _check_identical(params, self.group, self.rank, self.replicas)
+
+    def sum(self, vector: torch.Tensor) -> _Collective:
+        work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Collective(work, vector)
+
+    def gather(self, piece: torch.Tensor) -> _Collective:
+        buffer = torch.empty(self.replicas * piece.numel(), dtype=torch.uint8, device=piece.device)
+        work = _all_gather_single(buffer, piece, group=self.group, async_op=True)
+        return _Collective(work, buffer)
+
+    def attach(self, state: OuterState) -> bool:
+        """Nothing to carry: a lost rank ends the job, no replica joins one."""
+        return False
+
+    def at_boundary(self) -> contextlib.AbstractContextManager[None]:
+        return nothing_held()
+
+
+def _structure_digest(params: list[tuple[str, torch.Tensor]]) -> int:
+    text = ";".join(f"{name}:{p.dtype}:{tuple(_local(p).shape)}" for name, p in params)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _check_identical(
+    params: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, rank: int, replicas: int
+) -> None:
+    """Refuses replicas whose parameters differ (names, shapes, dtypes or any byte), naming the
+    first parameter that does and the replicas whose copy differs from replica 0's; every replica
+    raises the same error."""
+    structures = _gather(
+        torch.tensor([_structure_digest(params), len(params)], dtype=torch.int64), group, replicas
+    )
+    differing = [r for r in range(replicas) if not torch.equal(structures[r], structures[0])]
+    if differing:
+        raise FailedPreconditionError(
+            f"replica {rank}: the models differ in their parameters' names, shapes or dtypes: replicas "
+            f"{differing} against replica 0 ({len(params)} parameters here)"
+        )
+    digests = torch.tensor(
+        [
+            zlib.crc32(_local(p).detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+            for _, p in params
+        ],
+        dtype=torch.int64,
+    )
+    gathered = _gather(digests, group, replicas)
+    for index, (name, _) in enumerate(params):
+        differing = [r for r in range(replicas) if gathered[r, index] != gathered[0, index]]
+        if differing:
+            raise FailedPreconditionError(
+                f"replica {rank}: parameter {name!r} differs across replicas at the start (replicas "
+                f"{differing} against replica 0): every replica must start from the same weights "
+                "(seed the model's initialisation, or load one checkpoint)"
+            )
+
+
+def _gather(values: torch.Tensor, group: dist.ProcessGroup | None, replicas: int) -> torch.Tensor:
+    out = torch.empty(replicas * values.numel(), dtype=values.dtype)
+    _all_gather_single(out, values, group=group)
+    return out.view(replicas, -1)
