@@ -53,6 +53,10 @@ _CLIENT_SETTINGS: dict[str, dict[str, str]] = {
         "deprecated_env": "GRADSERVER_TLS_KEY",
     },
     "tls_server_name": {"help": "name to check the coordinator's certificate against"},
+    "wire_dtype": {
+        "help": "what gradients (floating-point sums and averages) travel as: float32, bfloat16 or "
+        "float16, the same on every worker; integers and byte-moving collectives stay exact"
+    },
 }
 
 

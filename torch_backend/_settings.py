@@ -36,14 +36,9 @@ class RankSettings:
         default=False,
         metadata={"help": "torch backend: a collective with NaN or Inf fails, naming the rank and element"},
     )
-    wire_dtype: str = dataclasses.field(
-        default="float32",
-        metadata={
-            "help": "torch backend: what floating-point SUM/AVG all_reduce and reduce_scatter values travel "
-            "as: float32, bfloat16 or float16 (the same on every rank; integers, other ops and the "
-            "byte-moving collectives stay exact); a 16-bit wire is for networks (no shared memory)"
-        },
-    )
+    # What it covers for a rank: SUM/AVG all_reduce and reduce_scatter of floating tensors; a
+    # 16-bit wire turns shared memory off (docs/torch.md, "A 16-bit wire").
+    wire_dtype: str = client_setting("wire_dtype", "float32")
     ft_reconnect_timeout: float = dataclasses.field(
         default=60.0,
         metadata={

@@ -3,7 +3,9 @@
 
 Format 2 also records who wrote it (the node id, or `rank{r}` where ranks are fixed) and the job
 fingerprint, so a resume can refuse another worker's checkpoint or another job's. Format 1 files
-(without them) still load, with both left empty."""
+(without them) still load, with both left empty. A job with outer steps (train/outer_steps.py) adds
+`outer`: the global weights and each fragment's outer optimizer state; without it the key is absent
+and `outer_state` loads empty."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class Checkpoint:
     optimizer_state: dict[str, Any]
     node_id: str = ""
     fingerprint: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    outer_state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 FORMATS = (1, 2)
@@ -43,6 +46,7 @@ def save_checkpoint(
     *,
     node_id: str = "",
     fingerprint: Mapping[str, str] | None = None,
+    outer_state: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes atomically (a temporary file renamed over the target)."""
     path = Path(path)
@@ -57,6 +61,8 @@ def save_checkpoint(
         "node_id": node_id,
         "fingerprint": dict(fingerprint or {}),
     }
+    if outer_state is not None:
+        payload["outer"] = dict(outer_state)
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -80,4 +86,5 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         optimizer_state=payload["optimizer"],
         node_id=str(payload.get("node_id", "")),
         fingerprint={str(k): str(v) for k, v in payload.get("fingerprint", {}).items()},
+        outer_state=dict(payload.get("outer", {})),
     )

@@ -91,6 +91,7 @@ _NON_NEGATIVE = (
     "timeout",
     "reconnect_timeout",
     "check_state_every",
+    "outer_steps",
 )
 
 
@@ -150,6 +151,27 @@ class WorkerConfig:
             )
         },
     )
+    outer_steps: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": (
+                "train: DiLoCo outer steps: H inner steps without averaging, then the weights' change "
+                "is averaged and an outer optimizer steps (0: off, average every step); --steps then "
+                "counts inner steps"
+            )
+        },
+    )
+    fragments: int = dataclasses.field(
+        default=1,
+        metadata={"help": "train, --outer-steps: model parts exchanged in turn, one every H/F inner steps"},
+    )
+    outer_lr: float = dataclasses.field(
+        default=0.7, metadata={"help": "train, --outer-steps: learning rate of the outer Nesterov SGD"}
+    )
+    outer_momentum: float = dataclasses.field(
+        default=0.9,
+        metadata={"help": "train, --outer-steps: momentum of the outer Nesterov SGD (0: plain SGD)"},
+    )
     reconnect_timeout: float = dataclasses.field(
         default=0.0,
         metadata={
@@ -180,10 +202,7 @@ class WorkerConfig:
     no_verify: bool = dataclasses.field(
         default=False, metadata={"help": "synthetic: skip the reference check"}
     )
-    wire_dtype: str = dataclasses.field(
-        default="float32",
-        metadata={"help": "remote: gradients travel as float32, bfloat16 or float16 (same on every worker)"},
-    )
+    wire_dtype: str = client_setting("wire_dtype", "float32")
     error_feedback: bool = dataclasses.field(
         default=False,
         metadata={"help": "remote, 16-bit wire: add each tensor's rounding error to its next gradient"},
@@ -268,6 +287,10 @@ class WorkerConfig:
             reconnect_timeout=self.reconnect_timeout,
             node_id=self.node_id,
             check_state_every=self.check_state_every,
+            outer_steps=self.outer_steps,
+            fragments=self.fragments,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
         )
 
     def non_block_components(self) -> tuple[NonBlockComponent, ...]:
@@ -498,9 +521,10 @@ def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
 
     def report(r: StepResult) -> None:
         rate = r.tokens / r.seconds
+        outer = "" if r.inner_steps is None else f" ({r.inner_steps} inner, {r.outer_steps} outer steps done)"
         log.info(
             "worker %d step %d: loss %.4f, global loss %.4f, %.0f tokens/s, compute %.0f ms, "
-            "all-reduce %.0f ms",
+            "all-reduce %.0f ms%s",
             me,
             r.step,
             r.loss,
@@ -508,15 +532,18 @@ def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
             rate,
             r.compute_s * 1000,
             r.comm_s * 1000,
+            outer,
         )
         if progress is not None:
-            entry = {
+            entry: dict[str, object] = {
                 "worker_id": me,
                 "step": r.step,
                 "loss": r.global_loss,
                 "tokens_per_s": rate,
                 "allreduce_ms": r.comm_s * 1000,
             }
+            if r.inner_steps is not None:
+                entry |= {"inner_steps": r.inner_steps, "outer_steps": r.outer_steps}
             progress.write(json.dumps(entry) + "\n")
 
     progress = _open_progress(config.progress_fd)

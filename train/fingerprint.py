@@ -53,7 +53,8 @@ def with_current_names(fingerprint: Mapping[str, str]) -> dict[str, str]:
 
 def training_fingerprint(config: TrainConfig, *, engine: str) -> dict[str, str]:
     """The fingerprint of a training job: model (every field), seed, optimizer, clipping, batch,
-    accumulation, sequence length, data set (name, size, digest), steps and step mode."""
+    accumulation, sequence length, data set (name, size, digest), steps and step mode, and the
+    outer-step settings of a job that has them."""
     from .corpus import CORPUS_NAME, corpus_bytes, corpus_digest
     from .model import model_config
     from .trainer import ADAMW_BETAS, ADAMW_EPS, DEFAULT_WEIGHT_DECAY
@@ -87,6 +88,19 @@ def training_fingerprint(config: TrainConfig, *, engine: str) -> dict[str, str]:
             "check_state_every": _text(config.check_state_every),
         }
     )
+    if config.outer_steps:
+        # Only with outer steps, so that every other job's fingerprint (and checkpoint) is as before.
+        from .outer_steps import OUTER_OPTIMIZER
+
+        fingerprint.update(
+            {
+                "outer_steps": _text(config.outer_steps),
+                "fragments": _text(config.fragments),
+                "outer_optimizer": OUTER_OPTIMIZER,
+                "outer_lr": _text(config.outer_lr),
+                "outer_momentum": _text(config.outer_momentum),
+            }
+        )
     return fingerprint
 
 

@@ -28,7 +28,7 @@ The supervision (the watch loop, the restarts, the SLURM placement) is gradserve
 shared with `gradserver run`; this module says what launch starts.
 
 Settings (`LaunchConfig`, and the worker's own fields for what launch shares with the worker:
---job, --model, --steps, --engine, --batch-size, --lr, --out, --timeout, with the worker's
+--job, --model, --steps, --engine, --batch-size, --lr, --out, --timeout, --outer-steps, with the worker's
 defaults, choices and meanings, read from the same GRADSERVER_ variables): a shared flag given to
 launch is passed on to every worker; the flags after `--` go to every worker as they are.
 `--in-process` replaces the old `--backend local`, and `--engine` the old `--backend` (both still
@@ -85,7 +85,7 @@ _COORDINATOR_EXIT_S = 10.0
 
 # The worker's settings launch takes as its own flags: the worker's fields themselves, so they
 # have the worker's defaults, choices and meanings.
-SHARED_WITH_WORKER = ("job", "model", "steps", "engine", "batch_size", "lr", "out", "timeout")
+SHARED_WITH_WORKER = ("job", "model", "steps", "engine", "batch_size", "lr", "out", "timeout", "outer_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +163,14 @@ class _Job:
     @property
     def world(self) -> int:
         return self.step.world(self.launch.workers) if self.step else self.launch.workers
+
+    @property
+    def engine_steps(self) -> int:
+        """The steps the coordinator runs (its --max-steps): with outer steps one per exchange,
+        not one per inner step."""
+        if self.worker.job != "train":
+            return self.worker.steps
+        return self.worker.train_config().trainer_steps
 
     @property
     def task_zero(self) -> bool:
@@ -281,7 +289,9 @@ class _Progress:
                 tok_s=f"{entry['tokens_per_s']:.0f}",
                 allreduce_ms=f"{entry['allreduce_ms']:.0f}",
             )
-            self._bar.update(1)
+            # With outer steps a step is several inner steps, which --steps (the bar's total) counts.
+            inner = entry.get("inner_steps")
+            self._bar.update(inner - self._bar.n if isinstance(inner, int) else 1)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -327,7 +337,15 @@ def _run_in_process(job: _Job) -> int:
     workers, worker = job.launch.workers, job.worker
     hub = LocalHub(workers)
     config = TrainConfig(
-        model=worker.model, steps=worker.steps, batch_size=worker.batch_size, lr=worker.lr, out=worker.out
+        model=worker.model,
+        steps=worker.steps,
+        batch_size=worker.batch_size,
+        lr=worker.lr,
+        out=worker.out,
+        outer_steps=worker.outer_steps,
+        fragments=worker.fragments,
+        outer_lr=worker.outer_lr,
+        outer_momentum=worker.outer_momentum,
     )
     errors: list[BaseException] = []
 
@@ -388,7 +406,7 @@ def _supervise(job: _Job, progress: _Progress, supervision: Supervision) -> Endi
     step = job.step
     place = coordinator_place(step)
     if job.worker.engine == "remote" and place.here:
-        options = ["--max-steps", str(job.worker.steps)]
+        options = ["--max-steps", str(job.engine_steps)]
         target = place.address(
             supervision.start_coordinator("coordinator", job.world, place.bind, place.port, options)
         )

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -55,6 +55,37 @@ class StepResult:
     grad_norm: float | None
     # How many workers this step's averages came from (None: the engine does not say).
     contributors: int | None = None
+    # With --outer-steps only (None otherwise): inner steps and exchanges (outer steps of one
+    # fragment each) done after this step, and the fragment this step exchanged.
+    inner_steps: int | None = None
+    outer_steps: int | None = None
+    fragment: int | None = None
+
+
+# StepResult fields that exist only with --outer-steps: left out of a step's metrics without it.
+OUTER_FIELDS = ("inner_steps", "outer_steps", "fragment")
+
+
+class Trainer(Protocol):
+    """What train() needs of a trainer: DistributedTrainer, or OuterTrainer (train/outer_steps.py)."""
+
+    model: TransformerLM
+    optimizer: torch.optim.Optimizer
+    step: int
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult: ...
+
+    def rollback(self) -> None: ...
+
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def state_extra(self) -> dict[str, Any]: ...
+
+    def load_state(self, step: int, tensors: dict[str, Any], extra: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _read_later(value: torch.Tensor) -> Callable[[], float]:
@@ -320,6 +351,10 @@ class DistributedTrainer:
                 if isinstance(value, torch.Tensor):
                     tensors[f"optimizer/{index}/{name}"] = value
         return tensors
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        """What every worker holds alike, which the state digest compares: all of the state."""
+        return self.state_tensors()
 
     def state_extra(self) -> dict[str, Any]:
         """What the state holds besides tensors: the optimizer's other per-parameter values and

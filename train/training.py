@@ -7,6 +7,8 @@ per worker identity (`checkpoint-{node_id}.pt`, or `checkpoint-rank{r}.pt` witho
 that `resume` continues from, data position included. A resume finds the checkpoint by that
 identity, never by join order, and refuses rather than silently starting again at step 0: a
 checkpoint of another identity or of another job (fingerprint) is an error naming what differs.
+With `outer_steps` (DiLoCo) an OuterTrainer (train/outer_steps.py) runs the steps instead: each is
+H/F inner steps and one exchange, `steps` counts inner steps, and the checkpoint adds the outer state.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ from .engines import AveragingEngine
 from .fingerprint import RESUMABLE_CHANGES, differences, training_fingerprint, with_current_names
 from .metrics_log import open_metrics_log
 from .model import TransformerLM, model_config
-from .trainer import DistributedTrainer, StepResult
+from .outer_steps import (
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    OuterSettings,
+    OuterTrainer,
+    check_outer_settings,
+)
+from .trainer import OUTER_FIELDS, DistributedTrainer, StepResult, Trainer
 
 log = logging.getLogger("gradserver.worker")
 
@@ -58,6 +67,12 @@ class TrainConfig:
     reconnect_timeout: float = 0.0
     node_id: str = ""
     check_state_every: int = 0
+    # Outer steps (train/outer_steps.py; 0: off): then `steps` counts inner steps, and
+    # checkpoint_every and check_state_every count trainer steps (exchanges).
+    outer_steps: int = 0
+    fragments: int = 1
+    outer_lr: float = DEFAULT_OUTER_LR
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accumulation_steps"):
@@ -82,6 +97,31 @@ class TrainConfig:
             )
         if self.resume and not self.out:
             raise InvalidArgumentError("--resume needs --out, the directory that holds the checkpoint")
+        check_outer_settings(
+            self.outer_steps,
+            self.fragments,
+            self.outer_lr,
+            self.outer_momentum,
+            steps=self.steps,
+            model=self.model,
+        )
+
+    @property
+    def outer(self) -> OuterSettings | None:
+        if not self.outer_steps:
+            return None
+        return OuterSettings(self.outer_steps, self.fragments, self.outer_lr, self.outer_momentum)
+
+    @property
+    def inner_per_step(self) -> int:
+        """Inner steps per trainer step: H / F with outer steps, else 1."""
+        outer = self.outer
+        return outer.inner_per_exchange if outer is not None else 1
+
+    @property
+    def trainer_steps(self) -> int:
+        """Trainer steps (engine steps, exchanges) the job runs: `steps` / inner steps per step."""
+        return self.steps // self.inner_per_step
 
 
 _IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -105,7 +145,7 @@ def resolve_device(name: str) -> torch.device:
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
-def _rejoin(trainer: DistributedTrainer, engine: AveragingEngine, lost: ConnectionLost) -> None:
+def _rejoin(trainer: Trainer, engine: AveragingEngine, lost: ConnectionLost) -> None:
     """Rejoins a (restarted) coordinator and lines this worker up with the others: a worker that
     applied one step more than the slowest undoes it, so the step in flight counts for all or
     none."""
@@ -120,11 +160,11 @@ def _rejoin(trainer: DistributedTrainer, engine: AveragingEngine, lost: Connecti
     raise InternalError(f"cannot resume at step {resume}: this worker has applied {trainer.step} steps")
 
 
-def _snapshot(trainer: DistributedTrainer) -> StateSnapshot:
+def _snapshot(trainer: Trainer) -> StateSnapshot:
     return StateSnapshot(trainer.step, trainer.state_tensors(), encode_extra(trainer.state_extra()))
 
 
-def _recover(trainer: DistributedTrainer, engine: AveragingEngine, stale: Checkpoint | None) -> None:
+def _recover(trainer: Trainer, engine: AveragingEngine, stale: Checkpoint | None) -> None:
     """Takes the state of a live replica (weights, optimizer state, step and so the data
     position, RNG state), checks that what was loaded is bit for bit what the donor holds."""
     step = engine.recovery_step
@@ -211,15 +251,28 @@ def train(
     config: TrainConfig,
     on_step: Callable[[StepResult], None] | None = None,
 ) -> list[StepResult]:
-    """Runs steps until `config.steps` (counting steps restored from a checkpoint)."""
+    """Runs trainer steps until `config.trainer_steps` (counting steps restored from a
+    checkpoint): `config.steps`, or with outer steps `config.steps` inner steps."""
     device = resolve_device(config.device)
     cfg = model_config(config.model)
     seq_len = config.seq_len or cfg.max_seq_len
     model = TransformerLM(cfg, seed=config.seed).to(device)
     reconnect = config.reconnect_timeout > 0 and engine.can_reconnect
-    trainer = DistributedTrainer(
-        model, engine, lr=config.lr, max_grad_norm=config.max_grad_norm or None, keep_snapshot=reconnect
-    )
+    outer = config.outer
+    trainer: Trainer
+    if outer is not None:
+        trainer = OuterTrainer(
+            model,
+            engine,
+            outer,
+            lr=config.lr,
+            max_grad_norm=config.max_grad_norm or None,
+            keep_snapshot=reconnect,
+        )
+    else:
+        trainer = DistributedTrainer(
+            model, engine, lr=config.lr, max_grad_norm=config.max_grad_norm or None, keep_snapshot=reconnect
+        )
     data = TokenWindows(corpus_bytes(), seq_len)
     identity = checkpoint_identity(config, engine.rank)
     fingerprint = training_fingerprint(config, engine=engine.name)
@@ -232,6 +285,8 @@ def train(
         model.load_state_dict(ckpt.model_state)
         trainer.optimizer.load_state_dict(ckpt.optimizer_state)
         trainer.step = ckpt.data_position
+        if isinstance(trainer, OuterTrainer):
+            trainer.load_outer_state(ckpt.outer_state)
         log.info("resumed %s at step %d", checkpoint_path(config.out, identity), trainer.step)
     engine.offer_state(lambda: _snapshot(trainer))
 
@@ -244,22 +299,27 @@ def train(
             data_position,
             node_id=identity,
             fingerprint=fingerprint,
+            outer_state=trainer.outer_state() if isinstance(trainer, OuterTrainer) else None,
         )
 
     metrics = open_metrics_log(config.out)
     results = []
     per_worker = config.batch_size * config.accumulation_steps
+    # With outer steps a trainer step takes H / F inner steps' batches, asked for at once: one
+    # request per engine step, and consecutive steps still walk the data set without overlap.
+    per_step = per_worker * config.inner_per_step
+    micro_per_step = config.accumulation_steps * config.inner_per_step
     try:
-        while trainer.step < config.steps:
+        while trainer.step < config.trainer_steps:
             step = trainer.step
             set_log_context(step=step)
             try:
                 if _state_check_due(step, config, engine, recovery_step):
-                    engine.check_state(step, state_digest(trainer.state_tensors()))
-                indices = engine.sample_indices(step, data.num_samples, per_worker)
+                    engine.check_state(step, state_digest(trainer.replicated_tensors()))
+                indices = engine.sample_indices(step, data.num_samples, per_step)
                 micro = [
                     data.batch(indices[i * config.batch_size : (i + 1) * config.batch_size])
-                    for i in range(config.accumulation_steps)
+                    for i in range(micro_per_step)
                 ]
                 result = trainer.train_step(micro)
             # By meaning: only a lost coordinator is worth rejoining; the end of the job, a failed
@@ -276,7 +336,11 @@ def train(
                     "worker_id": engine.rank,
                     "engine": engine.name,
                     "world_size": engine.world_size,
-                    **dataclasses.asdict(result),
+                    **{
+                        k: v
+                        for k, v in dataclasses.asdict(result).items()
+                        if v is not None or k not in OUTER_FIELDS
+                    },
                     "tokens_per_s": result.tokens / result.seconds,
                 }
                 metrics.write(json.dumps(entry) + "\n")
