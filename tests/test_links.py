@@ -131,7 +131,7 @@ def _open(setup: Setup, rank: int) -> Link:
         shm_arena_mib=4 * CHUNK_MIB,
     )
     try:
-        link.confirm_open(TEST_TIMEOUTS.connect)
+        link.control.confirm_open(TEST_TIMEOUTS.connect)
     except BaseException:
         link.close()
         raise
@@ -180,7 +180,7 @@ def _steps(link: Link) -> list[bytes]:
     for step in range(STEPS):
         key = TensorKey.non_block(step, NonBlockComponent.EMBEDDING)
         out.append(_average(link, key, _data(link.accepted.worker_id, step)))
-        link.barrier(step, "commit", None)
+        link.control.barrier(step, "commit", None)
     return out
 
 

@@ -107,7 +107,7 @@ class WorkerClient:
     ) -> None:
         self._link = link
         # Point-to-point messages; without shared rings (a client built around a link) all relayed.
-        self._mailbox = mailbox or Mailbox(link, link.accepted, timeouts.receive, None)
+        self._mailbox = mailbox or Mailbox(link.control, link.accepted, timeouts.receive, None)
         self._encoder = encoder
         self._accepted = link.accepted
         self.timeouts = timeouts
@@ -239,7 +239,7 @@ class WorkerClient:
             raise
         client = cls(link, encoder, timeouts, address, mailbox)
         try:
-            link.confirm_open(timeouts.connect)
+            link.control.confirm_open(timeouts.connect)
         except BaseException:
             client.close()
             raise
@@ -499,7 +499,7 @@ class WorkerClient:
     def barrier(self, step: int, name: str = "", timeout: float | None = None) -> None:
         """Returns when every worker has reached barrier `name` of `step`."""
         self._check_step(step)
-        self._link.barrier(step, name, timeout)
+        self._link.control.barrier(step, name, timeout)
 
     # --- live recovery --------------------------------------------------------------------------
 
@@ -564,7 +564,7 @@ class WorkerClient:
             )
         if step == planned:
             return
-        self._link.send(StartAtIn(self.worker_id, step))
+        self._link.control.send(StartAtIn(self.worker_id, step))
         self._accepted = dataclasses.replace(self._accepted, recovery_step=step)
 
     def recover(
@@ -621,7 +621,7 @@ class WorkerClient:
             raise InvalidArgumentError(
                 f"step {step}: a state digest is a 64-bit unsigned integer, got {digest!r}"
             )
-        self._link.barrier(step, _STATE_BARRIER, timeout, digest=int(digest))
+        self._link.control.barrier(step, _STATE_BARRIER, timeout, digest=int(digest))
 
     def replacements(self) -> list[tuple[int, int]]:
         """(worker id, first step) of each worker that took a departed one's place while this
@@ -637,10 +637,10 @@ class WorkerClient:
                 f"{dataset_size} and {batch_size}",
                 step=step,
             )
-        self._link.send(SampleRangeRequestIn(self.worker_id, step, dataset_size, batch_size))
+        self._link.control.send(SampleRangeRequestIn(self.worker_id, step, dataset_size, batch_size))
 
     def receive_sample_ranges(self, timeout: float | None = None) -> SampleRangeAssignment:
-        answer = self._link.wait_samples(timeout)
+        answer = self._link.control.wait_samples(timeout)
         return SampleRangeAssignment(answer.step, answer.worker_id, answer.ranges)
 
     def get_sample_ranges(self, step: int, dataset_size: int, batch_size: int) -> SampleRangeAssignment:
@@ -649,7 +649,7 @@ class WorkerClient:
 
     def send_heartbeat(self) -> None:
         """Sends one heartbeat now (a background thread already sends them periodically)."""
-        self._link.send(HeartbeatIn(self.worker_id, 0))
+        self._link.control.send(HeartbeatIn(self.worker_id, 0))
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -112,7 +112,7 @@ def open_mailbox(link: Link, accepted: JoinAccepted, timeouts: Timeouts) -> Mail
     rings = None
     if accepted.host_peers:
         rings = peer_rings.form(accepted.host_peers, accepted.worker_id, accepted.peer_key, timeouts.connect)
-    return Mailbox(link, accepted, timeouts.receive, rings)
+    return Mailbox(link.control, accepted, timeouts.receive, rings)
 
 
 def shm_intended(choice: str, wire_dtype: DType) -> bool:

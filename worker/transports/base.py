@@ -124,6 +124,34 @@ class PeerSink(Protocol):
         ...
 
 
+class ControlPlane(Protocol):
+    """What a worker says to its coordinator besides chunks, and what comes back that is no
+    result: joining the stream, control messages, barriers, sample ranges, point-to-point news.
+    A link that wraps another (`HostLink`) hands on the inner link's control plane as it is."""
+
+    def confirm_open(self, timeout: float) -> None:
+        """Returns once the coordinator holds this worker's stream(s)."""
+        ...
+
+    def send(self, event: WorkerEvent) -> None:
+        """Sends one control message (heartbeat, sample-range request)."""
+        ...
+
+    def barrier(self, step: int, name: str, timeout: float | None, digest: int | None = None) -> None:
+        """Returns when every worker reached barrier `name` of `step` (with `digest`: when the
+        majority's state digest is this worker's; see server/digests.py)."""
+        ...
+
+    def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
+        """The answer to the oldest sample-range request sent with `send`."""
+        ...
+
+    def on_peer_messages(self, sink: PeerSink) -> None:
+        """Has `sink` hear the point-to-point messages relayed to this worker, its sends'
+        deliveries and refusals, and the link's end (`PeerPiece` messages go out with `send`)."""
+        ...
+
+
 class Link(Protocol):
     """One worker's connection to its coordinator(s). Every wait is bounded (the `Timeouts` the
     link was opened with, or the `timeout` given); every failure is a `GradServerError`."""
@@ -139,12 +167,13 @@ class Link(Protocol):
         ...
 
     @property
-    def host_group(self) -> tuple[int, ...]:
-        """The worker ids of the host group this link sums with (empty: none; see `HostLink`)."""
+    def control(self) -> ControlPlane:
+        """This link's control plane (`ControlPlane`)."""
         ...
 
-    def confirm_open(self, timeout: float) -> None:
-        """Returns once the coordinator holds this worker's stream(s)."""
+    @property
+    def host_group(self) -> tuple[int, ...]:
+        """The worker ids of the host group this link sums with (empty: none; see `HostLink`)."""
         ...
 
     def raise_if_broken(self) -> None:
@@ -187,10 +216,6 @@ class Link(Protocol):
         while the transport is full."""
         ...
 
-    def send(self, event: WorkerEvent) -> None:
-        """Sends one control message (heartbeat, sample-range request)."""
-        ...
-
     def forget(self, key: TensorKey) -> None:
         """Stops waiting for `key` and frees whatever the transport holds for it."""
         ...
@@ -210,20 +235,6 @@ class Link(Protocol):
     def lane(self) -> LaneClient | None:
         """The collective lane this link can run one-shot collectives through (same host, the
         coordinator offers it), or None."""
-        ...
-
-    def barrier(self, step: int, name: str, timeout: float | None, digest: int | None = None) -> None:
-        """Returns when every worker reached barrier `name` of `step` (with `digest`: when the
-        majority's state digest is this worker's; see server/digests.py)."""
-        ...
-
-    def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
-        """The answer to the oldest sample-range request sent with `send`."""
-        ...
-
-    def on_peer_messages(self, sink: PeerSink) -> None:
-        """Has `sink` hear the point-to-point messages relayed to this worker, its sends'
-        deliveries and refusals, and the link's end (`PeerPiece` messages go out with `send`)."""
         ...
 
     def close(self) -> None:

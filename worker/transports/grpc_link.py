@@ -188,6 +188,11 @@ class GrpcLink:
         while (item := self._outbound.get()) is not None:
             yield item
 
+    @property
+    def control(self) -> GrpcLink:
+        """The stream carries its own control plane (`send`, `barrier`, `wait_samples`, ...)."""
+        return self
+
     def lane(self) -> LaneClient | None:
         return self.payloads.lane()
 

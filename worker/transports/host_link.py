@@ -60,17 +60,15 @@ from gradserver.common.messages import (
     ErrorOut,
     JoinAccepted,
     MemberLeftOut,
-    SampleRangeAssignmentOut,
     SampleStats,
     ServerEvent,
     StepFailureIn,
     TensorKey,
-    WorkerEvent,
 )
 from gradserver.common.partition_map import key_hash
 from gradserver.common.timeouts import Timeouts
 
-from .base import ErrorRecord, Link, PeerSink, PendingResult, error_of, payload_values
+from .base import ControlPlane, ErrorRecord, Link, PendingResult, error_of, payload_values
 from .host_arena import HostArena, Post, Published, identity, key_of
 from .lane import LaneClient
 
@@ -383,7 +381,7 @@ class HostLink:
             self.accepted.worker_id, int(code), message, chunk.key.step, chunk.key, culprit
         )
         try:
-            self._inner.send(failure)
+            self._inner.control.send(failure)
         except GradServerError as exc:
             log.info("host group: could not report %r: %s", message, exc.message)
 
@@ -613,7 +611,13 @@ class HostLink:
 
         return run
 
-    # --- the rest of Link: the member's own link -----------------------------------------------
+    # --- the rest of Link: the member's own link's -----------------------------------------------
+
+    @property
+    def control(self) -> ControlPlane:
+        """The member's own link's: barriers, sample ranges and control messages do not go
+        through the group."""
+        return self._inner.control
 
     def lane(self) -> LaneClient | None:
         return None
@@ -624,32 +628,17 @@ class HostLink:
     def result_buffer(self, num_elements: int) -> np.ndarray | None:
         return None
 
-    def confirm_open(self, timeout: float) -> None:
-        self._inner.confirm_open(timeout)
-
     def raise_if_broken(self) -> None:
         self._inner.raise_if_broken()
         with self._cond:
             if self._failed is not None:
                 raise self._failed.exception()
 
-    def send(self, event: WorkerEvent) -> None:
-        self._inner.send(event)
-
-    def on_peer_messages(self, sink: PeerSink) -> None:
-        self._inner.on_peer_messages(sink)
-
     def step_failed(self, step: int) -> bool:
         return self._inner.step_failed(step)
 
     def trouble(self, step: int) -> ErrorRecord | None:
         return self._inner.trouble(step)
-
-    def barrier(self, step: int, name: str, timeout: float | None, digest: int | None = None) -> None:
-        self._inner.barrier(step, name, timeout, digest)
-
-    def wait_samples(self, timeout: float | None) -> SampleRangeAssignmentOut:
-        return self._inner.wait_samples(timeout)
 
     def close(self) -> None:
         """Hands on what it still owes the group (what came to it for the others: a member that

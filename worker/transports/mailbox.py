@@ -55,7 +55,7 @@ from gradserver.common.errors import (
 from gradserver.common.futex import NO_SPIN, spin_for
 from gradserver.common.messages import JoinAccepted, PeerDeliveredOut, PeerPiece
 
-from .base import Link
+from .base import ControlPlane
 from .peer_rings import FRAME, PeerRings, padded
 
 log = logging.getLogger("gradserver.worker")
@@ -183,7 +183,9 @@ class _Bell:
 class Mailbox:
     """The point-to-point messages of one worker, over its link and its host's rings."""
 
-    def __init__(self, link: Link, accepted: JoinAccepted, timeout: float, rings: PeerRings | None) -> None:
+    def __init__(
+        self, link: ControlPlane, accepted: JoinAccepted, timeout: float, rings: PeerRings | None
+    ) -> None:
         self.worker_id = accepted.worker_id
         self.timeout = timeout
         self._world = accepted.total_workers

@@ -168,6 +168,12 @@ class PartitionedLink:
 
     # --- the Link calls -----------------------------------------------------------------------
 
+    @property
+    def control(self) -> PartitionedLink:
+        """Partition 0 carries the control plane; this link names it in errors (`send`,
+        `barrier`, `wait_samples`; `confirm_open` asks every partition)."""
+        return self
+
     def lane(self) -> LaneClient | None:
         """None: the lane is one coordinator's, and partitioned coordinators are for networks."""
         return None
