@@ -411,6 +411,9 @@ class GradientServer:
         self._chunk = choice
         if self._table.chunk_elements != choice.chunk_bytes // 4:
             self._table = self._new_table(choice.chunk_bytes)
+        resume = self._membership.resume_step()
+        if resume is not None:
+            self._table.resumes_at(resume)
         self._streams.chunk_elements = choice.chunk_bytes // 4
         self._lifecycle.chunk_chosen(choice.chunk_bytes)
         log.info("chunk size %g MiB: %s", choice.chunk_bytes / 2**20, choice.why)

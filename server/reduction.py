@@ -194,6 +194,12 @@ class ReductionTable:
         """The first step `worker_id` takes part in (0 unless it joined a running job)."""
         return self._roster.first_step(worker_id)
 
+    def resumes_at(self, step: int) -> None:
+        """The job resumes at `step` (its workers rejoined a restarted coordinator): the steps
+        before it are behind the job, so `step` is the next one, which a failure report may
+        fail before any key of it opened, and a replacement is planned from it."""
+        self._roster.saw_step(step - 1)
+
     def take_reductions(self) -> list[Reduce]:
         """The chunks that became complete since the last call (with `defer_reductions`)."""
         return self._averages.take()

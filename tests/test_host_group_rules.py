@@ -167,6 +167,26 @@ def test_a_members_report_fails_the_step_naming_the_culprit_and_a_strangers_is_r
     assert "worker 0 blamed worker 2 for step 0, which is not in its host group [0, 1]" in blamed.message
 
 
+def test_a_report_of_the_step_a_restarted_coordinators_job_resumes_at_fails_it() -> None:
+    """After a coordinator restart the job resumes at step 40: a member's report of step 40,
+    before anything of it reached this coordinator, is of the next step, not beyond it."""
+    t = grouped_table()
+    t.resumes_at(40)
+    report = StepFailureIn(
+        0,
+        int(Status.INVALID_ARGUMENT),
+        "worker 1 sent a NaN",
+        40,
+        dataclasses.replace(KEY, step=40),
+        culprit=1,
+    )
+    failed = errors(t.step_failure_reported(report))
+    assert failed and all(e.step_failed and e.step == 40 and e.culprit_worker_id == 1 for _, e in failed)
+    beyond = dataclasses.replace(report, step=42, key=dataclasses.replace(KEY, step=42))
+    [(_, refused)] = errors(grouped_table().step_failure_reported(beyond))
+    assert "beyond step 0" in refused.message
+
+
 def test_a_member_lost_tells_everyone_first_then_fails_the_steps_in_flight() -> None:
     t = grouped_table()
     t.contribute(chunk(2, np.ones(CHUNK, np.float32), covers=(2, 3)))

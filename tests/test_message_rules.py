@@ -294,6 +294,8 @@ def test_start_at_after_a_coordinator_restart_is_refused_on_both_sides(
         client, fresh, raw = client_f.result(30), fresh_f.result(30), raw_f.result(30)
     try:
         assert (raw.accepted.recovery_step, fresh.recovery_step, client.recovery_step) == (5, 5, None)
+        # The table knows the job resumes at 5: a failure report of step 5 is of the next step.
+        assert server.call(lambda s: s._table._roster.newest_step) == 4
         with pytest.raises(
             FailedPreconditionError, match="rejoined a restarted coordinator: every member resumes"
         ):
