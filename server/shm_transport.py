@@ -106,6 +106,8 @@ class ShmTransport:
         self._lifecycle = lifecycle
         self._shell = shell
         self.hub: ShmHub | None = None
+        # The cores the averaging thread competes for (the host's, or what a test assumes).
+        self.cores = shell.cores
 
     async def start(self) -> None:
         """Opens the hub (and the lane) and subscribes to what they must hear; nothing when
@@ -121,8 +123,8 @@ class ShmTransport:
         events.on_chunk_chosen(hub.reslot)
         events.on_departed(self._departed)
         events.on_close(hub.stop)
-        workers, cores = shell.streaming_workers, shell.cores
-        events.on_average_on_loop(lambda: average_on_loop(workers(), hub.registered, cores))
+        workers = shell.streaming_workers
+        events.on_average_on_loop(lambda: average_on_loop(workers(), hub.registered, self.cores))
         if hub.lane is not None:
             events.on_stream_opened(self._stream_opened)
             events.on_reset(self._reset)

@@ -175,11 +175,12 @@ def test_the_coordinator_averages_on_its_loop_only_when_every_worker_uses_shared
         assert sorted(c.transport for c in clients) == sorted(transports)
 
         def decisions(s: GradientServer) -> list[bool]:
-            cores, got = s._cores, []
+            transport = s.features["shm"]
+            cores, got = transport.cores, []
             for assumed in (2, 4):  # this host's workers fill it, or one core is left for the thread
-                s._cores = assumed
-                got.append(s._average_on_loop())
-            s._cores = cores
+                transport.cores = assumed
+                got.append(s._lifecycle.average_on_loop())
+            transport.cores = cores
             return got
 
         assert server.call(decisions) == ([True, False] if transports == ("shm", "shm") else [False, False])
