@@ -49,12 +49,12 @@ def _one_cycle(coordinator: Callable[..., Any]) -> tuple[list[weakref.ref[Any]],
     clients[0].send_block_gradient(0, 0, 1, np.ones(sum(SIZES), np.float32), SIZES)
     stream = clients[0]._link
     refs: list[weakref.ref[Any]] = [weakref.ref(c._link) for c in clients]
-    refs += [weakref.ref(p.array) for p in stream._results.values()]
+    refs += [weakref.ref(p.array) for p in stream.ledger._results.values()]
     server.stop()
     for client in clients:
         _wait_broken(client)
         client.close()
-    return refs, len(stream._results)
+    return refs, len(stream.ledger._results)
 
 
 def test_closing_clients_after_the_coordinator_stopped_leaks_no_thread_or_stream(coordinator) -> None:
