@@ -38,7 +38,7 @@ from gradserver.common.errors import InternalError, InvalidArgumentError
 from .clipping import clip_by_global_norm_
 from .engines import AveragingEngine, Key
 from .model import TransformerLM, model_config
-from .trainer import ADAMW_BETAS, ADAMW_EPS, DEFAULT_WEIGHT_DECAY, StepResult
+from .trainer import ADAMW_BETAS, ADAMW_EPS, DEFAULT_WEIGHT_DECAY, StepResult, optimizer_extra
 
 # The DiLoCo paper's outer optimizer: SGD with Nesterov momentum 0.9 at lr 0.7.
 DEFAULT_OUTER_LR = 0.7
@@ -365,13 +365,7 @@ class OuterTrainer:
         return tensors
 
     def state_extra(self) -> dict[str, Any]:
-        other = {
-            f"{index}/{name}": value
-            for index, state in self.optimizer.state_dict()["state"].items()
-            for name, value in state.items()
-            if not isinstance(value, torch.Tensor)
-        }
-        return {"optimizer": other, "torch_rng": bytes(torch.get_rng_state().numpy().tobytes())}
+        return optimizer_extra(self.optimizer)
 
     def load_state(self, step: int, tensors: dict[str, Any], extra: dict[str, Any]) -> None:
         """Takes another worker's state (`state_tensors`, `state_extra` there) at `step`. With one

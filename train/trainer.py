@@ -106,6 +106,18 @@ def _read_later(value: torch.Tensor) -> Callable[[], float]:
     return read
 
 
+def optimizer_extra(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A trainer's state besides tensors: `optimizer`'s non-tensor per-parameter values and the
+    RNG state."""
+    other = {
+        f"{index}/{name}": value
+        for index, state in optimizer.state_dict()["state"].items()
+        for name, value in state.items()
+        if not isinstance(value, torch.Tensor)
+    }
+    return {"optimizer": other, "torch_rng": bytes(torch.get_rng_state().numpy().tobytes())}
+
+
 def _pair(component: NonBlockComponent, data: torch.Tensor) -> tuple[NonBlockComponent, torch.Tensor]:
     return component, data
 
@@ -359,13 +371,7 @@ class DistributedTrainer:
     def state_extra(self) -> dict[str, Any]:
         """What the state holds besides tensors: the optimizer's other per-parameter values and
         the RNG state (not part of the digest: ranks may draw differently)."""
-        other = {
-            f"{index}/{name}": value
-            for index, state in self.optimizer.state_dict()["state"].items()
-            for name, value in state.items()
-            if not isinstance(value, torch.Tensor)
-        }
-        return {"optimizer": other, "torch_rng": bytes(torch.get_rng_state().numpy().tobytes())}
+        return optimizer_extra(self.optimizer)
 
     def load_state(self, step: int, tensors: dict[str, Any], extra: dict[str, Any]) -> None:
         """Takes another replica's state (`state_tensors`, `state_extra` there) at `step`."""
