@@ -9,14 +9,15 @@ batch b of rank r at step s is windows perm[(s·world + r)·batch ...] of one fi
 the training windows, so every variant sees the same tokens. Every 50th window is held out; the
 evaluation set is `--eval-seqs` of them, each rank evaluating every world-th one.
 
-- ddp, ddp-bf16: the model in DistributedDataParallel over the "gradserver" backend; for
-  ddp-bf16 bench.wan sets GRADSERVER_WIRE_DTYPE=bfloat16 (gradients go up as bf16 and the
-  averages come down as bf16). Computing time is
+- ddp, ddp-bf16, ddp-gloo: the model in DistributedDataParallel over the "gradserver" backend
+  (ddp-gloo: over gloo, whose ranks connect to each other); for ddp-bf16 bench.wan sets
+  GRADSERVER_WIRE_DTYPE=bfloat16 (gradients go up as bf16 and the averages come down as bf16).
+  Computing time is
   forward + backward up to the moment DDP's comm hook gets the last bucket (autograd's work) +
   the optimizer step; the rest of backward is the wait for the averages.
-- diloco, streaming: gradserver.torch.diloco.DiLoCo, its `step()` called by hand after each
-  inner step, so that computing time is forward + backward + inner optimizer and the outer step
-  (sending, waiting, applying) is not.
+- diloco, diloco-int8, streaming, streaming-int4: gradserver.torch.diloco.DiLoCo, its `step()`
+  called by hand after each inner step, so that computing time is forward + backward + inner
+  optimizer and the outer step (sending, waiting, applying) is not.
 
 The clock stops while the rank evaluates (every rank at the same steps, so none waits on
 another's evaluation). The result, one JSON object, goes to `--out`.
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     variant = VARIANTS[args.variant]
     importlib.import_module("gradserver.torch")  # registers the "gradserver" backend
     dist.init_process_group(
-        "gradserver",
+        variant.backend,
         init_method=f"file://{args.store}",
         rank=args.rank,
         world_size=args.world,

@@ -23,12 +23,16 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way of training: plain DDP (optionally with a 16-bit wire) or DiLoCo outer steps."""
+    """One way of training: plain DDP (optionally with a 16-bit wire, or on gloo) or DiLoCo outer
+    steps."""
 
     name: str
     label: str
     ddp: bool
     wire_dtype: str = "float32"  # DDP's: what the backend's client sends gradients as
+    # DDP's process group: "gradserver" (through the relay, so with its delay) or "gloo" (the
+    # ranks connect to each other over their shaped links; the relay's delay is not on its path).
+    backend: str = "gradserver"
     fragments: int = 1  # DiLoCo's
     delay: int = 0
     quantize: str | None = None
@@ -40,7 +44,9 @@ VARIANTS = {
     for v in (
         Variant("ddp", "DDP", ddp=True),
         Variant("ddp-bf16", "DDP, bf16 wire", ddp=True, wire_dtype="bfloat16"),
+        Variant("ddp-gloo", "DDP on gloo (no added delay)", ddp=True, backend="gloo"),
         Variant("diloco", "DiLoCo H={H}", ddp=False),
+        Variant("diloco-int8", "DiLoCo H={H}, int8", ddp=False, quantize="int8"),
         # The paper's choice with a delay: alpha = 0.5 keeps half of the local progress made
         # while a fragment's exchange was on its way.
         Variant(
@@ -50,6 +56,15 @@ VARIANTS = {
             fragments=4,
             delay=5,
             quantize="int8",
+            keep_local=0.5,
+        ),
+        Variant(
+            "streaming-int4",
+            "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int4",
+            ddp=False,
+            fragments=4,
+            delay=5,
+            quantize="int4",
             keep_local=0.5,
         ),
     )
@@ -77,6 +92,7 @@ class Summary:
     final_loss: float
     curve: list[tuple[float, float]]  # (seconds of training, held-out loss)
     identical: bool  # every rank's final weights the same bytes
+    digest: str  # rank 0's final weights (sha256): equal across variants that train alike
     loss_at_ddp_time: float | None = None
     ddp_loss_at_this_time: float | None = None
     speedup_vs_ddp: float | None = None
@@ -138,6 +154,7 @@ def summarize(
         final_loss=points[-1][1] if points else math.nan,
         curve=points,
         identical=len({r["digest"] for r in results}) == 1,
+        digest=str(results[0]["digest"]),
     )
 
 

@@ -22,8 +22,11 @@ bytes per rank: the same tokens, in the same order, for every variant:
 
 - ddp: plain DistributedDataParallel over the "gradserver" torch.distributed backend;
 - ddp-bf16: the same with GRADSERVER_WIRE_DTYPE=bfloat16 (the backend's 16-bit wire);
+- ddp-gloo: DDP over gloo, for comparison: its ranks connect to each other over the same shaped
+  links, but not through the relay, so without its delay (this kernel has no netem);
 - diloco: gradserver.torch.diloco outer steps every --sync-every (H) inner steps, float32;
-- streaming: the same with 4 fragments, delay 5 and int8 pseudo-gradients.
+- diloco-int8: the same with int8 pseudo-gradients;
+- streaming, streaming-int4: 4 fragments, delay 5 and int8 (int4) pseudo-gradients.
 
 Inner optimizer AdamW (DDP's optimizer too), the same learning rate and warm-up. Per variant:
 tokens/s (every rank's tokens over the slowest rank's training time), wire bytes per token
@@ -134,14 +137,21 @@ def run_variant(cluster: WanCluster, args: argparse.Namespace, name: str) -> Sum
         tmp = Path(tmp_name)
         sampler: Timeline | None = None
         try:
-            site = cluster.start_site(args.hosts, args.rtt_ms / 2e3, tmp, args.chunk_mib)
+            # gloo's ranks connect to each other: no coordinator, and no relay to delay them.
+            site = (
+                None
+                if variant.backend == "gloo"
+                else cluster.start_site(args.hosts, args.rtt_ms / 2e3, tmp, args.chunk_mib)
+            )
             sampler = Timeline(cluster)
             procs, logs = [], []
             for rank, host in enumerate(cluster.hosts):
                 logs.append(tmp / f"rank{rank}.log")
                 with logs[-1].open("w") as sink:
                     argv = rank_argv(args, name, rank, tmp)
-                    env = rank_env(site.address, variant.wire_dtype)
+                    env = rank_env("" if site is None else site.address, variant.wire_dtype)
+                    if site is None:
+                        env["GLOO_SOCKET_IFNAME"] = host.inner_if  # the host's shaped link
                     procs.append(
                         cluster.spawn(host, argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=_REPO)
                     )
