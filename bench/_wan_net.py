@@ -60,9 +60,12 @@ class WanCluster(Cluster):
             shape(site.outer_if, f"{self.coordinator_mbit:g}mbit", burst)
             shape(site.inner_if, f"{self.coordinator_mbit:g}mbit", burst, inside)
 
-    def start_site(self, world: int, delay_s: float, workdir: Path, chunk_mib: float = 0.0) -> Site:
-        """A fresh coordinator for `world` ranks on the site's private address and the relay in
-        front of it on the bridge, delaying each way by `delay_s`; both end with `stop_processes`."""
+    def start_site(
+        self, world: int, delay_s: float, workdir: Path, chunk_mib: float = 0.0, extra: tuple[str, ...] = ()
+    ) -> Site:
+        """A fresh coordinator for `world` ranks on the site's private address (`extra`: more of its
+        flags) and the relay in front of it on the bridge, delaying each way by `delay_s`; both end
+        with `stop_processes`."""
         port_file = workdir / "coordinator.port"
         argv = [sys.executable, "-m", "gradserver.cli", "coordinator", "--bind", f"{PRIVATE_IP}:0"]
         # --insecure: a bind beyond 127.0.0.1 needs it, and only the relay can reach this one.
@@ -70,6 +73,7 @@ class WanCluster(Cluster):
         argv += ["--log-level", "WARNING"]
         # The ranks are on other hosts: nothing to offer them through shared memory.
         argv += ["--no-shm", "--no-lane", "--join-timeout", "180", "--heartbeat-timeout", "60"]
+        argv += list(extra)
         if chunk_mib:
             argv += ["--chunk-mib", f"{chunk_mib:g}", "--max-message-mib", f"{max(33.0, chunk_mib + 1):g}"]
         coordinator = self._spawn_logged(argv, workdir / "coordinator.log")

@@ -30,6 +30,8 @@ import datetime
 import hashlib
 import importlib
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -230,6 +232,63 @@ def train_diloco(trainer: Trainer, variant: Variant) -> dict[str, Any]:
     }
 
 
+def train_diloco_ft(trainer: Trainer, variant: Variant) -> dict[str, Any]:
+    """DiLoCo over `ft.Replica`: each exchange is a fault-tolerant step of the coordinator. With
+    `--die-at K` this rank SIGKILLs itself in inner step K (mid-inner-phase); bench.wan starts it
+    again without the flag, and the new process takes a live rank's state at its next exchange
+    and trains from that inner step on (its evaluations start there)."""
+    from gradserver.torch import ft
+
+    args, model = trainer.args, trainer.model
+    inner, _ = _optimizer(args, model)
+    warmup = max(1, args.warmup_steps)
+    job = ft.Replica(model, inner, timeout=args.timeout)
+    outer = job.diloco(
+        sync_every=args.sync_every,
+        quantize=variant.quantize,
+        fragments=variant.fragments,
+        delay=variant.delay,
+        keep_local=variant.keep_local,
+    )
+    rank = job.client.worker_id
+    trainer.held = trainer.data.held_out(rank)
+    trainer.clock = Clock()
+    trainer.window.append(time.time())
+    if job.healed is None:
+        trainer.evaluate_at(0)
+    try:
+        for step in outer.steps(args.steps):  # a replacement starts at the healed inner step
+            if step == args.die_at:
+                print(f"rank {rank}: killing itself in inner step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            # The warm-up as a function of the step (LambdaLR's values): a replacement has it too.
+            for group in inner.param_groups:
+                group["lr"] = args.lr * min(1.0, (step + 1) / warmup)
+            inputs, targets = trainer.data.batch(step, rank)
+            began = time.perf_counter()
+            loss = model.loss(inputs, targets)
+            loss.backward()
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+            trainer.compute_s += time.perf_counter() - began
+            outer.step()
+            if step + 1 == args.steps:
+                finish(outer, model)
+            if trainer.due(step + 1) or step + 1 == args.steps:
+                trainer.evaluate_at(step + 1)
+        trainer.window.append(time.time())
+        return {
+            "rank": rank,
+            "outer_steps": outer.outer_steps,
+            "discarded": outer.discarded,
+            "healed_at": None if job.healed is None else job.healed.step,
+            "sent_bytes": outer.sent_bytes,
+            "received_bytes": outer.received_bytes,
+        }
+    finally:
+        job.close()
+
+
 def finish(outer: Any, model: torch.nn.Module) -> None:
     """Lands the exchanges still on their way and makes the model DiLoCo's result, the global
     weights (with streaming, the fragments exchanged before the last step lack the local steps
@@ -244,6 +303,11 @@ def finish(outer: Any, model: torch.nn.Module) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)  # one core's worth per rank: the machine's cores are shared out
     variant = VARIANTS[args.variant]
+    if variant.ft:  # no process group: each rank is an ft.Replica of the coordinator's job
+        model = TransformerLM(model_config(args), seed=0)
+        trainer = Trainer(args, model, Data(args.seq_len, args.batch, args.world, args.eval_seqs))
+        extra = train_diloco_ft(trainer, variant)
+        return {**_result(args, variant, trainer, model), **extra}
     importlib.import_module("gradserver.torch")  # registers the "gradserver" backend
     dist.init_process_group(
         variant.backend,
@@ -257,22 +321,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data = Data(args.seq_len, args.batch, args.world, args.eval_seqs)
         trainer = Trainer(args, model, data)
         extra = train_ddp(trainer) if variant.ddp else train_diloco(trainer, variant)
-        result = {
-            "rank": args.rank,
-            "variant": variant.name,
-            "tokens": args.steps * args.batch * args.seq_len,
-            "wall_s": trainer.evals[-1][1],
-            "compute_s": trainer.compute_s,
-            "evals": trainer.evals,
-            "window": trainer.window,
-            "digest": digest(model),
-            "parameters": sum(p.numel() for p in model.parameters()),
-            **extra,
-        }
+        result = {**_result(args, variant, trainer, model), **extra}
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return result
+
+
+def _result(
+    args: argparse.Namespace, variant: Variant, trainer: Trainer, model: torch.nn.Module
+) -> dict[str, Any]:
+    return {
+        "rank": args.rank,
+        "variant": variant.name,
+        "tokens": args.steps * args.batch * args.seq_len,
+        "wall_s": trainer.evals[-1][1],
+        "compute_s": trainer.compute_s,
+        "evals": trainer.evals,
+        "window": trainer.window,
+        "digest": digest(model),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def parser() -> argparse.ArgumentParser:
@@ -283,6 +352,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True, help="the torch FileStore's file (shared by the ranks)")
     p.add_argument("--out", required=True, help="where this rank's result goes (JSON)")
     p.add_argument("--timeout", type=float, default=600.0, help="the process group's timeout, s")
+    p.add_argument("--die-at", type=int, default=-1, help="ft variants: SIGKILL this rank in this inner step")
     add_training_arguments(p)
     return p
 

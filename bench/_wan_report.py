@@ -37,6 +37,8 @@ class Variant:
     delay: int = 0
     quantize: str | None = None
     keep_local: float = 0.0  # streaming's mixing (the paper's alpha)
+    ft: bool = False  # DiLoCo over ft.Replica: each exchange a fault-tolerant step
+    kill: bool = False  # ft: one rank SIGKILLed mid-inner-phase and started again (`kill_step`)
 
 
 VARIANTS = {
@@ -49,6 +51,8 @@ VARIANTS = {
         Variant("diloco-int8", "DiLoCo H={H}, int8", ddp=False, quantize="int8"),
         # The paper's choice with a delay: alpha = 0.5 keeps half of the local progress made
         # while a fragment's exchange was on its way.
+        Variant("diloco-ft", "DiLoCo H={H} over ft", ddp=False, ft=True),
+        Variant("diloco-ft-kill", "DiLoCo H={H} over ft, a rank killed", ddp=False, ft=True, kill=True),
         Variant(
             "streaming",
             "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int8",
@@ -69,6 +73,13 @@ VARIANTS = {
         ),
     )
 }
+
+
+def kill_step(steps: int, sync_every: int) -> int:
+    """The inner step a killed rank dies in: the middle of the period a third into the run, so
+    that its replacement (a fresh process: seconds to start) is up before the job's last exchange:
+    one that comes later finds the job finished."""
+    return (steps // 3) // sync_every * sync_every + sync_every // 2
 
 
 def variant_label(variant: Variant, sync_every: int) -> str:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,8 +59,8 @@ from typing import Any
 
 from . import _wan_rank
 from ._netns import Interrupted, available, install_signal_handlers
-from ._wan_net import WanCluster, tail
-from ._wan_report import VARIANTS, Summary, as_json, compare, plot, summarize, table
+from ._wan_net import Site, WanCluster, tail
+from ._wan_report import VARIANTS, Summary, as_json, compare, kill_step, plot, summarize, table
 from .cluster import Timeline
 
 _REPO = Path(__file__).resolve().parent.parent
@@ -125,23 +126,61 @@ def _wait_ranks(procs: list[subprocess.Popen[str]], logs: list[Path], timeout: f
         try:
             proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{what}: rank {rank} did not finish within {timeout:g} s") from None
+            raise RuntimeError(
+                f"{what}: rank {rank} did not finish within {timeout:g} s:\n{tail(logs[rank])}"
+            ) from None
         if proc.returncode != 0:
             raise RuntimeError(f"{what}: rank {rank} failed ({proc.returncode}):\n{tail(logs[rank])}")
 
 
+def _restart_killed(
+    cluster: WanCluster,
+    args: argparse.Namespace,
+    name: str,
+    rank: int,
+    first: subprocess.Popen[str],
+    log: Path,
+    site: Site,
+) -> subprocess.Popen[str]:
+    """Waits for `rank`'s first process to kill itself, then starts it again on its host without
+    --die-at: it takes a live rank's state at its next exchange and trains on from there."""
+    try:
+        first.wait(args.timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{name}: rank {rank} was not killed within {args.timeout:g} s") from None
+    if first.returncode != -signal.SIGKILL:
+        raise RuntimeError(
+            f"{name}: rank {rank} was to be killed but exited with {first.returncode}:\n{tail(log)}"
+        )
+    print(f"# {name}: rank {rank} killed; starting it again", file=sys.stderr, flush=True)
+    tmp = log.parent
+    with log.open("a") as sink:
+        return cluster.spawn(
+            cluster.hosts[rank],
+            rank_argv(args, name, rank, tmp),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=rank_env(site.address, VARIANTS[name].wire_dtype),
+            cwd=_REPO,
+        )
+
+
 def run_variant(cluster: WanCluster, args: argparse.Namespace, name: str) -> Summary:
-    """One variant on fresh processes: a coordinator and relay, a rank on every host."""
+    """One variant on fresh processes: a coordinator and relay, a rank on every host (a kill
+    variant kills one rank mid-run and starts it again)."""
     variant = VARIANTS[name]
+    victim = 1 % args.hosts  # the rank a kill variant kills
     with tempfile.TemporaryDirectory(prefix="gradserver-wan-") as tmp_name:
         tmp = Path(tmp_name)
         sampler: Timeline | None = None
         try:
             # gloo's ranks connect to each other: no coordinator, and no relay to delay them.
+            # ft: the others go on while a lost rank restarts.
+            extra = ("--on-worker-loss", "continue") if variant.ft else ()
             site = (
                 None
                 if variant.backend == "gloo"
-                else cluster.start_site(args.hosts, args.rtt_ms / 2e3, tmp, args.chunk_mib)
+                else cluster.start_site(args.hosts, args.rtt_ms / 2e3, tmp, args.chunk_mib, extra)
             )
             sampler = Timeline(cluster)
             procs, logs = [], []
@@ -149,12 +188,18 @@ def run_variant(cluster: WanCluster, args: argparse.Namespace, name: str) -> Sum
                 logs.append(tmp / f"rank{rank}.log")
                 with logs[-1].open("w") as sink:
                     argv = rank_argv(args, name, rank, tmp)
+                    if variant.kill and rank == victim:
+                        argv += ["--die-at", str(kill_step(args.steps, args.sync_every))]
                     env = rank_env("" if site is None else site.address, variant.wire_dtype)
                     if site is None:
                         env["GLOO_SOCKET_IFNAME"] = host.inner_if  # the host's shaped link
                     procs.append(
                         cluster.spawn(host, argv, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=_REPO)
                     )
+            if variant.kill and site is not None:
+                procs[victim] = _restart_killed(
+                    cluster, args, name, victim, procs[victim], logs[victim], site
+                )
             _wait_ranks(procs, logs, args.timeout, name)
         finally:
             if sampler is not None:
@@ -171,6 +216,13 @@ def run_variant(cluster: WanCluster, args: argparse.Namespace, name: str) -> Sum
             f"{outer['outer_steps']} fragment outer steps; diloco counted {outer['sent_bytes']} B sent, "
             f"{outer['received_bytes']} B received per rank"
         )
+        for result in results:
+            if result.get("healed_at") is not None:
+                summary.note += (
+                    f"; rank {result['rank']} started again, joined at exchange {result['healed_at']}"
+                )
+        if variant.ft:
+            summary.note += f"; {max(int(r['discarded']) for r in results)} exchanges discarded"
     summary.note = "; ".join(x for x in (f"{results[0]['parameters']} parameters", summary.note) if x)
     return summary
 

@@ -187,18 +187,19 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     tiny = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"]
     argv = [sys.executable, "-m", "bench.wan", "--hosts", "2", "--rtt-ms", "10", "--steps", "16"]
     argv += ["--sync-every", "8", "--batch", "2", "--seq-len", "16", "--eval-every", "8", "--eval-seqs", "8"]
-    argv += ["--variants", "ddp,ddp-bf16,ddp-gloo,streaming", "--json", "--prefix", prefix, "--timeout", "90"]
+    argv += ["--variants", "ddp,ddp-bf16,ddp-gloo,streaming,diloco-ft", "--json", "--prefix", prefix]
+    argv += ["--timeout", "90"]
     argv += tiny
     try:
-        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=220, check=False)
+        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=280, check=False)
     finally:
         left = _netns.leftovers(prefix)
     assert done.returncode == 0, done.stderr[-3000:]
     assert left == []
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    ddp, bf16, gloo, streaming = report["variants"]
-    assert ddp["tokens"] == bf16["tokens"] == gloo["tokens"] == streaming["tokens"] == 2 * 16 * 2 * 16
-    for row in (ddp, bf16, gloo, streaming):
+    ddp, bf16, gloo, streaming, over_ft = report["variants"]
+    assert {row["tokens"] for row in report["variants"]} == {2 * 16 * 2 * 16}
+    for row in (ddp, bf16, gloo, streaming, over_ft):
         assert row["identical"]
         assert row["tokens_per_s"] > 0 and 0 < row["compute_share"] <= 1
         assert math.isfinite(row["final_loss"]) and len(row["curve"]) == 3  # steps 0, 8, 16
@@ -207,5 +208,7 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     assert streaming["bytes_reduction_vs_ddp"] > 2
     # DDP on gloo and on gradserver average alike (2 ranks: (a + b) / 2 rounded once): the same weights.
     assert gloo["digest"] == ddp["digest"] != bf16["digest"]
+    # DiLoCo over ft: each exchange a fault-tolerant step, both taken, none discarded.
+    assert "2 fragment outer steps" in over_ft["note"] and "0 exchanges discarded" in over_ft["note"]
     # GRADSERVER_WIRE_DTYPE=bfloat16 (set by bench.wan for ddp-bf16): half the gradient bytes.
     assert 0.4 < bf16["wire_bytes_per_token"] / ddp["wire_bytes_per_token"] < 0.65
