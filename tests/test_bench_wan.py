@@ -181,6 +181,7 @@ OK, WHY = _netns.available()
 
 
 @pytest.mark.processes
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not OK, reason=f"emulated cluster unavailable: {WHY}")
 def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothing() -> None:
     prefix = f"gw{uuid.uuid4().hex[:5]}"
