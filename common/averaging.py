@@ -41,19 +41,22 @@ from typing import Protocol
 import numpy as np
 
 from .chunking import payload_nbytes
-from .messages import DType
+from .messages import QUANTIZED_DTYPES, DType
+from .quantized_wire import BadRecord, QuantizedOverflow, reduce_records
 from .wire_dtype import first_non_finite, reduce_16
 
 _F32 = np.dtype("<f4")
 
 
 class NonFiniteContribution(Exception):
-    """Raised when a contribution holds NaN or Inf; `position` indexes the contributions."""
+    """Raised when a contribution holds NaN or Inf (or, quantized, a record no encoder makes:
+    `what` says which); `position` indexes the contributions."""
 
-    def __init__(self, position: int, element: int) -> None:
-        super().__init__(f"contribution {position} holds a non-finite value at element {element}")
+    def __init__(self, position: int, element: int, what: str = "a non-finite value (NaN or Inf)") -> None:
+        super().__init__(f"contribution {position} holds {what} at element {element}")
         self.position = position
         self.element = element
+        self.what = what
 
 
 _BLOCK = 65536
@@ -174,7 +177,8 @@ class Averager:
         sum is divided by it. A sum of finite values that
         overflows float32 raises `SumOverflow`, a non-finite input `NonFiniteContribution`;
         without `finite_only` both are results (the float64 sum rounded once: Inf, NaN), as
-        torch.distributed gives them. 16-bit `dtype` payloads: see `_average_16`.
+        torch.distributed gives them. 16-bit `dtype` payloads: see `_average_16`; quantized
+        ones: `_reduce_quantized`.
         A writable float32-sized `out` receives the result and is returned itself (one input
         is returned as is, without touching `out`); an `InPlace` `out` gets it over every one of
         its targets, and the first is returned."""
@@ -189,6 +193,8 @@ class Averager:
             ):
                 raise ValueError("averages in place are float32 means of several finite contributions")
             return self._average_in_place(contributions, out)
+        if dtype in QUANTIZED_DTYPES:
+            return _reduce_quantized(contributions, dtype, divide, n)
         if dtype is not DType.FLOAT32:
             return self._average_16(contributions, dtype, divide, finite_only, n)
         arrays = [np.frombuffer(c, dtype=_F32) for c in contributions]
@@ -353,6 +359,20 @@ class Averager:
                 raise NonFiniteContribution(*bad)
             raise SumOverflow(int(np.flatnonzero(~finite)[0]), dtype=dtype)
         return out.data
+
+
+def _reduce_quantized(
+    contributions: Sequence[bytes | memoryview], dtype: DType, divide: bool, count: int
+) -> bytes | memoryview:
+    """One chunk of quantized records summed (or averaged) and encoded once (`reduce_records`).
+    Records have no NaN or Inf to pass on, so `finite_only` does not apply: a bad record is
+    always refused, naming its contributor, and so is a sum beyond float32."""
+    try:
+        return memoryview(reduce_records(contributions, dtype, divide=divide, count=count))
+    except BadRecord as exc:
+        raise NonFiniteContribution(exc.position, exc.word, f"a {dtype.name} record that {exc.why}") from None
+    except QuantizedOverflow as exc:
+        raise SumOverflow(exc.word, dtype=DType.FLOAT32) from None
 
 
 def _sum_small(arrays: list[np.ndarray], out: np.ndarray, divide: bool, count: int | None = None) -> bool:

@@ -35,9 +35,11 @@ from .components import BLOCK_GRAD_COMPONENTS
 from .errors import GradServerError, InvalidArgumentError, ResourceExhaustedError, Status
 from .messages import (
     ITEM_SIZE,
+    QUANTIZED_DTYPES,
     BarrierIn,
     ChunkHeader,
     ChunkIn,
+    DType,
     HeartbeatIn,
     KeyKind,
     LeaveIn,
@@ -50,6 +52,7 @@ from .messages import (
     TensorKey,
     WorkerEvent,
 )
+from .quantized_wire import words_for
 
 # Field numbers of the payload-carrying fields, read from the descriptors so they cannot drift.
 _WORKER_CHUNK_FIELD = pb.WorkerMessage.DESCRIPTOR.fields_by_name["chunk"].number
@@ -236,9 +239,10 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
                 key=str(key),
                 worker_id=chunk.worker_id,
             )
-        if sum(sizes) != total:
+        if _block_elements(sum(sizes), dtype, limits.chunk_elements) != total:
             raise InvalidArgumentError(
-                f"{context}: data length {total} != sum(component_sizes) {sum(sizes)}",
+                f"{context}: data length {total} != sum(component_sizes) {sum(sizes)}"
+                f"{' as ' + dtype.name + ' words' if dtype in QUANTIZED_DTYPES else ''}",
                 step=key.step,
                 key=str(key),
                 worker_id=chunk.worker_id,
@@ -323,18 +327,31 @@ def _decode_chunk(chunk: pb.GradientChunk, limits: WireLimits, data: memoryview 
         data=data,
         stats=stats,
         shm=shm,
-        covers=_covers(chunk, key, limits, context),
+        covers=_covers(chunk, key, dtype, limits, context),
     )
 
 
-def _covers(chunk: pb.GradientChunk, key: TensorKey, limits: WireLimits, context: str) -> tuple[int, ...]:
+def _block_elements(values: int, dtype: DType, chunk_elements: int) -> int | None:
+    """The payload elements of a block of `values` values in `dtype`: as many, except quantized
+    words laid out in chunks (None when a chunk cannot hold a record)."""
+    if dtype not in QUANTIZED_DTYPES:
+        return values
+    try:
+        return words_for(values, dtype, chunk_elements)
+    except ValueError:
+        return None
+
+
+def _covers(
+    chunk: pb.GradientChunk, key: TensorKey, dtype: DType, limits: WireLimits, context: str
+) -> tuple[int, ...]:
     """The workers a partial sum covers: distinct ids in increasing order, the sender among them,
     and only for keys that are summed (whether they are the sender's host group is the
     coordinator's to judge)."""
     covers = tuple(chunk.covers)
     if not covers:
         return covers
-    problem = partial_sum_problem(key, chunk.worker_id, covers, limits.world_size)
+    problem = partial_sum_problem(key, chunk.worker_id, covers, limits.world_size, dtype)
     if problem is not None:
         raise InvalidArgumentError(
             f"{context}: {problem}", step=key.step, key=str(key), worker_id=chunk.worker_id

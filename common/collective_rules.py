@@ -8,7 +8,7 @@ answered (docs/PROTOCOL.md, "Native collectives" and "Host groups"). The kinds:
 
 | kind | dtype | result of rank r, for S elements sent by each |
 | --- | --- | --- |
-| REDUCE | a float wire dtype | the S-element SUM or AVG |
+| REDUCE | a float or quantized wire dtype | the S-element SUM or AVG |
 | ALL_GATHER | BYTES | every rank's S bytes in rank order (N·S) |
 | BROADCAST | BYTES | the root's S bytes (non-root ranks send one header-only chunk) |
 | REDUCE_SCATTER | a float wire dtype | rank r's part of the SUM or AVG (S/N, or split_bytes[r] / 4) |
@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from .messages import ALLOWED_DTYPES, BYTE_KINDS, CollectiveKind, DType, KeyKind, TensorKey
+from .messages import ALLOWED_DTYPES, BYTE_KINDS, QUANTIZED_DTYPES, CollectiveKind, DType, KeyKind, TensorKey
 
 __all__ = [
     "BYTE_KINDS",
@@ -39,6 +39,8 @@ __all__ = [
     "moves_bytes",
     "needs_every_rank",
     "partial_sum_problem",
+    "quantized_problem",
+    "quantized_sum_exact",
     "result_in_pieces",
     "result_length",
     "scatter_parts",
@@ -135,7 +137,24 @@ def dtype_problem(key: TensorKey | None, dtype: DType) -> str | None:
         allowed = ", ".join(d.name for d in sorted(ALLOWED_DTYPES))
         state = "missing" if dtype is DType.UNSPECIFIED else f"{dtype.name} is reserved"
         return f"dtype {state}; allowed: {allowed}"
+    if dtype in QUANTIZED_DTYPES and key is not None and not quantized_sum_exact(key):
+        return quantized_problem(key, dtype)
     return None
+
+
+def quantized_sum_exact(key: TensorKey) -> bool:
+    """Whether a quantized dtype's sum of `key` is one rounding of the whole sum: where the
+    coordinator sums every contribution's records itself (REDUCE and the training keys), not a
+    REDUCE_SCATTER (its parts are cut at float32 elements, not at records)."""
+    return key.kind is not KeyKind.COLLECTIVE or key.collective_kind is CollectiveKind.REDUCE
+
+
+def quantized_problem(key: TensorKey, dtype: DType) -> str:
+    """Why `key` cannot carry the quantized `dtype`."""
+    return (
+        f"{key.describe()} cannot carry {dtype.name}: quantized records are summed by the "
+        "coordinator only (REDUCE and the training keys), send it as a float dtype"
+    )
 
 
 def chunk_problem(key: TensorKey, worker_id: int, total: int, offset: int, length: int) -> str | None:
@@ -245,14 +264,22 @@ def ascending_ids(ids: Sequence[int], world: int) -> bool:
     return all(a < b for a, b in itertools.pairwise(ids)) and ids[-1] < world
 
 
-def partial_sum_problem(key: TensorKey, sender: int, covers: Sequence[int], world: int) -> str | None:
+def partial_sum_problem(
+    key: TensorKey, sender: int, covers: Sequence[int], world: int, dtype: DType = DType.FLOAT32
+) -> str | None:
     """What is wrong with a partial sum from `sender` covering the workers `covers` (not empty) of
     a world of `world` workers (0: unknown), judged alone: whether they are the sender's host
-    group is the coordinator's to judge."""
+    group is the coordinator's to judge. A quantized partial sum never is: its records would be
+    requantized before the coordinator's sum."""
     if len(covers) > MAX_HOST_GROUP:
         return f"a partial sum covers {len(covers)} workers, above the limit of {MAX_HOST_GROUP}"
     if not ascending_ids(covers, world or 2**32) or sender not in covers:
         return f"covers {list(covers)} must be distinct worker ids in increasing order, the sender among them"
     if not summed_on_hosts(key):
         return f"{key.describe()} is not summed on hosts: only block, non-block and REDUCE keys are"
+    if dtype in QUANTIZED_DTYPES:
+        return (
+            f"{key.describe()} in {dtype.name} is not summed on hosts: a partial sum of quantized "
+            "records would be requantized; the coordinator sums them"
+        )
     return None

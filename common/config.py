@@ -54,8 +54,9 @@ _CLIENT_SETTINGS: dict[str, dict[str, str]] = {
     },
     "tls_server_name": {"help": "name to check the coordinator's certificate against"},
     "wire_dtype": {
-        "help": "what gradients (floating-point sums and averages) travel as: float32, bfloat16 or "
-        "float16, the same on every worker; integers and byte-moving collectives stay exact"
+        "help": "what gradients (floating-point sums and averages) travel as: float32, bfloat16, "
+        "float16, or int8 / int4 (a float32 scale per 64 values, summed by the coordinator; not with "
+        "host groups), the same on every worker; integers and byte-moving collectives stay exact"
     },
 }
 

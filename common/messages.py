@@ -41,18 +41,32 @@ class CollectiveKind(enum.IntEnum):
 
 class DType(enum.IntEnum):
     """Wire dtypes; values are those of the proto's DType enum. BYTES: raw bytes of any tensor
-    dtype, never reduced (only the byte-moving collective kinds carry it)."""
+    dtype, never reduced (only the byte-moving collective kinds carry it). INT8_BLOCK64,
+    INT4_BLOCK64: block-quantized records (common/quantized_wire.py)."""
 
     UNSPECIFIED = 0
     FLOAT32 = 1
     BFLOAT16 = 2
     FLOAT16 = 3
     BYTES = 4
+    INT8_BLOCK64 = 5
+    INT4_BLOCK64 = 6
 
 
+# The block-quantized dtypes (common/quantized_wire.py): records of a float32 scale and 64 codes,
+# carried as 4-byte words; summed by the coordinator (REDUCE and the training keys), never by a
+# host group or into a REDUCE_SCATTER's parts.
+QUANTIZED_DTYPES = frozenset({DType.INT8_BLOCK64, DType.INT4_BLOCK64})
 # The dtypes a reduction (REDUCE, REDUCE_SCATTER and the training keys) accepts.
-ALLOWED_DTYPES = frozenset({DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16})
-ITEM_SIZE = {DType.FLOAT32: 4, DType.BFLOAT16: 2, DType.FLOAT16: 2, DType.BYTES: 1}
+ALLOWED_DTYPES = frozenset({DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16}) | QUANTIZED_DTYPES
+ITEM_SIZE = {
+    DType.FLOAT32: 4,
+    DType.BFLOAT16: 2,
+    DType.FLOAT16: 2,
+    DType.BYTES: 1,
+    DType.INT8_BLOCK64: 4,
+    DType.INT4_BLOCK64: 4,
+}
 # The collective kinds that move bytes unreduced, and so carry DType.BYTES (and only it).
 BYTE_KINDS = frozenset({CollectiveKind.ALL_GATHER, CollectiveKind.BROADCAST, CollectiveKind.ALL_TO_ALL})
 

@@ -1,5 +1,9 @@
 """16-bit wire dtypes: conversions, single rounding and the checks around them (numpy only).
 
+The names of every wire dtype live here too, the block-quantized int8 and int4 among them (their
+codec: common/quantized_wire.py; their payload elements are 4-byte words of records, which
+`widen` leaves as they are: the client decodes a whole key once it is in).
+
 Workers may send gradients as bfloat16 or float16 instead of float32 (`--wire-dtype`), halving
 the bytes on every link. The worker API still takes and returns float32: `narrow` rounds a
 float32 array to the wire dtype before sending and `widen` turns received 16-bit averages back
@@ -20,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .messages import DType
+from .messages import QUANTIZED_DTYPES, DType
 
 _F32 = np.dtype("<f4")
 _F16 = np.dtype("<f2")
@@ -31,6 +35,8 @@ WIRE_DTYPES: dict[str, DType] = {
     "float32": DType.FLOAT32,
     "bfloat16": DType.BFLOAT16,
     "float16": DType.FLOAT16,
+    "int8": DType.INT8_BLOCK64,
+    "int4": DType.INT4_BLOCK64,
 }
 _NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 # The largest finite value of each 16-bit dtype, for error messages.
@@ -39,8 +45,8 @@ _BF16_QUIET_NAN = np.uint16(0x7FC0)
 
 
 def parse_wire_dtype(value: str | DType) -> DType:
-    """The DType named by `value` (float32, bfloat16, float16); raises ValueError naming the
-    choices otherwise."""
+    """The DType named by `value` (float32, bfloat16, float16, int8, int4); raises ValueError
+    naming the choices otherwise."""
     if isinstance(value, DType):
         if value in _NAMES:
             return value
@@ -59,11 +65,14 @@ _STORAGE: dict[DType, np.dtype[np.generic]] = {
     DType.FLOAT32: _F32,
     DType.BFLOAT16: _U16,
     DType.FLOAT16: _F16,
+    DType.INT8_BLOCK64: _U32,
+    DType.INT4_BLOCK64: _U32,
 }
 
 
 def numpy_dtype(dtype: DType) -> np.dtype[np.generic]:
-    """How the payload's elements are stored: bfloat16 as its raw 16 bits."""
+    """How the payload's elements are stored: bfloat16 as its raw 16 bits, a quantized dtype as
+    the 4-byte words of its records."""
     return _STORAGE[dtype]
 
 
@@ -131,9 +140,10 @@ def narrow(array: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 def widen(payload: bytes | memoryview, dtype: DType) -> np.ndarray:
-    """A payload of `dtype` elements as float32 (exact: both 16-bit dtypes fit in float32)."""
+    """A payload of `dtype` elements as float32 (exact: both 16-bit dtypes fit in float32); a
+    quantized dtype's words as they are (records decode only as a whole key, laid out in chunks)."""
     raw = np.frombuffer(payload, dtype=numpy_dtype(dtype))
-    if dtype is DType.FLOAT32:
+    if dtype is DType.FLOAT32 or dtype in QUANTIZED_DTYPES:
         return raw
     if dtype is DType.BFLOAT16:
         return f32_from_bf16(raw)

@@ -64,8 +64,5 @@ def averaging_failure(request: Reduce, error: AveragingError, chunk_elements: in
         )
         return StepFailure(Status.ABORTED, message, None, Status.ABORTED)
     culprit = (request.senders or request.contributors)[error.position]
-    message = (
-        f"worker {culprit} sent a non-finite value (NaN or Inf) in {key} at element {element}; "
-        "the step is halted"
-    )
+    message = f"worker {culprit} sent {error.what} in {key} at element {element}; the step is halted"
     return StepFailure(Status.ABORTED, message, culprit, Status.INVALID_ARGUMENT)

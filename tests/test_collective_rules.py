@@ -11,7 +11,7 @@ import pytest
 
 from gradserver.common import collective_rules as rules
 from gradserver.common.components import NonBlockComponent
-from gradserver.common.messages import ALLOWED_DTYPES, CollectiveKind, DType, TensorKey
+from gradserver.common.messages import ALLOWED_DTYPES, QUANTIZED_DTYPES, CollectiveKind, DType, TensorKey
 
 RS, A2A = CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL
 BROADCAST, GATHER, REDUCE = CollectiveKind.BROADCAST, CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE
@@ -67,7 +67,9 @@ def test_bytes_travel_with_the_kinds_that_move_bytes_and_floats_with_every_reduc
         if problem is not None:
             assert f"moves raw bytes: dtype must be BYTES, got {dtype.name}" in problem
     else:
-        assert (problem is None) == (dtype in ALLOWED_DTYPES)
+        # Quantized records are summed by the coordinator only: not into a REDUCE_SCATTER's parts.
+        quantized_refused = dtype in QUANTIZED_DTYPES and not rules.quantized_sum_exact(key)
+        assert (problem is None) == (dtype in ALLOWED_DTYPES and not quantized_refused)
     # Outside any key (a joiner's wire dtype) the rule of reductions applies.
     assert (rules.dtype_problem(None, dtype) is None) == (dtype in ALLOWED_DTYPES)
 
@@ -76,7 +78,8 @@ def test_the_kinds_that_move_bytes_are_gather_broadcast_and_all_to_all() -> None
     moving = {name for name, key in ALL_KEYS.items() if rules.moves_bytes(key)}
     assert moving == {"ALL_GATHER", "BROADCAST", "ALL_TO_ALL"}
     assert (
-        rules.dtype_problem(None, DType.UNSPECIFIED) == "dtype missing; allowed: FLOAT32, BFLOAT16, FLOAT16"
+        rules.dtype_problem(None, DType.UNSPECIFIED)
+        == "dtype missing; allowed: FLOAT32, BFLOAT16, FLOAT16, INT8_BLOCK64, INT4_BLOCK64"
     )
 
 

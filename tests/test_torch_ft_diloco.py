@@ -226,3 +226,59 @@ def test_bad_input_is_refused_by_name(coordinator) -> None:
         other.ddp()
         with pytest.raises(FailedPreconditionError, match="this replica already averages through ddp"):
             other.diloco(sync_every=2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_exchanges_are_summed_by_the_coordinator_one_payload_each_way(
+    coordinator, quantize: str
+) -> None:
+    """Over ft, int8/int4 pseudo-gradients travel as records that the coordinator sums and
+    requantizes once: each replica sends one payload and receives one (plus [w, counts] in
+    float32), and every replica applies the same bytes."""
+    import copy
+    import threading
+
+    from gradserver.common import quantized_wire
+    from gradserver.common.messages import DType
+    from gradserver.torch import ft
+
+    server = coordinator(world_size=2, on_worker_loss="continue")
+    steps, sync_every = 12, 4
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    results: dict[int, tuple[int, int, dict[str, torch.Tensor]]] = {}
+    errors: list[BaseException] = []
+
+    def replica() -> None:
+        try:
+            model = copy.deepcopy(start)  # the replicas start from the same weights
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            job = ft.Replica(model, optimizer, coordinator=server.address, timeout=30.0)
+            rank = job.client.worker_id
+            generator = torch.Generator().manual_seed(rank + 1)
+            with job.diloco(sync_every=sync_every, quantize=quantize) as outer:
+                for _ in outer.steps(steps):
+                    x = torch.randn(32, 16, generator=generator)
+                    torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            results[rank] = (outer.sent_bytes, outer.received_bytes, outer.global_tensors())
+            job.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=replica) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(100)
+    assert not errors, errors
+    assert sorted(results) == [0, 1]
+    numel = 16 * 64 + 64 + 64 + 1
+    dtype = {"int8": DType.INT8_BLOCK64, "int4": DType.INT4_BLOCK64}[quantize]
+    per_exchange = quantized_wire.records_for(numel) * quantized_wire.record_bytes(dtype) + 4 * (1 + 2)
+    for sent, received, _ in results.values():
+        assert sent == received == (steps // sync_every) * per_exchange
+    for name, value in results[0][2].items():
+        assert torch.equal(results[1][2][name], value), name

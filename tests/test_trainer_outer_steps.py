@@ -411,3 +411,39 @@ def test_workers_rejoin_a_restarted_coordinator_and_end_bit_identical(
     for saved_a, saved_b in zip(a.outer_state["optimizers"], b.outer_state["optimizers"], strict=True):
         for index, state in saved_a["state"].items():
             assert torch.equal(saved_b["state"][index]["momentum_buffer"], state["momentum_buffer"]), index
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wire", ["int8", "int4"])
+def test_outer_steps_on_a_quantized_wire_with_error_feedback_end_bit_identical(
+    processes: ProcessGroup, tmp_path: Path, wire: str
+) -> None:
+    """--outer-steps 4 --wire-dtype int8|int4 --error-feedback: each exchange's pseudo-gradients
+    travel as block-quantized records that the coordinator sums and requantizes once; every
+    worker applies the same bytes, so the checkpoints end with the same weights and global
+    weights, and the loss still falls."""
+    steps = 64
+    run = processes.gradserver(
+        "run",
+        "--workers",
+        "2",
+        "--",
+        sys.executable,
+        "-m",
+        "gradserver.cli",
+        *_worker_flags(steps, tmp_path, "--outer-steps", "4", "--wire-dtype", wire, "--error-feedback"),
+        name=f"quantized-{wire}",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert run.wait(240) == 0, run.output[-4000:]
+    states = [load_checkpoint(p) for p in sorted(tmp_path.glob("checkpoint-*.pt"))]
+    assert len(states) == 2
+    for name, value in states[0].model_state.items():
+        assert torch.equal(states[1].model_state[name], value), name
+    for name, value in states[0].outer_state["global"].items():
+        assert torch.equal(states[1].outer_state["global"][name], value), name
+    by_step = {m["step"]: m["global_loss"] for m in _metrics(tmp_path)}  # every worker's lines
+    losses = [by_step[s] for s in sorted(by_step)]
+    assert len(losses) == steps // 4
+    assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses

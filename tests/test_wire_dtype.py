@@ -139,8 +139,8 @@ def test_16_bit_chunks_and_averages_cross_the_codec_byte_for_byte(dtype: DType) 
 
 def test_parse_wire_dtype_names_the_choices() -> None:
     assert parse_wire_dtype("BFloat16") is DType.BFLOAT16
-    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
-        parse_wire_dtype("int8")
+    with pytest.raises(ValueError, match="float32, bfloat16, float16, int8, int4"):
+        parse_wire_dtype("int16")
 
 
 # --- through the coordinator ------------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_error_feedback_needs_a_16_bit_wire() -> None:
     with pytest.raises(InvalidArgumentError, match="16-bit"):
         WorkerClient.connect("127.0.0.1:1", wire_dtype="float32", error_feedback=True, timeout=1.0)
     with pytest.raises(InvalidArgumentError, match="not one of"):
-        WorkerClient.connect("127.0.0.1:1", wire_dtype="int8", timeout=1.0)
+        WorkerClient.connect("127.0.0.1:1", wire_dtype="int16", timeout=1.0)
 
 
 # --- the worker's flags -----------------------------------------------------------------------

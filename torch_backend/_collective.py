@@ -13,9 +13,18 @@ import socket
 
 import numpy as np
 
-from gradserver.common.messages import BYTE_KINDS, CollectiveKind, KeyKind, ReduceOp, TensorKey
+from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.messages import (
+    BYTE_KINDS,
+    QUANTIZED_DTYPES,
+    CollectiveKind,
+    KeyKind,
+    ReduceOp,
+    TensorKey,
+)
 from gradserver.common.security import TlsFiles
 from gradserver.common.timeouts import Timeouts
+from gradserver.common.wire_dtype import parse_wire_dtype
 from gradserver.worker import WorkerClient
 
 _F32 = np.dtype("<f4")
@@ -40,7 +49,19 @@ class CollectiveClient(WorkerClient):
     ) -> CollectiveClient:
         """Like `WorkerClient.connect`, but asks the coordinator for worker id `rank`: a rank out
         of range or already taken is refused, naming it. `wire_dtype`: what float32 reductions
-        travel as, except the keys sent `exact`."""
+        travel as, except the keys sent `exact`: float32, bfloat16 or float16 (the group's
+        REDUCE_SCATTERs and NaN-propagating reductions cannot travel as int8 or int4 records;
+        a key may still be sent quantized with `wire=`)."""
+        try:
+            quantized = parse_wire_dtype(wire_dtype) in QUANTIZED_DTYPES
+        except ValueError:
+            quantized = False  # `connect` refuses it, naming the choices
+        if quantized:
+            raise InvalidArgumentError(
+                f"wire dtype {wire_dtype} is not for a process group's collectives (their "
+                "REDUCE_SCATTERs and NaN-propagating reductions need a float wire): use float32, "
+                "bfloat16 or float16; DiLoCo's quantize= sends its own payloads quantized"
+            )
         return cls.connect(
             address,
             node_id=node_id or f"{socket.gethostname()}/rank{rank}",
@@ -67,15 +88,17 @@ class CollectiveClient(WorkerClient):
         into: np.ndarray | None = None,
         propagate_non_finite: bool = False,
         exact: bool = False,
+        wire: str | None = None,
     ) -> None:
         """Contributes `array` to operation `sequence` of `group`: 1-D float32 for REDUCE and
         REDUCE_SCATTER, raw bytes (uint8) for ALL_GATHER, BROADCAST (`root`'s bytes; the others'
         only say how many) and ALL_TO_ALL (`split_bytes[j]` of them for rank j). With `into` (it
         may be `array` for a REDUCE) the result is written there (see `send_block_gradient`).
         With `propagate_non_finite` a NaN or Inf (or a float32 overflow) is a result, not an
-        error. `exact`: float32 on a 16-bit wire too (`WorkerClient.send`)."""
+        error. `exact`: float32 on a 16-bit wire too; `wire`: this key's wire dtype by name, e.g.
+        "int8" (a REDUCE summed by the coordinator as quantized records; `WorkerClient.send`)."""
         key = _key(sequence, group, op, kind, root, split_bytes, propagate_non_finite)
-        self.send(key, _payload(array, kind), into=into, exact=exact)
+        self.send(key, _payload(array, kind), into=into, exact=exact, wire=wire)
 
     def run_collective(
         self,
@@ -91,11 +114,12 @@ class CollectiveClient(WorkerClient):
         propagate_non_finite: bool = False,
         timeout: float | None = None,
         exact: bool = False,
+        wire: str | None = None,
     ) -> np.ndarray:
         """`send_collective` and its receive in one call (`WorkerClient.collective`): through the
         coordinator's collective lane when every rank is on its host, else over gRPC."""
         key = _key(sequence, group, op, kind, root, split_bytes, propagate_non_finite)
-        return self.collective(key, _payload(array, kind), into=into, timeout=timeout, exact=exact)
+        return self.collective(key, _payload(array, kind), into=into, timeout=timeout, exact=exact, wire=wire)
 
     def receive_collective(self, timeout: float | None = None) -> np.ndarray:
         """The result of the oldest collective this rank sent and has not received yet: float32

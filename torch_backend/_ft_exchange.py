@@ -15,7 +15,10 @@ optimizer, kept quantization error, landed averages, the inner step), checked by
 A donor offers it only while it is held at that exchange (between its payload and its result,
 and the result of S waits for the joiner's part): at any other time it offers step S-1, so a
 request waits for the boundary instead of reading a state that the inner steps are changing.
-The coordinator's gather needs every rank, so quantized payloads travel dequantized here.
+The coordinator's gather needs every rank, so int8 and int4 payloads are summed by the
+coordinator instead (`quantized_sum`): the replica sends its compensated wΔ as block-quantized
+records and [w, counts] as an exact float32 SUM, two keys of the same step, and gets one
+quantized sum back (one payload up, one down). bf16 travels dequantized as float32.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from gradserver.common.errors import (
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gradserver.torch.ft")
 
 _OUTER_GROUP = 3  # the collective group of the outer steps' sums (ft.py uses 1 and 2)
+_OUTER_EXTRA_GROUP = 4  # [w, counts] of a quantized sum, exact float32, in the same step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,7 @@ class FtExchange:
 
     gathers = False
     heals = True
+    sums_quantized = True
 
     def __init__(self, replica: Replica) -> None:
         if replica.replica_group is not None:
@@ -85,15 +91,34 @@ class FtExchange:
         """Exchange `vector` as the replica's next step: its SUM over the replicas that took part,
         or None when every replica discards the step. Raises `Resumed` when this replica took a
         live one's state as it rejoined a restarted coordinator."""
+        return self._exchange([(vector, None)])
+
+    def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> _Landed:
+        """`sum` of [values, extra], `values` travelling as `wire` ("int8", "int4") records that
+        the coordinator sums and requantizes once, `extra` as exact float32: the landed vector
+        holds the decoded sum, then the sum of `extra`."""
+        return self._exchange([(values, wire), (extra, None)])
+
+    def _exchange(self, parts: list[tuple[torch.Tensor, str | None]]) -> _Landed:
+        """The parts (each with its wire dtype, None: exact float32), one collective group each,
+        as the replica's next step."""
         replica = self.replica
+        groups = (_OUTER_GROUP, _OUTER_EXTRA_GROUP)
         while True:
             step = replica.step
-            array = vector.detach().float().cpu().numpy().copy()  # a retry sends it again
+            # Copies: a retry sends them again.
+            arrays = [vector.detach().float().cpu().numpy().copy() for vector, _ in parts]
             error: GradServerError | None = None
             contributors = 0
             try:
-                replica.client.send(TensorKey.collective(step, _OUTER_GROUP, ReduceOp.SUM), array, into=array)
+                for group, array, (_, wire) in zip(groups, arrays, parts, strict=False):
+                    key = TensorKey.collective(step, group, ReduceOp.SUM)
+                    replica.client.send(
+                        key, array, into=array, wire=wire, exact=wire is None and len(parts) > 1
+                    )
                 contributors = replica.client.receive(KeyKind.COLLECTIVE).num_contributors
+                for _ in parts[1:]:
+                    replica.client.receive(KeyKind.COLLECTIVE)
                 replica.client.barrier(step, "commit")
             except GradServerError as exc:
                 error = exc
@@ -120,7 +145,7 @@ class FtExchange:
             if error is not None:
                 log.warning("outer step %d discarded on every replica: %s", step, error.message)
                 return _Landed(None)
-            return _Landed(torch.from_numpy(array).to(vector.device))
+            return _Landed(torch.from_numpy(np.concatenate(arrays)).to(parts[0][0].device))
 
     # --- the state a joining replica takes ------------------------------------------------------
 

@@ -53,6 +53,8 @@ class OuterExchange(Protocol):
     replicas: int  # the replicas a payload has a slot for (the world)
     rank: int  # this replica's slot
     gathers: bool  # whether `gather` is offered: else quantized payloads are summed dequantized
+    # whether `quantized_sum` is offered: int8/int4 records summed by the coordinator
+    sums_quantized: bool
     heals: bool  # results land at once (or the exchange is discarded), and replicas join at one
 
     def check_identical(self, params: list[tuple[str, torch.Tensor]]) -> None:
@@ -61,6 +63,12 @@ class OuterExchange(Protocol):
 
     def sum(self, vector: torch.Tensor) -> Landing:
         """The SUM of `vector` (float32) over the replicas taking part."""
+        ...
+
+    def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> Landing:
+        """The SUM of [values, extra] over the replicas taking part: `values` travel as `wire`
+        ("int8", "int4") records the coordinator sums and requantizes once, `extra` as exact
+        float32; the landed vector is the decoded sum of `values`, then the sum of `extra`."""
         ...
 
     def gather(self, piece: torch.Tensor) -> Landing:

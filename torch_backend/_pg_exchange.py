@@ -46,6 +46,7 @@ class ProcessGroupExchange:
 
     gathers = True
     heals = False
+    sums_quantized = False
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -58,6 +59,9 @@ class ProcessGroupExchange:
     def sum(self, vector: torch.Tensor) -> _Collective:
         work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _Collective(work, vector)
+
+    def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> _Collective:
+        raise FailedPreconditionError("this process group sums no quantized records: they are gathered")
 
     def gather(self, piece: torch.Tensor) -> _Collective:
         buffer = torch.empty(self.replicas * piece.numel(), dtype=torch.uint8, device=piece.device)

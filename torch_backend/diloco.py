@@ -59,6 +59,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
+from gradserver.common.messages import DType
+from gradserver.common.quantized_wire import VALUES_PER_RECORD, record_bytes, records_for
 
 from ._outer_exchange import Landing, OuterExchange, Resumed
 from ._pg_exchange import ProcessGroupExchange
@@ -69,6 +71,8 @@ __all__ = ["DiLoCo", "nesterov_outer_optimizer"]
 log = logging.getLogger("gradserver.torch.diloco")
 
 OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+# The formats whose records the coordinator sums (common/quantized_wire.py), by wire dtype.
+_WIRE_FORMATS = {"int8": DType.INT8_BLOCK64, "int4": DType.INT4_BLOCK64}
 _HEADER = 8  # a quantized payload's header: its weight and its count of non-finite values (float32)
 
 
@@ -311,7 +315,11 @@ class DiLoCo:
         nonfinite = int((~torch.isfinite(delta)).sum())
         if nonfinite:
             delta.zero_()  # sent as zeros; the count in the payload fails the exchange everywhere
-        summed = fragment.feedback is None or not self.exchange.gathers
+        feedback = fragment.feedback
+        if feedback is not None and self._sums_quantized(feedback):
+            self._send_quantized_sum(fragment, feedback, delta, weight, nonfinite, counted_before)
+            return
+        summed = feedback is None or not self.exchange.gathers
         if fragment.feedback is None:
             payload = self._summed_payload(delta, weight, nonfinite)
         elif summed:
@@ -327,7 +335,63 @@ class DiLoCo:
         else:
             self.sent_bytes += payload.numel()
             self.received_bytes += self.replicas * payload.numel()
-        exchange = _Exchange(self.inner_step + self.delay, landing, None, weight, summed)
+        self._landing(
+            fragment,
+            _Exchange(self.inner_step + self.delay, landing, None, weight, summed),
+            counted_before,
+            residual_before,
+        )
+
+    def _sums_quantized(self, feedback: ErrorFeedback) -> bool:
+        """Whether the exchange sums this fragment's int8/int4 records on the coordinator (the
+        wire's records hold 64 values a scale: other blocks travel as before)."""
+        return (
+            self.exchange.sums_quantized
+            and feedback.format in _WIRE_FORMATS
+            and feedback.block == VALUES_PER_RECORD
+        )
+
+    def _send_quantized_sum(
+        self,
+        fragment: _Fragment,
+        feedback: ErrorFeedback,
+        delta: torch.Tensor,
+        weight: float,
+        nonfinite: int,
+        counted_before: float,
+    ) -> None:
+        """wΔ plus the kept error as records the coordinator sums and requantizes once (one
+        payload up, one down), [w, counts] as an exact SUM beside it. The error kept is what was
+        to be sent less the decoding of what was (the coordinator's numpy encoder gives the
+        torch codec's records for the same values)."""
+        residual_before = feedback.residual
+        values = delta * weight if weight != 1.0 else delta
+        compensated = values if feedback.residual is None or nonfinite else values + feedback.residual
+        if not nonfinite:
+            feedback.encode(values)  # keeps compensated - decode(records of compensated)
+        extra = self._summed_payload(delta[:0], weight, nonfinite)
+        with self.exchange.at_boundary():
+            landing = self.exchange.quantized_sum(compensated, extra, feedback.format)
+        wire_bytes = (
+            records_for(delta.numel()) * record_bytes(_WIRE_FORMATS[feedback.format]) + 4 * extra.numel()
+        )
+        self.sent_bytes += wire_bytes
+        self.received_bytes += wire_bytes
+        # The landed vector is [Σ records decoded, Σ w, counts]: averaged as a float32 sum.
+        exchange = _Exchange(self.inner_step + self.delay, landing, None, weight, True)
+        self._landing(fragment, exchange, counted_before, residual_before)
+
+    def _landing(
+        self,
+        fragment: _Fragment,
+        exchange: _Exchange,
+        counted_before: float,
+        residual_before: torch.Tensor | None,
+    ) -> None:
+        """Keeps `exchange` pending on `fragment`; an exchange that heals has its result in
+        already, or was discarded by every replica (what it carried is sent next time)."""
+        landing = exchange.landing
+        assert landing is not None
         if self.exchange.heals:  # its result is in already, or the exchange was discarded
             result = landing.wait()
             if result is None:

@@ -205,7 +205,9 @@ class WorkerConfig:
     wire_dtype: str = client_setting("wire_dtype", "float32")
     error_feedback: bool = dataclasses.field(
         default=False,
-        metadata={"help": "remote, 16-bit wire: add each tensor's rounding error to its next gradient"},
+        metadata={
+            "help": "remote, 16-bit or int8/int4 wire: add each tensor's rounding error to its next gradient"
+        },
     )
     timeout: float = dataclasses.field(default=0.0, metadata={"help": "seconds for every wait (0: defaults)"})
     json: bool = dataclasses.field(default=False, metadata={"help": "print a JSON summary line last"})
@@ -244,7 +246,7 @@ class WorkerConfig:
                 f"--wire-dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}"
             )
         if self.error_feedback and self.wire_dtype == "float32":
-            raise InvalidArgumentError("--error-feedback needs --wire-dtype bfloat16 or float16")
+            raise InvalidArgumentError("--error-feedback needs --wire-dtype bfloat16, float16, int8 or int4")
         if self.wire_dtype != "float32" and self.engine != "remote":
             raise InvalidArgumentError(
                 f"--wire-dtype {self.wire_dtype} is for --engine remote; {self.engine} sends float32"

@@ -10,6 +10,10 @@ gradient is void on every worker anyway, and its residual is a small correction 
 
 A value beyond float16's range is refused before anything is sent (not scaled): scaling would
 need the same factor on every worker, which the coordinator does not negotiate.
+
+With `--wire-dtype int8|int4` (`QuantizingEncoder`) a gradient becomes block-quantized records
+(common/quantized_wire.py) instead, with the same per-slot error feedback: the residual is what
+was to be sent less the decoding of what was; the client lays the records out in its chunks.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from gradserver.common.errors import InvalidArgumentError
-from gradserver.common.messages import DType, KeyKind, TensorKey
+from gradserver.common.messages import QUANTIZED_DTYPES, DType, KeyKind, TensorKey
+from gradserver.common.quantized_wire import NonFiniteValue, decode_records, encode_records
 from gradserver.common.wire_dtype import WireOverflow, narrow, widen
 
 
@@ -70,10 +75,42 @@ class NarrowingEncoder(WireEncoder):
         return self._residuals.get(key.slot)
 
 
+class QuantizingEncoder(WireEncoder):
+    """Quantizes float32 gradients to records of a block-quantized dtype (`encode` gives the
+    records, shape (blocks, record bytes)); keeps per-slot residuals when asked."""
+
+    def __init__(self, dtype: DType, *, error_feedback: bool = False) -> None:
+        self.dtype = dtype
+        self.error_feedback = error_feedback
+        self._residuals: dict[tuple[KeyKind, int], np.ndarray] = {}
+
+    def encode(self, key: TensorKey, array: np.ndarray) -> np.ndarray:
+        """Raises InvalidArgumentError naming the key and element of a NaN or Inf (records carry
+        finite values only)."""
+        wanted = array
+        residual = self._residuals.get(key.slot) if self.error_feedback else None
+        if residual is not None and residual.size == array.size:
+            wanted = array + residual
+        try:
+            records = encode_records(wanted, self.dtype)
+        except NonFiniteValue as exc:
+            raise InvalidArgumentError(f"{key}: {exc}", step=key.step, key=str(key)) from None
+        if self.error_feedback:
+            self._residuals[key.slot] = wanted - decode_records(records, self.dtype)[: array.size]
+        return records
+
+    def residual(self, key: TensorKey) -> np.ndarray | None:
+        return self._residuals.get(key.slot)
+
+
 def wire_encoder(dtype: DType, *, error_feedback: bool = False) -> WireEncoder:
-    """The encoder layer for `dtype`, chosen once when the worker connects."""
+    """The encoder layer for `dtype`, chosen once when the worker connects (or per call)."""
     if dtype is DType.FLOAT32:
         if error_feedback:
-            raise InvalidArgumentError("error feedback needs a 16-bit wire dtype (bfloat16 or float16)")
+            raise InvalidArgumentError(
+                "error feedback needs a 16-bit or quantized wire dtype (bfloat16, float16, int8, int4)"
+            )
         return WireEncoder()
+    if dtype in QUANTIZED_DTYPES:
+        return QuantizingEncoder(dtype, error_feedback=error_feedback)
     return NarrowingEncoder(dtype, error_feedback=error_feedback)

@@ -44,6 +44,7 @@ from gradserver.common.errors import (
 )
 from gradserver.common.messages import (
     BYTE_KINDS,
+    QUANTIZED_DTYPES,
     START_AT_WINDOW,
     ChunkHeader,
     CollectiveKind,
@@ -57,6 +58,7 @@ from gradserver.common.messages import (
     StartAtIn,
     TensorKey,
 )
+from gradserver.common.quantized_wire import decode_words, pack
 from gradserver.common.security import TlsFiles, bearer_metadata
 from gradserver.common.timeouts import Timeouts
 from gradserver.common.wire_dtype import parse_wire_dtype
@@ -119,6 +121,11 @@ class WorkerClient:
         # handed out again for the same slot's next key when nobody else holds it (`_result_for`).
         self._pool: dict[tuple[KeyKind, int], np.ndarray] = {}
         self._pool_lock = threading.Lock()
+        # Keys sent in a quantized dtype: their words arrive in the link's array and are decoded,
+        # once the whole key is in, into the float32 array here ((array, chunk words)).
+        self._decodes: dict[TensorKey, tuple[np.ndarray, int]] = {}
+        # Per-call wire dtypes (`wire=`), one encoder each, without error feedback.
+        self._call_encoders: dict[DType, WireEncoder] = {}
         self._closed = False
         self._stepped = False  # something of a step was sent or asked for (start_at is too late)
         self._state_server: StateServer | None = None
@@ -158,10 +165,12 @@ class WorkerClient:
         workers to its value: the coordinator refuses a joiner whose map differs from the
         first joiner's, naming the fields. `rank` asks for that worker id (a torch rank) instead
         of the lowest free one: a rank out of range or already taken is refused, naming it.
-        `wire_dtype` (float32, bfloat16, float16) is what gradients travel as: arrays are still
-        given and returned as float32, rounded once before sending; `error_feedback` (16-bit
-        only) adds each key slot's rounding error to its next gradient. Every worker of a job
-        must use the same wire dtype (the coordinator fails a step whose workers differ).
+        `wire_dtype` (float32, bfloat16, float16, int8, int4) is what gradients travel as: arrays
+        are still given and returned as float32, rounded once (16-bit) or block-quantized (int8,
+        int4: summed by the coordinator, which answers one quantized result) before sending;
+        `error_feedback` (not float32) adds each key slot's rounding error to its next gradient.
+        Every worker of a job must use the same wire dtype (the coordinator fails a step whose
+        workers differ).
         `transport` is "auto" (default, or $GRADSERVER_TRANSPORT): shared memory when the
         coordinator proves it is on this host, else gRPC; "grpc"; or "shm", which raises when
         shared memory is not available (also with a 16-bit wire or partitioned coordinators, which
@@ -331,6 +340,7 @@ class WorkerClient:
         component_sizes: tuple[int, ...] | list[int] = (),
         stats: SampleStats | None = None,
         exact: bool = False,
+        wire: str | None = None,
     ) -> None:
         """Contributes `array` (float32: numpy, CPU or CUDA torch, or a sequence) to `key`'s
         reduction. Block keys carry their 9 `component_sizes`, whole-model keys this worker's
@@ -338,7 +348,8 @@ class WorkerClient:
         every chunk is queued for the transport; `receive(key.kind)` returns the result.
         `exact`: sent and averaged as float32 whatever the client's wire dtype, for values a
         16-bit wire must not round (integers carried as float32, counts); every worker must
-        say the same for a key.
+        say the same for a key. `wire`: this key's wire dtype by name (e.g. "int8"), whatever
+        the client's, without error feedback; every worker must say the same for a key.
         A collective key of a kind that moves bytes (ALL_GATHER, BROADCAST, ALL_TO_ALL) takes an
         array of any dtype and sends its raw bytes (a BROADCAST's non-root ranks send none, only
         their length); its result is uint8 (`into`: any dtype of the result's size in bytes)."""
@@ -360,7 +371,7 @@ class WorkerClient:
                 step=key.step,
                 key=str(key),
             )
-        self._send_tensor(key, flat, sizes, stats, into=into, exact=exact)
+        self._send_tensor(key, flat, sizes, stats, into=into, exact=exact, wire=wire)
 
     def receive(self, kind: KeyKind, timeout: float | None = None) -> AveragedTensor:
         """The result of the oldest key of `kind` this worker sent and has not received yet: the
@@ -383,24 +394,28 @@ class WorkerClient:
         into: Any = None,
         timeout: float | None = None,
         exact: bool = False,
+        wire: str | None = None,
     ) -> np.ndarray:
         """Runs the collective `key` to its end and returns its result: what `send(key, array,
         into=into)` then `receive(COLLECTIVE, timeout)` give, in one call. When every worker of
         the job reaches the coordinator through this host's shared memory, it goes through the
         coordinator's collective lane (docs/PROTOCOL.md): no gRPC message, about 30-100 µs of
         control instead of a millisecond. Every worker must run its collectives in the same
-        order, and none may be sent with `send` and not yet received. `exact`: as `send`'s."""
+        order, and none may be sent with `send` and not yet received. `exact`, `wire`: as
+        `send`'s (a quantized key goes to the coordinator, never through the lane, whose
+        rounds sum float32)."""
         self._check_step(key.step)
         if key.kind is not KeyKind.COLLECTIVE:
             raise InvalidArgumentError(
                 f"collective() takes collective keys, got {key}", step=key.step, key=str(key)
             )
         lane = self._link.lane()
-        if lane is not None and not self._sent[KeyKind.COLLECTIVE]:
+        quantized = self._encoder_for(key, exact, wire).dtype in QUANTIZED_DTYPES
+        if lane is not None and not quantized and not self._sent[KeyKind.COLLECTIVE]:
             result = self._run_in_lane(lane, key, array, into, timeout)
             if result is not None:
                 return result
-        self.send(key, array, into=into, exact=exact)
+        self.send(key, array, into=into, exact=exact, wire=wire)
         return self.receive(KeyKind.COLLECTIVE, timeout).gradients
 
     # --- per-block gradients ------------------------------------------------------------------
@@ -715,10 +730,15 @@ class WorkerClient:
         *,
         into: Any = None,
         exact: bool = False,
+        wire: str | None = None,
     ) -> None:
         self._check_size(key, int(array.size), "elements")
         total = self._result_length(key, int(array.size))
         assert total is not None  # only ALL_TO_ALL has no length before its result, and it moves bytes
+        encoder = self._encoder_for(key, exact, wire)
+        if encoder.dtype in QUANTIZED_DTYPES:
+            self._send_quantized(key, array, sizes, stats, encoder, into=into)
+            return
         if into is not None:
             result = as_result_buffer(into, total, what=str(key))
         elif total == array.size and (placed := self._link.result_buffer(total)) is not None:
@@ -726,11 +746,74 @@ class WorkerClient:
         else:
             result = self._result_for(key, total, np.float32)
         self._link.raise_if_broken()
-        encoder = _FLOAT32_WIRE if exact else self._encoder
         payload = encoder.encode(key, array)
         header = ChunkHeader(encoder.dtype, int(array.size), sizes)
         self._link.expect(key, sizes, total, encoder.dtype, array=result)
         self._send_chunks(key, header, payload, stats)
+
+    def _encoder_for(self, key: TensorKey, exact: bool, wire: str | None) -> WireEncoder:
+        """What `key` is sent with: float32 when `exact`, the dtype `wire` names, else the
+        client's wire dtype (with its error feedback)."""
+        if exact:
+            return _FLOAT32_WIRE
+        if wire is None:
+            return self._encoder
+        try:
+            dtype = parse_wire_dtype(wire)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{key}: {exc}", step=key.step, key=str(key)) from None
+        if dtype is self._encoder.dtype and not self._encoder.error_feedback:
+            return self._encoder
+        encoder = self._call_encoders.get(dtype)
+        if encoder is None:
+            encoder = self._call_encoders[dtype] = wire_encoder(dtype)
+        return encoder
+
+    def _send_quantized(
+        self,
+        key: TensorKey,
+        array: np.ndarray,
+        sizes: tuple[int, ...],
+        stats: SampleStats | None,
+        encoder: WireEncoder,
+        *,
+        into: Any = None,
+    ) -> None:
+        """`key` as block-quantized records laid out in this job's chunks (common/quantized_wire.py):
+        the coordinator sums them and answers words of the same layout, decoded when the key is
+        received. Refused where the sum would not be the coordinator's: a REDUCE_SCATTER, and a
+        key this worker's host group would sum first."""
+        dtype = encoder.dtype
+        problem = None
+        if not collective_rules.quantized_sum_exact(key):
+            problem = collective_rules.quantized_problem(key, dtype)
+        elif self._link.host_group and collective_rules.summed_on_hosts(key):
+            problem = (
+                f"{key.describe()} cannot carry {dtype.name}: this worker sums in host group "
+                f"{list(self._link.host_group)}, whose partial sums would be requantized; turn host "
+                "groups off (host_groups=False, GRADSERVER_HOST_GROUPS=0) or send float32"
+            )
+        if problem is not None:
+            raise InvalidArgumentError(f"{key}: {problem}", step=key.step, key=str(key))
+        chunk_words = self.chunk_bytes // 4
+        result = (
+            as_result_buffer(into, int(array.size), what=str(key))
+            if into is not None
+            else self._result_for(key, int(array.size), np.float32)
+        )
+        self._link.raise_if_broken()
+        try:
+            words = pack(encoder.encode(key, array), dtype, chunk_words)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{key}: {exc}", step=key.step, key=str(key)) from None
+        header = ChunkHeader(dtype, int(words.size), sizes)
+        self._link.expect(key, sizes, int(words.size), dtype, array=np.empty(words.size, dtype="<u4"))
+        self._decodes[key] = (result, chunk_words)
+        try:
+            self._send_chunks(key, header, words, stats)
+        except BaseException:
+            self._decodes.pop(key, None)
+            raise
 
     def _send_bytes(self, key: TensorKey, data: np.ndarray, *, into: Any = None) -> None:
         """A contribution to a collective that moves bytes (ALL_GATHER, BROADCAST, ALL_TO_ALL):
@@ -888,6 +971,11 @@ class WorkerClient:
                 self._settle(sent, key)
             raise
         sent.popleft()
+        decode = self._decodes.pop(key, None)
+        if decode is not None:
+            target, chunk_words = decode
+            target[:] = decode_words(result.array, result.dtype, chunk_words, target.size)
+            result.array = target
         return key, result
 
     def _settle(self, sent: collections.deque[TensorKey], key: TensorKey) -> None:
@@ -897,6 +985,7 @@ class WorkerClient:
         with self._pool_lock:
             for stale in [k for k in sent if k == key or k.step == key.step]:
                 self._pool.pop(stale.slot, None)
+                self._decodes.pop(stale, None)
         if not self._link.step_failed(key.step):
             sent.remove(key)
             return

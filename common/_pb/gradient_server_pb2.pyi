@@ -32,6 +32,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_BYTES: _ClassVar[DType]
+    DTYPE_INT8_BLOCK64: _ClassVar[DType]
+    DTYPE_INT4_BLOCK64: _ClassVar[DType]
 
 class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +64,8 @@ DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
 DTYPE_BYTES: DType
+DTYPE_INT8_BLOCK64: DType
+DTYPE_INT4_BLOCK64: DType
 REDUCE_OP_AVG: ReduceOp
 REDUCE_OP_SUM: ReduceOp
 COLLECTIVE_KIND_REDUCE: CollectiveKind

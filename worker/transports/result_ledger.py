@@ -35,7 +35,14 @@ from gradserver.common.errors import (
     InternalError,
     InvalidArgumentError,
 )
-from gradserver.common.messages import AveragedChunkOut, DType, ErrorOut, SampleRangeAssignmentOut, TensorKey
+from gradserver.common.messages import (
+    QUANTIZED_DTYPES,
+    AveragedChunkOut,
+    DType,
+    ErrorOut,
+    SampleRangeAssignmentOut,
+    TensorKey,
+)
 from gradserver.common.timeouts import Timeouts
 
 from ..tensors import same_memory
@@ -253,6 +260,9 @@ class ResultLedger:
                 pending.sized = True
         if pending is None or pending.error is not None:
             return False  # a key this worker gave up on (timeout, failed step): nothing to fill
+        if data.dtype != pending.array.dtype and data.dtype.itemsize == pending.array.dtype.itemsize:
+            # Quantized words read as float32 (a shared-memory average): the bits, not a cast.
+            data = data.view(pending.array.dtype)
         length = data.size
         end = event.offset + length
         error: ErrorRecord | None = None
@@ -351,5 +361,10 @@ class ResultLedger:
 
 
 def result_array(length: int, dtype: DType) -> np.ndarray:
-    """A result of `length` elements arriving in `dtype`: bytes stay bytes, floats are float32."""
-    return np.empty(length, dtype=np.uint8 if dtype is DType.BYTES else np.float32)
+    """A result of `length` elements arriving in `dtype`: bytes stay bytes, quantized words stay
+    words (the client decodes the whole key), floats are float32."""
+    if dtype is DType.BYTES:
+        return np.empty(length, dtype=np.uint8)
+    if dtype in QUANTIZED_DTYPES:
+        return np.empty(length, dtype="<u4")
+    return np.empty(length, dtype=np.float32)
