@@ -42,6 +42,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "int8": {"quantize": "int8"},
     "int4": {"quantize": "int4"},
     "streaming": {"quantize": "int8", "fragments": 2, "delay": 2, "keep_local": 0.5},
+    # Over a gloo group the int8 payloads are all-gathered and summed on every replica; over the
+    # "gradserver" group (the runs above) the coordinator sums them.
+    "int8-gloo": {"quantize": "int8", "gloo": True},
 }
 
 
@@ -95,7 +98,9 @@ def _train(rank: int, options: dict[str, Any]) -> dict[str, Any]:
         recorders.append(_RecordingSGD(params, lr=0.7, momentum=0.9, nesterov=True))
         return recorders[-1]
 
-    outer = DiLoCo(model, inner, sync_every=H, outer_optimizer=outer_optimizer, group=None, **options)
+    options = dict(options)
+    group = dist.new_group(backend="gloo") if options.pop("gloo", False) else None
+    outer = DiLoCo(model, inner, sync_every=H, outer_optimizer=outer_optimizer, group=group, **options)
     exact: list[torch.Tensor] = []
     digests: list[int] = []
     local_equals_global: list[bool] = []
@@ -271,7 +276,7 @@ def test_each_format_trains_to_a_loss_close_to_float32s(replicas: list[dict[str,
 
 # Relative error of the averaged pseudo-gradient of one outer step against the exact average of
 # the same pseudo-gradients (at most), and of their sum over the 12 outer steps.
-STEP_ERROR = {"float32": 1e-6, "bf16": 0.01, "int8": 0.02, "int4": 0.2}
+STEP_ERROR = {"float32": 1e-6, "bf16": 0.01, "int8": 0.02, "int4": 0.2, "int8-gloo": 0.02}
 
 
 @pytest.mark.parametrize("run", list(STEP_ERROR))
@@ -293,16 +298,21 @@ def test_the_averaged_pseudo_gradient_is_as_accurate_as_its_format(
         assert sum_error < float(step_errors.mean())
 
 
-def test_wire_bytes_are_one_payload_up_and_n_down(replicas: list[dict[str, Any]]) -> None:
+def test_wire_bytes_are_one_payload_each_way_and_n_down_when_gathered(replicas: list[dict[str, Any]]) -> None:
     numel = sum(p.numel() for p in _model().parameters())
     outer_steps = STEPS // H
     float32 = replicas[0]["float32"]
     assert float32["sent_bytes"] == float32["received_bytes"] == outer_steps * 4 * (numel + 1 + WORLD)
-    int8 = replicas[0]["int8"]
+    # The coordinator sums the records: one payload up, one down, beside [weight, counts].
+    for run, record in (("int8", 68), ("int4", 36)):
+        summed = replicas[0][run]
+        assert summed["sent_bytes"] == summed["received_bytes"]
+        assert summed["sent_bytes"] == outer_steps * (record * -(-numel // 64) + 4 * (1 + WORLD))
+    gathered = replicas[0]["int8-gloo"]
     payload = 8 + numel + 4 * -(-numel // 64)
     payload += -payload % 8
-    assert int8["sent_bytes"] == outer_steps * payload
-    assert int8["received_bytes"] == WORLD * int8["sent_bytes"]
+    assert gathered["sent_bytes"] == outer_steps * payload
+    assert gathered["received_bytes"] == WORLD * gathered["sent_bytes"]
 
 
 def test_with_h_1_and_outer_sgd_lr_1_it_is_data_parallel_sgd(replicas: list[dict[str, Any]]) -> None:

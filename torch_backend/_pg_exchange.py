@@ -1,8 +1,11 @@
 """DiLoCo's exchange over a torch.distributed process group (the "gradserver" backend).
 
-A SUM payload is one async SUM all_reduce, a quantized one an async all_gather of bytes; both are
-waited for only when the outer step is due, so the exchange runs while the inner steps do. A lost
-rank fails the collective and ends the job (for outer steps that survive one: `_ft_exchange`).
+A SUM payload is one async SUM all_reduce. A quantized one is, on a "gradserver" group, int8 or
+int4 records the coordinator sums and requantizes once (`quantized_allreduce`, one payload up and
+one down) beside an async SUM of its [weight, counts]; on any other group (gloo) an async
+all_gather of every replica's bytes. All are waited for only when the outer step is due, so the
+exchange runs while the inner steps do. A lost rank fails the collective and ends the job (for
+outer steps that survive one: `_ft_exchange`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from gradserver.common.errors import FailedPreconditionError
 
 from ._outer_exchange import OuterState, nothing_held
+from ._quantized_collectives import QuantizedCollectives
 
 # torch 2.13 renamed all_gather_into_tensor (which it warns about); older ones have only that.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,17 +45,30 @@ class _Collective:
         return self.buffer
 
 
+@dataclasses.dataclass
+class _Parts:
+    """Collectives in flight whose results, concatenated, are the exchange's."""
+
+    parts: list[_Collective]
+
+    def wait(self) -> torch.Tensor:
+        return torch.cat([part.wait() for part in self.parts])
+
+
 class ProcessGroupExchange:
     """Exchanges over `group` (None: the default group), one rank per replica."""
 
     gathers = True
     heals = False
-    sums_quantized = False
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.replicas = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        process_group = group if group is not None else dist.group.WORLD
+        # A "gradserver" group's coordinator sums int8/int4 records; other backends gather.
+        self._quantized = process_group if isinstance(process_group, QuantizedCollectives) else None
+        self.sums_quantized = self._quantized is not None
 
     def check_identical(self, params: list[tuple[str, torch.Tensor]]) -> None:
         _check_identical(params, self.group, self.rank, self.replicas)
@@ -60,8 +77,15 @@ class ProcessGroupExchange:
         work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _Collective(work, vector)
 
-    def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> _Collective:
-        raise FailedPreconditionError("this process group sums no quantized records: they are gathered")
+    def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> _Parts:
+        if self._quantized is None:
+            raise FailedPreconditionError(
+                "this process group is not a gradserver one: it sums no quantized records (they are gathered)"
+            )
+        values = values.contiguous()
+        records = _Collective(self._quantized.quantized_allreduce(values, wire), values)
+        extra_sum = self.sum(extra.contiguous())
+        return _Parts([records, extra_sum])
 
     def gather(self, piece: torch.Tensor) -> _Collective:
         buffer = torch.empty(self.replicas * piece.numel(), dtype=torch.uint8, device=piece.device)

@@ -66,6 +66,7 @@ from ._collective import CollectiveClient
 from ._coordinator import EmbeddedCoordinator, Store, coordinator_for
 from ._devices import DeviceTransfers
 from ._point_to_point import PointToPoint
+from ._quantized_collectives import QuantizedCollectives
 from ._reduce_collectives import ReduceCollectives
 from ._registration import BACKEND_NAME, DEVICE_TYPES
 from ._settings import rank_settings
@@ -73,7 +74,7 @@ from ._settings import rank_settings
 log = logging.getLogger("gradserver.torch")
 
 
-class ProcessGroupGradServer(PointToPoint, ReduceCollectives, ByteCollectives):
+class ProcessGroupGradServer(PointToPoint, ReduceCollectives, ByteCollectives, QuantizedCollectives):
     """One torch process group = one membership of one coordinator (worker id = group rank)."""
 
     def __init__(

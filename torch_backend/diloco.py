@@ -22,10 +22,14 @@ last exchange of that fragment (tokens or samples it processed), or 1 for every 
 never calls `count`. Unquantized, the payload [wᵢ Δᵢ, wᵢ] is one SUM all_reduce, which the
 coordinator sums in rank order in float64 and rounds once (the same bytes on every replica).
 Quantized (`quantize` "bf16", "int8" or "int4", `_quantize`), each replica encodes its own Δᵢ plus
-the error it kept from the previous exchange (error feedback), the payloads are all-gathered as
-bytes, and every replica decodes them and sums wᵢ·decode(payloadᵢ) in rank order in float32:
-the same operations on the same bytes, so the same bits. Wire bytes per replica and exchange:
-one payload up, N down (`sent_bytes`, `received_bytes` count them).
+the error it kept from the previous exchange (error feedback). int8 and int4 (with the default
+block of 64) over a "gradserver" group or `ft`: each replica sends wᵢΔᵢ plus its kept error as
+records that the coordinator decodes, sums in float64 in rank order and requantizes once, and
+[wᵢ, counts] as an exact SUM beside them: one payload up and one down, every replica decoding the
+same bytes. Otherwise (bf16, another block size, a gloo group) the payloads are all-gathered as
+bytes, and every replica decodes them and sums wᵢ·decode(payloadᵢ) in rank order in float32: the
+same operations on the same bytes, so the same bits, one payload up and N down. `sent_bytes` and
+`received_bytes` count them.
 
 Streaming (`fragments` F > 1, `delay` τ > 0, Liu et al. 2025): the parameters are cut, in model
 order, into F fragments of about equal size; fragment f is exchanged at inner step
@@ -41,7 +45,7 @@ parameters (checked at construction: the error names the first parameter that di
 Fault tolerant (`ft.Replica(model, inner_optimizer).diloco(sync_every=...)`, `_ft_exchange`):
 each exchange is one fault-tolerant step of the coordinator, summed over the replicas that take
 part; a lost replica costs its current inner phase, and its replacement takes a live replica's
-state at an exchange and joins there (docs/fault-tolerance.md). Quantized payloads then travel
+state at an exchange and joins there (docs/fault-tolerance.md). bf16 payloads then travel
 dequantized, as float32 SUMs (the coordinator's gather needs every rank), error feedback kept.
 """
 
