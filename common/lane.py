@@ -33,12 +33,13 @@ import mmap
 import os
 import platform
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .futex import NO_SPIN, Spin, futex_wait, futex_wake, libc_syscall
+from .futex import NO_SPIN, Spin, crowded, futex_wait, futex_wake, libc_syscall
 from .messages import BYTE_KINDS as _BYTE_KINDS
 from .messages import CollectiveKind, ReduceOp
 from .shm import round_up
@@ -63,14 +64,21 @@ _FAILED_OPERATION_OFFSET = 56
 # the coordinator's futex word) and the coordinator rounds it rang for by parity (two may await
 # the coordinator at once: a worker posts round g + 2 only after round g is done).
 _POSTED, _TAKEN, _ABANDONED, _BELL, _RUNG = 0, 16, 17, 18, 19
+# The word of the lane (its index + 1; 0: none) this worker is about to sleep on, or sleeps on:
+# a worker that sets a `posted` or `taken` word wakes it only when someone announced a sleep on
+# it (see `LaneMemory._wake_sleepers`). Written by that worker only.
+_SLEEPING = 21
 # Cumulative u64 counters a worker keeps of its peer rounds (the coordinator does not see them):
 # rounds, bytes posted, bytes read.
-_PEER_COUNTERS = 96  # bytes; after the words above (the last, _RUNG + 1, ends at byte 84)
+_PEER_COUNTERS = 96  # bytes; after the words above (the last, _SLEEPING, ends at byte 88)
 _DESCRIPTORS = 128
 
 # See Descriptor: lane operation, its number (the key's step), total, offset, length, part, group,
 # root, kind, op, flags, split count; the splits (u64 each) follow at +64.
 _DESCRIPTOR = struct.Struct("<QQQQQIIIBBBxI")
+# Acquired and released between a worker's store of its `posted` or `taken` word and its reads
+# of the others' `_SLEEPING` words: see `LaneMemory._wake_sleepers`.
+_FENCE = threading.Lock()
 _IDENTITY_BYTES = 16  # the lane operation and the key's step: what differs between operations
 _SPLITS_OFFSET = 64
 FLAG_PROPAGATE_NON_FINITE = 1
@@ -85,6 +93,9 @@ class LaneState(enum.IntEnum):
     OPEN = 1
     CLOSED = 2
     FAILED = 3
+
+
+_OPEN = int(LaneState.OPEN)
 
 
 def supported() -> bool:
@@ -259,6 +270,13 @@ class LaneMemory:
         self._abandoned = [c + _ABANDONED for c in controls]
         self._bell = [c + _BELL for c in controls]
         self._rung = [c + _RUNG for c in controls]
+        self._sleeping = [c + _SLEEPING for c in controls]
+        # The other workers' `_SLEEPING` words, for each worker (read with plain loads: a
+        # memoryview's item is a Python int without numpy's per-item cost).
+        self._others_sleeping = [
+            [self._sleeping[r] for r in range(layout.world) if r != w] for w in range(layout.world)
+        ]
+        self._ints = self.buffer[: layout.data_start].cast("I")
         self._posted_at = [self._address(i) for i in self._posted]
         self._taken_at = [self._address(i) for i in self._taken]
         self._bell_at = [self._address(i) for i in self._bell]
@@ -300,6 +318,7 @@ class LaneMemory:
         """Drops this object's views; the mapping itself is its owner's to close."""
         self.words = np.zeros(0, np.uint32)
         self.bytes = np.zeros(0, np.uint8)
+        self._ints.release()
         self.buffer.release()
 
     # --- words ---
@@ -313,6 +332,11 @@ class LaneMemory:
     @property
     def state(self) -> LaneState:
         return LaneState(int(self.words[_W_STATE]))
+
+    def open_as(self, generation: int) -> bool:
+        """Whether the lane is OPEN for the job of `generation` (the common case, read cheaply)."""
+        ints = self._ints
+        return ints[_W_STATE] == _OPEN and ints[_W_GENERATION] == generation
 
     @property
     def done(self) -> int:
@@ -375,12 +399,46 @@ class LaneMemory:
         return self._taken_at[worker]
 
     def set_posted(self, worker: int, round_: int) -> None:
-        self.words[self._posted[worker]] = round_
-        futex_wake(self._posted_at[worker])
+        index = self._posted[worker]
+        self.words[index] = round_
+        self._wake_sleepers(worker, index)
 
     def set_taken(self, worker: int, round_: int) -> None:
-        self.words[self._taken[worker]] = round_
-        futex_wake(self._taken_at[worker])
+        index = self._taken[worker]
+        self.words[index] = round_
+        self._wake_sleepers(worker, index)
+
+    def set_sleeping(self, worker: int, address: int) -> None:
+        """`worker` is about to sleep on the word at `address` (a `posted` or `taken` word;
+        0: it sleeps on none any more). Announce it before the futex wait, withdraw it after."""
+        self.words[self._sleeping[worker]] = (address - self._base) // 4 + 1 if address else 0
+
+    def _wake_sleepers(self, worker: int, index: int) -> None:
+        """Wakes the word `worker` just stored at `index` when another worker announced a sleep
+        on it. A futex wake costs a system call (2-6 µs on a small VM) whether or not anyone
+        sleeps, and most rounds find the other workers spinning or not yet waiting.
+
+        Why no wake-up is lost: it is Dekker's pattern. The waiter stores its `_SLEEPING` word,
+        then the kernel's futex wait issues a full barrier (smp_mb) before it compares the word
+        with the value the waiter last saw, and sleeps only if it is unchanged. This side stores
+        the word, then a full barrier, then reads the `_SLEEPING` words. With a barrier between
+        each side's store and its later load, at least one side sees the other's store: either
+        this side sees the announcement and wakes (the futex's own bucket lock orders the wake
+        after the waiter's enqueueing), or the kernel sees the new value and the waiter does not
+        sleep. The barrier here is the acquire and release of a lock: on x86-64 (the only
+        processor the lane runs on, `supported`) every lock is taken with a locked
+        read-modify-write instruction, which no load may pass (Intel SDM vol. 3, 9.2.2); Python
+        offers no fence of its own. A stale announcement (a waiter that has woken) costs only a
+        wake. Anything else that wakes a worker (a failure, `set_abandoned`, `wake_everyone`)
+        still wakes every word unconditionally."""
+        with _FENCE:
+            pass
+        token = index + 1
+        ints = self._ints
+        for sleeping in self._others_sleeping[worker]:
+            if ints[sleeping] == token:
+                futex_wake(self._base + 4 * index)
+                return
 
     def set_abandoned(self, worker: int, operation: int) -> None:
         """This worker gave up on its lane operation `operation` (its own deadline or error): the
@@ -416,6 +474,7 @@ class LaneMemory:
                 self._bell[worker],
                 self._rung[worker],
                 self._rung[worker] + 1,
+                self._sleeping[worker],
             ):
                 self.words[index] = 0
             struct.pack_into("<3Q", self.buffer, self._counters[worker], 0, 0, 0)
@@ -487,10 +546,9 @@ class LaneMemory:
     # --- descriptors and slots ---
 
     def write_descriptor(self, worker: int, round_: int, d: Descriptor) -> None:
-        at = self._descriptors[worker][round_ & 1]
-        _DESCRIPTOR.pack_into(
-            self.buffer,
-            at,
+        self.describe(
+            worker,
+            round_,
             d.index,
             d.sequence,
             d.total,
@@ -499,13 +557,50 @@ class LaneMemory:
             d.part,
             d.group,
             d.root,
-            int(d.kind),
-            int(d.op),
+            d.kind,
+            d.op,
             d.flags,
-            len(d.splits),
+            d.splits,
         )
-        if d.splits:
-            struct.pack_into(f"<{len(d.splits)}Q", self.buffer, at + _SPLITS_OFFSET, *d.splits)
+
+    def describe(
+        self,
+        worker: int,
+        round_: int,
+        index: int,
+        sequence: int,
+        total: int,
+        offset: int,
+        length: int,
+        part: int,
+        group: int,
+        root: int,
+        kind: CollectiveKind,
+        op: ReduceOp,
+        flags: int,
+        splits: tuple[int, ...],
+    ) -> None:
+        """`write_descriptor` from its fields: what a worker posts each round, without building
+        a `Descriptor` (a frozen dataclass of 12 fields costs more than a 4-byte round's copy)."""
+        at = self._descriptors[worker][round_ & 1]
+        _DESCRIPTOR.pack_into(
+            self.buffer,
+            at,
+            index,
+            sequence,
+            total,
+            offset,
+            length,
+            part,
+            group,
+            root,
+            int(kind),
+            int(op),
+            flags,
+            len(splits),
+        )
+        if splits:
+            struct.pack_into(f"<{len(splits)}Q", self.buffer, at + _SPLITS_OFFSET, *splits)
 
     def read_descriptor(self, worker: int, round_: int) -> Descriptor:
         """A worker's descriptor of `round_`; ValueError when its fields are out of range."""
@@ -556,13 +651,16 @@ def wait_word(
     *,
     spin: Spin = NO_SPIN,
     slice_s: float = 0.05,
+    announce: Callable[[int], None] | None = None,
 ) -> bool:
     """Waits until `read()` reaches round `target` (True) or `deadline` passes (False). `check()`
     runs at every wake-up and raises to stop waiting (a failure seen elsewhere). A futex wait on
     `address` in `slice_s` slices, after looking for the length of `spin` (which learns from how
-    long the wait took)."""
+    long the wait took; no spin while the machine is `crowded`). `announce(address)` runs before
+    each futex wait and `announce(0)` after it, when given: the word's writer wakes it only for
+    an announced sleep (`LaneMemory._wake_sleepers`)."""
     started = time.perf_counter()
-    if spin.budget_s > 0 and spin.until(lambda: reached(read(), target)):
+    if spin.budget_s > 0 and not crowded() and spin.until(lambda: reached(read(), target)):
         spin.observe(time.perf_counter() - started)
         return True
     while True:
@@ -574,7 +672,14 @@ def wait_word(
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        futex_wait(address, value, min(left, slice_s))
+        if announce is None:
+            futex_wait(address, value, min(left, slice_s))
+            continue
+        announce(address)
+        try:
+            futex_wait(address, value, min(left, slice_s))
+        finally:
+            announce(0)
 
 
 def splits_offsets(splits: Sequence[int]) -> list[int]:

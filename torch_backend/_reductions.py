@@ -104,6 +104,10 @@ def plan_reduction(what: str, op: Any, dtypes: Sequence[torch.dtype], size: int)
     """The route for `op` over tensors of `dtypes` in a group of `size`; raises
     NotImplementedError naming an op it does not support, TypeError naming a dtype."""
     name = op_name(op if op is not None else dist.ReduceOp.SUM)
+    if len(dtypes) == 1 and dtypes[0] == torch.float32:  # the common call, decided first
+        plan = _FLOAT32_PLANS.get(name)
+        if plan is not None:
+            return plan
     if name == "PREMUL_SUM":
         return _premul_plan(what, op, dtypes, size)
     if name not in _LOCAL:
@@ -137,6 +141,9 @@ def plan_reduction(what: str, op: Any, dtypes: Sequence[torch.dtype], size: int)
         "types, SUM integers too; MIN, MAX and PRODUCT real types and bool; BAND, BOR and BXOR "
         "integers and bool)"
     )
+
+
+_FLOAT32_PLANS = {name: Plan("coordinator", name, _WIRE_OPS[name]) for name in ("SUM", "AVG")}
 
 
 def _premul_plan(what: str, op: Any, dtypes: Sequence[torch.dtype], size: int) -> Plan:

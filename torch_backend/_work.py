@@ -28,6 +28,7 @@ import torch.distributed as dist
 from gradserver.common.errors import DeadlineExceededError, GradServerError
 from gradserver.worker import PeerReceive, PeerSend
 
+from ._devices import DeviceTransfers
 from ._queue import OperationQueue, Queued
 from ._staging import Staging
 
@@ -37,6 +38,10 @@ _COMPLETION_THREADS = 64  # the most callbacks that may block at once (one per D
 # with the caller's work (DDP's backward). A synchronous call waits at once and runs it itself.
 _PICKUP_DELAY_S = 0.0002
 _EAGER_BYTES = 1 << 20
+# Host operations up to this size are never eager: `submit_host` takes them without a `Staging`.
+SMALL_BYTES = _EAGER_BYTES
+# The staging of every operation on host tensors alone: it copies nothing, and is shared.
+_HOST_ONLY = Staging("host", [], DeviceTransfers())
 # The group's thread looks for such operations this often while they keep coming, and sleeps
 # until the next one after this long without any.
 _POLL_S = 0.002
@@ -67,6 +72,9 @@ class Operations:
             _COMPLETION_THREADS, thread_name_prefix="gradserver-pg-done"
         )
         self._pending: dict[int, CollectiveWork] = {}
+        # Notified whenever one of the group's Works completes (one per group, not per Work:
+        # a synchronous call, which completes its own Work, never waits on it).
+        self._completed = threading.Condition(threading.Lock())
         self._sequence = itertools.count()
         self._issue = threading.Lock()
         self._closed = False
@@ -100,17 +108,35 @@ class Operations:
     ) -> dist.Work:
         """Queues `run` (the collective on the staged host tensors); the Work's value is `result`,
         the caller's tensors."""
-        future = staging.future()
+        # A host operation's future is made only if someone asks for it (most calls only wait).
+        future = staging.future() if staging.device_resident else None
+        # Device tensors are always worth overlapping: their copies to the host and back alone
+        # take longer than a small collective.
+        eager = staging.device_resident or staging.nbytes > _EAGER_BYTES
+        return self._queue_operation(what, staging, run, result, future, eager)
+
+    def submit_host(self, what: str, run: Callable[[int], None], result: list[torch.Tensor]) -> dist.Work:
+        """`submit` for an operation on host tensors (the caller's own, nothing to copy) of at
+        most SMALL_BYTES: no `Staging` to build for it."""
+        return self._queue_operation(what, _HOST_ONLY, run, result, None, False)
+
+    def _queue_operation(
+        self,
+        what: str,
+        staging: Staging,
+        run: Callable[[int], None],
+        result: list[torch.Tensor],
+        future: torch.futures.Future[list[torch.Tensor]] | None,
+        eager: bool,
+    ) -> dist.Work:
         with self._issue:
             if self._closed:
                 raise RuntimeError(f"gradserver {what}: this process group was shut down")
             sequence = next(self._sequence)
-            work = CollectiveWork(f"rank {self._rank}: gradserver {what} (operation {sequence})", future)
+            name = f"rank {self._rank}: gradserver {what} (operation {sequence})"
+            work = CollectiveWork(name, future, self._completed)
             operation = _Operation(what, sequence, run, result, work, staging)
             self._pending[sequence] = work
-            # Device tensors are always worth overlapping: their copies to the host and back
-            # alone take longer than a small collective.
-            eager = staging.device_resident or staging.nbytes > _EAGER_BYTES
             queued = self._queue.submit(operation, eager=eager)
         work.run_here = functools.partial(self._run_here, queued)
         work.expedite = functools.partial(self._queue.expedite, queued)
@@ -208,19 +234,32 @@ class CollectiveWork(dist.Work):
     future handed out is therefore `then`-chained on the result: a callback that raises marks the
     chained future as failed in C++, so DDP raises a RuntimeError carrying the message.
     (torch 2.13's `_create_work_from_future` is no alternative: its wait and future swallow the
-    error, so a lost rank would pass unnoticed and leave tensors unreduced.)"""
+    error, so a lost rank would pass unnoticed and leave tensors unreduced.)
 
-    def __init__(self, name: str, result: torch.futures.Future[list[torch.Tensor]]) -> None:
+    A host operation's result future is made only when `get_future()` is first called (a
+    synchronous call never asks, and a future and an event per call cost more than a 4-byte
+    collective's own work); device operations get theirs at the call, so that its completion
+    is ordered on their streams. Completion is a flag under the group's `completed`
+    condition."""
+
+    def __init__(
+        self,
+        name: str,
+        result: torch.futures.Future[list[torch.Tensor]] | None,
+        completed: threading.Condition,
+    ) -> None:
         super().__init__()
         self.name = name
         self.started = False  # set by the group's thread when the collective begins
-        self._result = result
-        self._done = threading.Event()
+        self._result = result  # None: a host operation's, made when first asked for
+        self._on_device = result is not None
+        self._completed = completed
+        self._done = False
+        self._value: list[torch.Tensor] = []
         self._error: Exception | None = None
         # The chained future, made when first asked for (most calls never ask: a synchronous
         # collective only waits), which costs a callback less per operation.
         self._future: torch.futures.Future[list[torch.Tensor]] | None = None
-        self._future_lock = threading.Lock()
         # Set by the group: runs the operation on the waiting thread when it comes first.
         self.run_here: Callable[[float], None] | None = None
         # Set by the group: the operation will be waited for through its future (DDP's reducer,
@@ -228,14 +267,24 @@ class CollectiveWork(dist.Work):
         self.expedite: Callable[[], None] | None = None
 
     def complete(self, tensors: list[torch.Tensor]) -> None:
-        # Before the future: its callbacks run inside set_result and may ask is_completed().
-        self._done.set()
-        self._result.set_result(tensors)
+        # Done before the future is set: its callbacks run inside set_result and may ask
+        # is_completed(). A future made after this (host operations) is set by get_future.
+        with self._completed:
+            self._value = tensors
+            self._done = True
+            result = self._result
+            self._completed.notify_all()
+        if result is not None:
+            result.set_result(tensors)
 
     def fail(self, error: Exception) -> None:
-        self._error = error
-        self._done.set()
-        self._result.set_exception(error)  # type: ignore[arg-type]  # the stubs mistype it
+        with self._completed:
+            self._error = error
+            self._done = True
+            result = self._result
+            self._completed.notify_all()
+        if result is not None:
+            result.set_exception(error)  # type: ignore[arg-type]  # the stubs mistype it
 
     def _value_or_raise(self, result: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
         if self._error is not None:
@@ -250,26 +299,50 @@ class CollectiveWork(dist.Work):
         and the collective goes on in the background, as with torch's own backends. Without a
         timeout (a synchronous call), an operation nobody has started yet runs right here."""
         synchronous = timeout is None or not timeout.total_seconds()
-        if synchronous and self.run_here is not None and not self._done.is_set():
+        if synchronous and self.run_here is not None and not self._done:
             self.run_here(float("inf"))
         seconds = timeout.total_seconds() if timeout is not None else 0.0
-        if seconds > 0 and not self._done.wait(seconds):
-            raise DeadlineExceededError(
-                f"{self.name} did not complete within the {seconds:g} s given to wait()"
-            )
-        self._result.wait()  # raises the collective's error
+        if not self._done:
+            with self._completed:
+                if seconds > 0:
+                    if not self._completed.wait_for(self._is_done, seconds):
+                        raise DeadlineExceededError(
+                            f"{self.name} did not complete within the {seconds:g} s given to wait()"
+                        )
+                else:
+                    self._completed.wait_for(self._is_done)
+        if self._on_device:
+            assert self._result is not None
+            self._result.wait()  # raises the collective's error; orders the caller's stream
+        elif self._error is not None:
+            raise self._error
         return True
 
+    def _is_done(self) -> bool:
+        return self._done
+
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        with self._future_lock:
-            if self._future is None:
-                self._future = self._result.then(self._value_or_raise)
-                if self.expedite is not None:
-                    self.expedite()
-            return self._future
+        settle = False
+        with self._completed:
+            if self._future is not None:
+                return self._future
+            if self._result is None:
+                self._result = torch.futures.Future()
+                settle = self._done  # completed before anyone asked: set it here
+            result = self._result
+            self._future = result.then(self._value_or_raise)
+            future = self._future
+        if settle:
+            if self._error is not None:
+                result.set_exception(self._error)  # type: ignore[arg-type]  # the stubs mistype it
+            else:
+                result.set_result(self._value)
+        if self.expedite is not None:
+            self.expedite()
+        return future
 
 
 class PeerWork(dist.Work):

@@ -59,6 +59,8 @@ class LaneClient:
         self._lock = threading.Lock()
         self._planner = RoundPlanner(memory)
         self._averager = Averager(1)
+        # Says which word this worker sleeps on (its writer wakes it only then).
+        self._announce = functools.partial(memory.set_sleeping, worker_id)
 
     def run(
         self,
@@ -117,8 +119,7 @@ class LaneClient:
                 if not shared.reached(memory.taken(r), reuse):
                     taken = functools.partial(memory.taken, r)
                     self._wait(taken, memory.taken_address(r), reuse, deadline, check, op, g)
-        descriptor = op.fill(part, memory.input_slot(w, g, memory.layout.slot_bytes))
-        memory.write_descriptor(w, g, descriptor)
+        op.fill(part, g, memory.input_slot(w, g, memory.layout.slot_bytes))
         memory.set_posted(w, g)
         if not op.peer:
             memory.ring(w, g)
@@ -221,7 +222,9 @@ class LaneClient:
             check()
 
         spin = self._spin_coordinator if address == self.memory.done_address() else self._spin_peer
-        if shared.wait_word(read, address, target, deadline, raise_failure, spin=spin):
+        if shared.wait_word(
+            read, address, target, deadline, raise_failure, spin=spin, announce=self._announce
+        ):
             return
         missing = [r for r in range(self.memory.layout.world) if not shared.reached(self.memory.posted(r), g)]
         waiting = (
@@ -247,6 +250,8 @@ class LaneClient:
         memory = self.memory
         if not self._usable:
             return False
+        if memory.open_as(self._generation):
+            return True
         while memory.state is LaneState.FORMING and memory.generation == self._generation:
             check()
             left = deadline - time.monotonic()
@@ -310,7 +315,9 @@ class _Operation:
             self.kind is CollectiveKind.BROADCAST and result is not None and same_memory(result, data)
         )
 
-    def fill(self, part: int, slot: np.ndarray) -> Descriptor:
+    def fill(self, part: int, g: int, slot: np.ndarray) -> None:
+        """Copies round `part`'s bytes into `slot` (this worker's input slot of round `g`) and
+        writes their descriptor."""
         kind, world, total = self.kind, self.world, self.total
         offset, length = shared.round_span(kind, total, world, self.slot, part)
         me = self.lane.worker_id
@@ -322,7 +329,10 @@ class _Operation:
         elif kind is not CollectiveKind.BROADCAST or me == self.key.root:
             slot[:length] = self.data[offset : offset + length]
         posted = shared.posted_length(kind, length, world, root=me == self.key.root)
-        return Descriptor(
+        self.lane.memory.describe(
+            me,
+            g,
+            self.index,
             self.key.step,
             total,
             offset,
@@ -334,7 +344,6 @@ class _Operation:
             self.key.op,
             self._flags,
             tuple(self.key.split_bytes) if kind is CollectiveKind.ALL_TO_ALL else (),
-            self.index,
         )
 
     def read(self, part: int, g: int) -> None:
