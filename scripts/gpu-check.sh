@@ -6,7 +6,8 @@
 #                                 # pytest and plugins); .whl/ is carried with the working tree
 #   scripts/gpu-check.sh          # there: installs them and gradserver (from this tree) under
 #                                 # /tmp/site, then runs, each under its own time limit:
-#     tests    the CUDA tests (tests/test_cuda.py, the CUDA/NCCL tests of the other files, the quantizer)
+#     tests    the CUDA tests (tests/test_cuda.py, the CUDA/NCCL tests of the other files, the quantizer,
+#              DiLoCo's int8 sum on the coordinator with a CUDA model)
 #     torch-collectives, torch-fsdp2, torch-ddp
 #              bench.torch_cuda under torchrun, 2 ranks sharing the GPU (issue 52): every
 #              collective of the "gradserver" backend exact on CUDA tensors, and the group's
@@ -99,7 +100,7 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"-\"); print(\"
 
 part tests 150 $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" -rA \
     tests/test_cuda.py tests/test_gradients.py tests/test_training_torch_distributed.py \
-    tests/test_torch_backend.py tests/test_quantize.py -k "cuda or nccl"
+    tests/test_torch_backend.py tests/test_quantize.py tests/test_torch_diloco_devices.py -k "cuda or nccl"
 
 # The torch backend on CUDA tensors (issue 52): two ranks under torchrun sharing the GPU; rank 0
 # prints the JSON lines.
