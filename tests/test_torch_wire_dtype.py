@@ -95,5 +95,11 @@ def test_integers_and_other_ops_stay_exact_on_a_16_bit_wire(bf16_ranks: list[dic
 def test_an_unknown_wire_dtype_is_refused_naming_the_variable() -> None:
     with pytest.raises(InvalidArgumentError, match=r"GRADSERVER_WIRE_DTYPE: wire dtype 'int16' is not one"):
         rank_settings({"GRADSERVER_WIRE_DTYPE": "int16"})
+
+
+@pytest.mark.parametrize("quantized", ["int8", "int4"])
+def test_a_quantized_wire_dtype_is_refused_for_a_rank_naming_the_variable(quantized: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=rf"GRADSERVER_WIRE_DTYPE={quantized}: a process group"):
+        rank_settings({"GRADSERVER_WIRE_DTYPE": quantized})
     assert rank_settings({"GRADSERVER_WIRE_DTYPE": "BFloat16"}).wire_dtype == "BFloat16"
     assert rank_settings({}).wire_dtype == "float32"

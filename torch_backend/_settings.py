@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from gradserver.common.config import AUTH_TOKEN_HELP, LOG_LEVEL_HELP, client_setting, config_from_sources
 from gradserver.common.errors import InvalidArgumentError
+from gradserver.common.messages import QUANTIZED_DTYPES
 from gradserver.common.wire_dtype import parse_wire_dtype
 
 
@@ -53,9 +54,15 @@ def rank_settings(environ: Mapping[str, str] | None = None) -> RankSettings:
     """This rank's settings from `environ` (default: the process environment)."""
     settings: RankSettings = config_from_sources(RankSettings, None, environ)
     try:
-        parse_wire_dtype(settings.wire_dtype)
+        dtype = parse_wire_dtype(settings.wire_dtype)
     except ValueError as exc:
         raise InvalidArgumentError(f"GRADSERVER_WIRE_DTYPE: {exc}") from None
+    if dtype in QUANTIZED_DTYPES:
+        raise InvalidArgumentError(
+            f"GRADSERVER_WIRE_DTYPE={settings.wire_dtype}: a process group's collectives travel as "
+            "float32, bfloat16 or float16 (its REDUCE_SCATTERs and NaN-propagating reductions cannot "
+            "be int8 or int4 records); DiLoCo's quantize= sends its own payloads quantized"
+        )
     return settings
 
 
