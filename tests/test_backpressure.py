@@ -101,4 +101,5 @@ def test_a_worker_that_stops_reading_while_held_back_is_evicted(coordinator) -> 
             stalled.close()
     # The monitor checks every heartbeat/4; the margin is for a loaded machine.
     assert evicted.created - paused.created < heartbeat + 15
-    assert metric(server.server, "gradserver_workers_lost_total") == 1
+    # Read on the server's loop: the eviction logs before it counts the loss, in the same callback.
+    assert server.call(lambda s: metric(s, "gradserver_workers_lost_total")) == 1
