@@ -58,7 +58,6 @@ _FORMATS = {
     DType.INT8_BLOCK64: _Format("int8", 127, VALUES_PER_RECORD),
     DType.INT4_BLOCK64: _Format("int4", 7, VALUES_PER_RECORD // 2),
 }
-QUANTIZED_DTYPES = frozenset(_FORMATS)
 
 
 class NonFiniteValue(ValueError):

@@ -41,8 +41,9 @@ class WireEncoder:
         return None
 
 
-class NarrowingEncoder(WireEncoder):
-    """Rounds float32 gradients to a 16-bit wire dtype; keeps per-slot residuals when asked."""
+class _CompensatingEncoder(WireEncoder):
+    """A lossy wire: what `_payload` makes of each gradient, with the error it left kept per key
+    slot and added to the slot's next gradient when `error_feedback` is on."""
 
     def __init__(self, dtype: DType, *, error_feedback: bool = False) -> None:
         self.dtype = dtype
@@ -50,57 +51,64 @@ class NarrowingEncoder(WireEncoder):
         self._residuals: dict[tuple[KeyKind, int], np.ndarray] = {}
 
     def encode(self, key: TensorKey, array: np.ndarray) -> np.ndarray:
-        """Raises InvalidArgumentError naming the key and element when a value does not fit the
-        wire dtype."""
         wanted = array
         residual = self._residuals.get(key.slot) if self.error_feedback else None
         if residual is not None and residual.size == array.size:
             wanted = array + residual
+        payload = self._payload(key, wanted)
+        if self.error_feedback:
+            self._residuals[key.slot] = self._error(wanted, payload)
+        return payload
+
+    def residual(self, key: TensorKey) -> np.ndarray | None:
+        return self._residuals.get(key.slot)
+
+    def _payload(self, key: TensorKey, wanted: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _error(self, wanted: np.ndarray, payload: np.ndarray) -> np.ndarray:
+        """What `payload` lost of `wanted` (float32, `wanted`'s size)."""
+        raise NotImplementedError
+
+
+class NarrowingEncoder(_CompensatingEncoder):
+    """Rounds float32 gradients to a 16-bit wire dtype; keeps per-slot residuals when asked."""
+
+    def _payload(self, key: TensorKey, wanted: np.ndarray) -> np.ndarray:
+        """Raises InvalidArgumentError naming the key and element when a value does not fit the
+        wire dtype."""
         try:
-            payload = narrow(wanted, self.dtype)
+            return narrow(wanted, self.dtype)
         except WireOverflow as exc:
             raise InvalidArgumentError(
                 f"{key}: {exc}; scale the loss or gradients down, or use --wire-dtype bfloat16 or float32",
                 step=key.step,
                 key=str(key),
             ) from None
-        if self.error_feedback:
-            with np.errstate(invalid="ignore"):
-                error = wanted - widen(payload.data, self.dtype)
-            # A NaN or Inf sent (the coordinator refuses it) must not poison every later step.
-            self._residuals[key.slot] = np.nan_to_num(error, nan=0.0, posinf=0.0, neginf=0.0)
-        return payload
 
-    def residual(self, key: TensorKey) -> np.ndarray | None:
-        return self._residuals.get(key.slot)
+    def _error(self, wanted: np.ndarray, payload: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore"):
+            error = wanted - widen(payload.data, self.dtype)
+        # A NaN or Inf sent (the coordinator refuses it) must not poison every later step.
+        finite: np.ndarray = np.nan_to_num(error, nan=0.0, posinf=0.0, neginf=0.0)
+        return finite
 
 
-class QuantizingEncoder(WireEncoder):
+class QuantizingEncoder(_CompensatingEncoder):
     """Quantizes float32 gradients to records of a block-quantized dtype (`encode` gives the
     records, shape (blocks, record bytes)); keeps per-slot residuals when asked."""
 
-    def __init__(self, dtype: DType, *, error_feedback: bool = False) -> None:
-        self.dtype = dtype
-        self.error_feedback = error_feedback
-        self._residuals: dict[tuple[KeyKind, int], np.ndarray] = {}
-
-    def encode(self, key: TensorKey, array: np.ndarray) -> np.ndarray:
+    def _payload(self, key: TensorKey, wanted: np.ndarray) -> np.ndarray:
         """Raises InvalidArgumentError naming the key and element of a NaN or Inf (records carry
         finite values only)."""
-        wanted = array
-        residual = self._residuals.get(key.slot) if self.error_feedback else None
-        if residual is not None and residual.size == array.size:
-            wanted = array + residual
         try:
-            records = encode_records(wanted, self.dtype)
+            return encode_records(wanted, self.dtype)
         except NonFiniteValue as exc:
             raise InvalidArgumentError(f"{key}: {exc}", step=key.step, key=str(key)) from None
-        if self.error_feedback:
-            self._residuals[key.slot] = wanted - decode_records(records, self.dtype)[: array.size]
-        return records
 
-    def residual(self, key: TensorKey) -> np.ndarray | None:
-        return self._residuals.get(key.slot)
+    def _error(self, wanted: np.ndarray, payload: np.ndarray) -> np.ndarray:
+        error: np.ndarray = wanted - decode_records(payload, self.dtype)[: wanted.size]
+        return error
 
 
 def wire_encoder(dtype: DType, *, error_feedback: bool = False) -> WireEncoder:
