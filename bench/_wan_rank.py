@@ -200,31 +200,45 @@ def train_diloco(trainer: Trainer, variant: Variant) -> dict[str, Any]:
     inner, schedule = _optimizer(args, model)
     # Not as a context manager: its hook would put the outer step inside the inner optimizer's
     # step, and the outer step is not computing time.
-    outer = diloco.DiLoCo(
-        model,
-        inner,
-        sync_every=args.sync_every,
-        quantize=variant.quantize,
-        fragments=variant.fragments,
-        delay=variant.delay,
-        keep_local=variant.keep_local,
-    )
+    outer = diloco.DiLoCo(model, inner, **_outer_options(args, variant))
     _start(trainer)
     for step in range(args.steps):
-        inputs, targets = trainer.data.batch(step, args.rank)
-        began = time.perf_counter()
-        loss = model.loss(inputs, targets)
-        loss.backward()
-        inner.step()
+        _diloco_step(trainer, inner, outer, step, args.rank)
         schedule.step()
-        inner.zero_grad(set_to_none=True)
-        trainer.compute_s += time.perf_counter() - began
-        outer.step()
-        if step + 1 == args.steps:
-            finish(outer, model)
-        if trainer.due(step + 1) or step + 1 == args.steps:
-            trainer.evaluate_at(step + 1)
     trainer.window.append(time.time())
+    return _outer_figures(outer)
+
+
+def _outer_options(args: argparse.Namespace, variant: Variant) -> dict[str, Any]:
+    """DiLoCo's settings for `variant`, over a process group or `ft` alike."""
+    return {
+        "sync_every": args.sync_every,
+        "quantize": variant.quantize,
+        "fragments": variant.fragments,
+        "delay": variant.delay,
+        "keep_local": variant.keep_local,
+    }
+
+
+def _diloco_step(trainer: Trainer, inner: torch.optim.Optimizer, outer: Any, step: int, rank: int) -> None:
+    """Inner step `step` on `rank`'s batch (the computing time), then DiLoCo's part of it (the
+    outer step when due, not computing), the global weights made the model's after the last one,
+    and an evaluation when due."""
+    args, model = trainer.args, trainer.model
+    inputs, targets = trainer.data.batch(step, rank)
+    began = time.perf_counter()
+    model.loss(inputs, targets).backward()
+    inner.step()
+    inner.zero_grad(set_to_none=True)
+    trainer.compute_s += time.perf_counter() - began
+    outer.step()
+    if step + 1 == args.steps:
+        finish(outer, model)
+    if trainer.due(step + 1) or step + 1 == args.steps:
+        trainer.evaluate_at(step + 1)
+
+
+def _outer_figures(outer: Any) -> dict[str, Any]:
     return {
         "outer_steps": outer.outer_steps,
         "sent_bytes": outer.sent_bytes,
@@ -243,13 +257,7 @@ def train_diloco_ft(trainer: Trainer, variant: Variant) -> dict[str, Any]:
     inner, _ = _optimizer(args, model)
     warmup = max(1, args.warmup_steps)
     job = ft.Replica(model, inner, timeout=args.timeout)
-    outer = job.diloco(
-        sync_every=args.sync_every,
-        quantize=variant.quantize,
-        fragments=variant.fragments,
-        delay=variant.delay,
-        keep_local=variant.keep_local,
-    )
+    outer = job.diloco(**_outer_options(args, variant))
     rank = job.client.worker_id
     trainer.held = trainer.data.held_out(rank)
     trainer.clock = Clock()
@@ -264,26 +272,13 @@ def train_diloco_ft(trainer: Trainer, variant: Variant) -> dict[str, Any]:
             # The warm-up as a function of the step (LambdaLR's values): a replacement has it too.
             for group in inner.param_groups:
                 group["lr"] = args.lr * min(1.0, (step + 1) / warmup)
-            inputs, targets = trainer.data.batch(step, rank)
-            began = time.perf_counter()
-            loss = model.loss(inputs, targets)
-            loss.backward()
-            inner.step()
-            inner.zero_grad(set_to_none=True)
-            trainer.compute_s += time.perf_counter() - began
-            outer.step()
-            if step + 1 == args.steps:
-                finish(outer, model)
-            if trainer.due(step + 1) or step + 1 == args.steps:
-                trainer.evaluate_at(step + 1)
+            _diloco_step(trainer, inner, outer, step, rank)
         trainer.window.append(time.time())
         return {
             "rank": rank,
-            "outer_steps": outer.outer_steps,
             "discarded": outer.discarded,
             "healed_at": None if job.healed is None else job.healed.step,
-            "sent_bytes": outer.sent_bytes,
-            "received_bytes": outer.received_bytes,
+            **_outer_figures(outer),
         }
     finally:
         job.close()
