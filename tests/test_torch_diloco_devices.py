@@ -23,8 +23,24 @@ H = 2
 STEPS = 6  # 3 outer steps
 
 
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
 def _results(rank: int, device: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
     from gradserver.torch.diloco import DiLoCo
+
+    group: Any = dist.group.WORLD
+    refusals = {  # refused before anything is queued, so every rank's order stays the same
+        "wire": _refusal(lambda: group.quantized_allreduce(torch.zeros(3, device=device), "int16")),
+        "dtype": _refusal(lambda: group.quantized_allreduce(torch.zeros(3, dtype=torch.float64), "int8")),
+    }
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 96), torch.nn.Tanh(), torch.nn.Linear(96, 1)).to(device)
@@ -42,6 +58,7 @@ def _results(rank: int, device: str) -> dict[str, Any]:
                 weights = {name: w.detach().cpu() for name, w in outer.global_tensors().items()}
                 digests.append(state_digest(weights))
     return {
+        "refusals": refusals,
         "digests": digests,
         "sent": outer.sent_bytes,
         "received": outer.received_bytes,
@@ -70,6 +87,15 @@ def test_int8_outer_steps_are_summed_by_the_coordinator_and_identical_on_every_r
         _rank_main, [(r, str(tmp_path / "store"), str(tmp_path), device) for r in range(WORLD)], timeout_s=240
     )
     ranks = rank_results(tmp_path, WORLD)
+    refusals = ranks[0]["refusals"]
+    assert (
+        refusals["wire"].startswith("InvalidArgumentError")
+        and "'int16' is not one of int8, int4" in refusals["wire"]
+    )
+    assert (
+        refusals["dtype"].startswith("InvalidArgumentError")
+        and "float32 tensor, got torch.float64" in refusals["dtype"]
+    )
     assert ranks[0]["devices"] == [device]
     assert len(ranks[0]["digests"]) == STEPS // H
     assert len(set(ranks[0]["digests"])) == STEPS // H, "every outer step moved the global weights"
