@@ -129,3 +129,51 @@ def test_a_small_calls_error_names_the_rank_and_the_operation(
     finally:
         for group in groups:
             group.shutdown()
+
+
+@pytest.mark.parametrize("root", [0, 1])
+def test_a_small_broadcast_gives_the_roots_bytes_in_place_for_any_dtype_and_keeps_its_place(
+    coordinator: Callable[..., ServerThread], root: int
+) -> None:
+    """The short broadcast path (one small contiguous host tensor): the root's bytes land in every
+    rank's own tensor (bool, int64, bfloat16, a 0-d float32), the root's tensor is unchanged,
+    and calls after an async general-path broadcast (a list of two) keep their order. A
+    non-contiguous tensor takes the general path and gets the same bytes."""
+    groups = _groups(coordinator(world_size=2).address)
+
+    def body(rank: int, group: ProcessGroupGradServer) -> list[torch.Tensor]:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        pair = [torch.full((3,), float(rank + 1)), torch.full((2,), float(rank + 7))]
+        pending = group.broadcast(pair, opts)
+        small = [
+            torch.tensor([rank == 0, rank == 1, True]),
+            torch.arange(5, dtype=torch.int64) * (rank + 1),
+            torch.full((4,), 1.5 + rank, dtype=torch.bfloat16),
+            torch.tensor(3.25 + rank),
+        ]
+        originals = [id(t) for t in small]
+        for tensor in small:
+            work = group.broadcast([tensor], opts)
+            work.wait()
+            assert work.get_future().wait()[0] is tensor  # the caller's own tensor, written in place
+        strided = torch.arange(8, dtype=torch.float32).reshape(2, 4).t() * (rank + 1)
+        group.broadcast([strided], opts).wait()
+        pending.wait(_WAIT)
+        assert [id(t) for t in small] == originals
+        return [*pair, *small, strided]
+
+    try:
+        results = [list(r) for r in _on_both(groups, body)]  # type: ignore[call-overload]
+        for got in results:
+            for a, b in zip(got, results[root], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        roots: list[torch.Tensor] = results[root]
+        torch.testing.assert_close(roots[0], torch.full((3,), float(root + 1)), rtol=0, atol=0)
+        torch.testing.assert_close(roots[3], torch.arange(5, dtype=torch.int64) * (root + 1), rtol=0, atol=0)
+        torch.testing.assert_close(roots[5], torch.tensor(3.25 + root), rtol=0, atol=0)
+        want = torch.arange(8, dtype=torch.float32).reshape(2, 4).t() * (root + 1)
+        torch.testing.assert_close(roots[6], want, rtol=0, atol=0)
+    finally:
+        for group in groups:
+            group.shutdown()

@@ -60,6 +60,8 @@ class ByteCollectives(GroupCore):
         root = opts.rootRank if isinstance(opts, dist.BroadcastOptions) else 0
         if not 0 <= root < self.size():
             raise ValueError(f"broadcast: root rank {root} is out of range for a group of {self.size()}")
+        if self._small_on_host(tensors):
+            return self._small_broadcast(tensors[0], root)
         is_root = self.rank() == root
         staging = self._staging("broadcast", tensors)
         hosts = staging.reads(tensors) if is_root else staging.writes(tensors)
@@ -80,6 +82,27 @@ class ByteCollectives(GroupCore):
             write_bytes_into(hosts, result, what=f"rank {self.rank()}: gradserver broadcast")
 
         return self._operations.submit("broadcast", staging, run, tensors)
+
+    def _small_broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work:
+        """The same BROADCAST key as the general path, without its staging, concatenation and
+        copy back: the tensor's own bytes are the root's payload (a non-root rank sends only
+        their count) and the result is received into them (the root's are its input already).
+        Queued like every other operation, so it keeps its place among queued async ones."""
+
+        def run(sequence: int) -> None:
+            memory = host_bytes(tensor)
+            assert memory is not None  # a contiguous host tensor (`small_host_tensor`)
+            self._client.run_collective(
+                sequence,
+                DEFAULT_GROUP,
+                memory,
+                kind=CollectiveKind.BROADCAST,
+                root=root,
+                into=memory,
+                timeout=self._timeout_s,
+            )
+
+        return self._operations.submit_host("broadcast", run, [tensor])
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None

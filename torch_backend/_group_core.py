@@ -24,7 +24,7 @@ from gradserver.common.messages import CollectiveKind, ReduceOp
 from ._collective import CollectiveClient
 from ._devices import DeviceTransfers
 from ._staging import Staging
-from ._work import Operations
+from ._work import SMALL_BYTES, Operations
 
 # The `group` of every collective key this process group sends: its coordinator serves it alone.
 DEFAULT_GROUP = 0
@@ -101,6 +101,19 @@ class GroupCore(dist.ProcessGroup):
             split_bytes=splits,
             into=into,
             timeout=self._timeout_s,
+        )
+
+    def _small_on_host(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a call may take a small call's short path: one non-empty contiguous strided
+        tensor of at most SMALL_BYTES that is not staged (its own memory is sent and written)."""
+        if len(tensors) != 1:
+            return False
+        tensor = tensors[0]
+        return (
+            not self._transfers.stages(tensor)
+            and tensor.layout == torch.strided
+            and tensor.is_contiguous()
+            and 0 < tensor.numel() * tensor.element_size() <= SMALL_BYTES
         )
 
     def _staging(self, what: str, tensors: Sequence[torch.Tensor]) -> Staging:

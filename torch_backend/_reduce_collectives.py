@@ -30,8 +30,15 @@ from ._arguments import check_pieces, equal_pieces, pieces_of_each, root_of
 from ._group_core import DEFAULT_GROUP, GroupCore
 from ._reductions import Plan, from_limbs, plan_reduction, premultiplied, reduce_in_rank_order, to_limbs
 from ._staging import Staging
-from ._tensor_bytes import bytes_of, flatten, host_bytes, host_view, overlaps, same_memory, scatter_into
-from ._work import SMALL_BYTES
+from ._tensor_bytes import (
+    bytes_of,
+    flatten,
+    host_bytes,
+    host_view,
+    overlaps,
+    same_memory,
+    scatter_into,
+)
 
 
 class ReduceCollectives(GroupCore):
@@ -44,15 +51,8 @@ class ReduceCollectives(GroupCore):
             else opts
         )
         plan = plan_reduction("allreduce", op, [t.dtype for t in tensors], self.size())
-        if len(tensors) == 1 and plan.route == "coordinator" and plan.factor is None:
-            tensor = tensors[0]
-            if (
-                tensor.is_cpu
-                and tensor.layout == torch.strided
-                and tensor.is_contiguous()
-                and tensor.numel() * 4 <= SMALL_BYTES
-            ):
-                return self._small_allreduce(tensor, plan.wire_op)
+        if plan.route == "coordinator" and plan.factor is None and self._small_on_host(tensors):
+            return self._small_allreduce(tensors[0], plan.wire_op)
         staging = self._staging("allreduce", tensors)
         hosts = staging.updates(tensors)
 
