@@ -7,9 +7,13 @@ input makes the float64 sum, and so the float32 result, non-finite (the mean of 
 values always fits float32), so one check of the result guards it and the culprit is searched
 only on failure.
 
-The float64 accumulator is small and reused: the chunk is processed in blocks that fit in the
+The float64 accumulator is small and reused: the chunk is processed in blocks that stay in the
 CPU cache (measured 25% faster than whole-chunk passes), and allocating a chunk-sized buffer
-afresh would cost more in page faults than the arithmetic itself.
+afresh would cost more in page faults than the arithmetic itself. A block is 256K elements (a
+2 MiB float64 accumulator: the last-level cache, not L2). Each block costs about ten numpy calls,
+each of which gives up the GIL and takes it back, and on a crowded machine every such hand-over
+can wait for a wake-up; 64K-element blocks made four times as many (docs/PERFORMANCE.md,
+"Larger averaging blocks").
 
 Two contributions (the common case of two workers on one host) take a float32 path that gives
 the same bytes at about half the cost: the float32 sum a + b is the float64 sum rounded once to
@@ -59,7 +63,8 @@ class NonFiniteContribution(Exception):
         self.what = what
 
 
-_BLOCK = 65536
+_BLOCK = 262144  # elements per in-cache pass (module docstring)
+_SPLIT = 65536  # elements: the grain of the ranges a large chunk is split into across threads
 _SMALL = 4096  # elements: below this, one pass without the block loop (`_sum_small`)
 
 
@@ -231,12 +236,13 @@ class Averager:
 
     def _over_ranges(self, size: int, threads: int, work: Callable[[int, int], bool]) -> bool:
         """Runs `work(begin, end)` over `size` elements: at once, or cut into up to `threads`
-        ranges (multiples of the block, at least two blocks each) on the range threads; True
-        when every range was finite."""
-        parts = min(threads, size // (2 * _BLOCK))
+        ranges (multiples of `_SPLIT`, at least two each) on the range threads; True when every
+        range was finite. Every element goes through the same operations wherever a range or a
+        block starts, so the bytes do not depend on the cut."""
+        parts = min(threads, size // (2 * _SPLIT))
         if parts <= 1:
             return work(0, size)
-        bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
+        bounds = [size * i // parts // _SPLIT * _SPLIT for i in range(parts)] + [size]
         pool = self._range_pool()
         jobs = [pool.submit(work, bounds[i], bounds[i + 1]) for i in range(parts)]
         return all([job.result() for job in jobs])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gradserver.common.averaging import _BLOCK as BLOCK  # block boundaries are what these tests cross
 from gradserver.common.averaging import Averager, InPlace, NonFiniteContribution
 from gradserver.common.messages import DType
 
@@ -75,7 +76,7 @@ def test_two_contributions_give_the_float64_paths_bytes(divide: bool) -> None:
     """The float32 path for two workers must give exactly the bytes of the float64 sum rounded
     once, including subnormal results, cancellation, signed zeros and sums beyond float32."""
     rng = np.random.default_rng(7)
-    size = 3 * 65536 + 123  # several blocks and a partial one
+    size = 3 * BLOCK + 123  # several blocks and a partial one
     a = _finite_float32_bits(rng, size)
     b = _finite_float32_bits(rng, size)
     # Near-cancelling pairs, subnormal neighbours and values sharing a's binade.
@@ -106,14 +107,14 @@ def test_a_small_chunk_gives_the_bytes_of_the_same_elements_in_a_large_one(
     """Chunks of up to 4096 elements (small collectives) take a one-pass path; its bytes must be
     those the block path gives the same elements, overflowing sums and subnormals included."""
     rng = np.random.default_rng(11 + workers)
-    size = 2 * 65536 + 17
+    size = 2 * BLOCK + 17
     inputs = [_finite_float32_bits(rng, size) for _ in range(workers)]
     averager = Averager()
     with np.errstate(over="ignore", invalid="ignore"):
         large = np.frombuffer(
             averager.average([x.tobytes() for x in inputs], divide=divide, finite_only=False), "<f4"
         )
-        for start, length in ((0, 1), (5, 4096), (70000, 333)):
+        for start, length in ((0, 1), (5, 4096), (BLOCK + 70000, 333)):
             small = averager.average(
                 [x[start : start + length].tobytes() for x in inputs], divide=divide, finite_only=False
             )
@@ -129,7 +130,7 @@ def test_an_average_in_place_has_the_bytes_of_one_into_a_buffer_over_every_input
     overwritten with the same bytes the ordinary path gives, large sums and subnormals included,
     over several blocks and a ragged tail."""
     rng = np.random.default_rng(31 + workers)
-    size = 3 * 65536 + 1001
+    size = 3 * BLOCK + 1001
     inputs = [_finite_float32_bits(rng, size) for _ in range(workers)]
     want = bytes(Averager().average([x.tobytes() for x in inputs]))
     buffers = [bytearray(x.tobytes()) for x in inputs]
@@ -145,17 +146,17 @@ def test_a_non_finite_value_in_place_names_its_culprit_and_leaves_its_block_as_s
     """A block is written over the inputs only once its average is finite: the culprit and its
     element are found as on the ordinary path, and the failing block (and what follows) still
     holds what was sent."""
-    size = 4 * 65536
+    size = 4 * BLOCK
     inputs = [np.random.default_rng(w).standard_normal(size, dtype=np.float32) for w in range(2)]
-    inputs[1][2 * 65536 + 7] = np.inf
+    inputs[1][2 * BLOCK + 7] = np.inf
     buffers = [bytearray(x.tobytes()) for x in inputs]
     with pytest.raises(NonFiniteContribution) as info:
         Averager().average(
             [memoryview(b).toreadonly() for b in buffers], out=InPlace(tuple(memoryview(b) for b in buffers))
         )
-    assert (info.value.position, info.value.element) == (1, 2 * 65536 + 7)
+    assert (info.value.position, info.value.element) == (1, 2 * BLOCK + 7)
     for sent, buffer in zip(inputs, buffers, strict=True):
-        assert bytes(buffer)[2 * 65536 * 4 :] == sent[2 * 65536 :].tobytes()
+        assert bytes(buffer)[2 * BLOCK * 4 :] == sent[2 * BLOCK :].tobytes()
 
 
 def test_in_place_is_only_for_means_of_finite_float32_values() -> None:
@@ -174,7 +175,7 @@ def test_a_mean_of_any_count_is_the_float64_sum_divided_and_rounded_once(workers
     is the rank-order float64 sum divided by the count and rounded once, also where a power of
     two divides by multiplying with its inverse."""
     rng = np.random.default_rng(41 + workers)
-    inputs = [_finite_float32_bits(rng, 3 * 65536 + 7) for _ in range(workers)]
+    inputs = [_finite_float32_bits(rng, 3 * BLOCK + 7) for _ in range(workers)]
     acc = inputs[0].astype(np.float64)
     for x in inputs[1:]:
         acc = acc + x.astype(np.float64)
