@@ -177,3 +177,32 @@ def test_a_small_broadcast_gives_the_roots_bytes_in_place_for_any_dtype_and_keep
     finally:
         for group in groups:
             group.shutdown()
+
+
+def test_a_conjugate_view_is_broadcast_by_its_value_not_its_memory(
+    coordinator: Callable[..., ServerThread],
+) -> None:
+    """A complex tensor viewed through `conj()` holds the conjugate of what its memory holds: it
+    is staged through a host buffer (its value copied in, the result copied back through the
+    view), so a broadcast gives every rank the root's values; so is a negative view (the
+    imaginary part of a conjugate view), whose allreduce sums its values."""
+    groups = _groups(coordinator(world_size=2).address)
+
+    def body(rank: int, group: ProcessGroupGradServer) -> list[torch.Tensor]:
+        tensor = (torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (rank + 1)).conj()
+        other = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (rank + 1)
+        summed = other.conj().imag  # a negative view: its values are -other.imag
+        assert tensor.is_conj() and summed.is_neg()
+        group.broadcast([tensor], dist.BroadcastOptions()).wait()
+        group.allreduce([summed]).wait()
+        return [tensor.resolve_conj(), other.imag.clone()]
+
+    try:
+        for got in _on_both(groups, body):
+            broadcast, summed = got  # type: ignore[misc]
+            torch.testing.assert_close(broadcast, torch.tensor([1 - 2j, 3 + 1j]), rtol=0, atol=0)
+            # The sum of the values (-2, 1) and (-4, 2), written back through the view.
+            torch.testing.assert_close(summed, torch.tensor([6.0, -3.0]), rtol=0, atol=0)
+    finally:
+        for group in groups:
+            group.shutdown()

@@ -91,7 +91,7 @@ class ByteCollectives(GroupCore):
 
         def run(sequence: int) -> None:
             memory = host_bytes(tensor)
-            assert memory is not None  # a contiguous host tensor (`small_host_tensor`)
+            assert memory is not None  # a contiguous host tensor (`_small_on_host`)
             self._client.run_collective(
                 sequence,
                 DEFAULT_GROUP,

@@ -178,9 +178,10 @@ class DeviceTransfers:
         self._by_device: dict[torch.device, Transfers] = {}
 
     def stages(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` must be copied to the host for a collective (host tensors are used
-        where they are: no copy)."""
-        return tensor.device.type != "cpu"
+        """Whether `tensor` must be copied through a host buffer for a collective: a device
+        tensor, or a conjugate or negative view (its memory is not its value; a copy resolves
+        it both ways). Other host tensors are used where they are: no copy."""
+        return tensor.device.type != "cpu" or tensor.is_conj() or tensor.is_neg()
 
     def for_device(self, device: torch.device) -> Transfers:
         transfers = self._by_device.get(device)

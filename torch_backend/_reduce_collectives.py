@@ -30,15 +30,7 @@ from ._arguments import check_pieces, equal_pieces, pieces_of_each, root_of
 from ._group_core import DEFAULT_GROUP, GroupCore
 from ._reductions import Plan, from_limbs, plan_reduction, premultiplied, reduce_in_rank_order, to_limbs
 from ._staging import Staging
-from ._tensor_bytes import (
-    bytes_of,
-    flatten,
-    host_bytes,
-    host_view,
-    overlaps,
-    same_memory,
-    scatter_into,
-)
+from ._tensor_bytes import bytes_of, flatten, host_bytes, host_view, overlaps, same_memory, scatter_into
 
 
 class ReduceCollectives(GroupCore):
