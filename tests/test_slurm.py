@@ -418,8 +418,9 @@ def test_a_lost_node_fails_the_job_naming_the_lost_rank(cluster: SlurmCluster, t
     state = cluster.wait(job, timeout=150)
     text = out.read_text(errors="replace")
     assert state in ("NODE_FAIL", "FAILED"), text
-    # Ranks 2 and 3 ran on node2; task 0's run names the one the coordinator lost first.
-    assert re.search(r"^run: rank [23] was lost at operation \d+ \(", text, re.MULTILINE), text
+    # Ranks 2 and 3 ran on node2; task 0's run names the one the coordinator lost first, with the
+    # operation it was lost at when one was in flight (none is between two of DDP's all_reduces).
+    assert re.search(r"^run: rank [23] was lost( at operation \d+)? \(", text, re.MULTILINE), text
     assert "RESULT" not in text
 
 
