@@ -9,11 +9,14 @@ only on failure.
 
 The float64 accumulator is small and reused: the chunk is processed in blocks that stay in the
 CPU cache (measured 25% faster than whole-chunk passes), and allocating a chunk-sized buffer
-afresh would cost more in page faults than the arithmetic itself. A block is 256K elements (a
-2 MiB float64 accumulator: the last-level cache, not L2). Each block costs about ten numpy calls,
-each of which gives up the GIL and takes it back, and on a crowded machine every such hand-over
-can wait for a wake-up; 64K-element blocks made four times as many (docs/PERFORMANCE.md,
-"Larger averaging blocks").
+afresh would cost more in page faults than the arithmetic itself. A block is 64K elements (a
+512 KiB float64 accumulator, within L2), except for an average written over its contributors
+(`InPlace`, the one-host exchange), whose blocks are 256K: each block costs about ten numpy
+calls, each of which gives up the GIL and takes it back, and there the coordinator's range
+threads compete with the workers' copies for the cores, so every such hand-over can wait for a
+wake-up. Large blocks on every path looked ~8% slower for DDP at 4 ranks on 2 cores over 8
+runs, within reach of that bench's noise (docs/PERFORMANCE.md, "Larger averaging blocks"), so
+the other paths keep 64K.
 
 Two contributions (the common case of two workers on one host) take a float32 path that gives
 the same bytes at about half the cost: the float32 sum a + b is the float64 sum rounded once to
@@ -63,7 +66,8 @@ class NonFiniteContribution(Exception):
         self.what = what
 
 
-_BLOCK = 262144  # elements per in-cache pass (module docstring)
+_BLOCK = 65536  # elements per in-cache pass (module docstring)
+_IN_PLACE_BLOCK = 262144  # the same for an average written over its contributors (`InPlace`)
 _SPLIT = 65536  # elements: the grain of the ranges a large chunk is split into across threads
 _SMALL = 4096  # elements: below this, one pass without the block loop (`_sum_small`)
 
@@ -255,11 +259,12 @@ class Averager:
         target; stops at the first block that is not, leaving its inputs as they were."""
         block = getattr(self._local, "block", None)
         if block is None:
-            block = self._local.block = np.empty(_BLOCK, dtype=_F32)
-        for start in range(begin, end, _BLOCK):
-            stop = min(start + _BLOCK, end)
+            block = self._local.block = np.empty(_IN_PLACE_BLOCK, dtype=_F32)
+        for start in range(begin, end, _IN_PLACE_BLOCK):
+            stop = min(start + _IN_PLACE_BLOCK, end)
             result = block[: stop - start]
-            if not self._sum_range([a[start:stop] for a in arrays], result, 0, stop - start, True):
+            chunk = [a[start:stop] for a in arrays]
+            if not self._sum_range(chunk, result, 0, stop - start, True, block_size=_IN_PLACE_BLOCK):
                 return False
             for target in targets:
                 target[start:stop] = result
@@ -275,19 +280,19 @@ class Averager:
     def _thread_scratch(self) -> np.ndarray:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
-            scratch = self._local.scratch = np.empty(_BLOCK, dtype=np.float64)
+            scratch = self._local.scratch = np.empty(_IN_PLACE_BLOCK, dtype=np.float64)
         return scratch
 
     def _thread_widened(self) -> np.ndarray:
         widened = getattr(self._local, "widened", None)
         if widened is None:
-            widened = self._local.widened = np.empty(_BLOCK, dtype=np.float64)
+            widened = self._local.widened = np.empty(_IN_PLACE_BLOCK, dtype=np.float64)
         return widened
 
     def _thread_flags(self) -> np.ndarray:
         flags = getattr(self._local, "flags", None)
         if flags is None:
-            flags = self._local.flags = np.empty(_BLOCK, dtype=np.bool_)
+            flags = self._local.flags = np.empty(_IN_PLACE_BLOCK, dtype=np.bool_)
         return flags
 
     def _sum_range(
@@ -299,9 +304,11 @@ class Averager:
         divide: bool,
         count: int | None = None,
         scratch: np.ndarray | None = None,
+        block_size: int = _BLOCK,
     ) -> bool:
         """Writes the mean (or sum; divided by `count`, default the number of arrays) of
-        elements [begin, end) into `out`; False if any is not finite.
+        elements [begin, end) into `out`, `block_size` elements at a time; False if any is not
+        finite.
         Each block is checked for finite values while it is in the cache (a check of the whole
         range afterwards read it all again from memory, into a new array of flags, and cost as
         much as the sum)."""
@@ -315,8 +322,8 @@ class Averager:
             if len(arrays) == 2 and (not divide or count == 2):
                 a, b = arrays
                 starts = []
-                for start in range(begin, end, _BLOCK):
-                    block = out[start : min(start + _BLOCK, end)]
+                for start in range(begin, end, block_size):
+                    block = out[start : min(start + block_size, end)]
                     np.add(a[start : start + block.size], b[start : start + block.size], out=block)
                     if divide:
                         np.multiply(block, np.float32(0.5), out=block)
@@ -326,10 +333,10 @@ class Averager:
                 if not starts:
                     return True
             else:
-                starts = list(range(begin, end, _BLOCK))
+                starts = list(range(begin, end, block_size))
             widened = self._thread_widened()
             for start in starts:
-                stop = min(start + _BLOCK, end)
+                stop = min(start + block_size, end)
                 acc, wide = scratch[: stop - start], widened[: stop - start]
                 # Each input widened on its own, then float64 + float64: the same operations as
                 # numpy's mixed-type add, without its buffered casting (~13% of a 4-worker

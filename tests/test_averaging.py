@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gradserver.common.averaging import _BLOCK as BLOCK  # block boundaries are what these tests cross
+from gradserver.common.averaging import _IN_PLACE_BLOCK as IN_PLACE_BLOCK
 from gradserver.common.averaging import Averager, InPlace, NonFiniteContribution
 from gradserver.common.messages import DType
 
@@ -130,7 +131,7 @@ def test_an_average_in_place_has_the_bytes_of_one_into_a_buffer_over_every_input
     overwritten with the same bytes the ordinary path gives, large sums and subnormals included,
     over several blocks and a ragged tail."""
     rng = np.random.default_rng(31 + workers)
-    size = 3 * BLOCK + 1001
+    size = 3 * IN_PLACE_BLOCK + 1001
     inputs = [_finite_float32_bits(rng, size) for _ in range(workers)]
     want = bytes(Averager().average([x.tobytes() for x in inputs]))
     buffers = [bytearray(x.tobytes()) for x in inputs]
@@ -146,17 +147,17 @@ def test_a_non_finite_value_in_place_names_its_culprit_and_leaves_its_block_as_s
     """A block is written over the inputs only once its average is finite: the culprit and its
     element are found as on the ordinary path, and the failing block (and what follows) still
     holds what was sent."""
-    size = 4 * BLOCK
+    size = 4 * IN_PLACE_BLOCK
     inputs = [np.random.default_rng(w).standard_normal(size, dtype=np.float32) for w in range(2)]
-    inputs[1][2 * BLOCK + 7] = np.inf
+    inputs[1][2 * IN_PLACE_BLOCK + 7] = np.inf
     buffers = [bytearray(x.tobytes()) for x in inputs]
     with pytest.raises(NonFiniteContribution) as info:
         Averager().average(
             [memoryview(b).toreadonly() for b in buffers], out=InPlace(tuple(memoryview(b) for b in buffers))
         )
-    assert (info.value.position, info.value.element) == (1, 2 * BLOCK + 7)
+    assert (info.value.position, info.value.element) == (1, 2 * IN_PLACE_BLOCK + 7)
     for sent, buffer in zip(inputs, buffers, strict=True):
-        assert bytes(buffer)[2 * BLOCK * 4 :] == sent[2 * BLOCK :].tobytes()
+        assert bytes(buffer)[2 * IN_PLACE_BLOCK * 4 :] == sent[2 * IN_PLACE_BLOCK :].tobytes()
 
 
 def test_in_place_is_only_for_means_of_finite_float32_values() -> None:
