@@ -70,15 +70,7 @@ class ByteCollectives(GroupCore):
             nbytes = sum(nbytes_of(t) for t in hosts)
             data = concat_bytes(hosts) if is_root else np.empty(nbytes, np.uint8)
             into = host_bytes(hosts[0]) if len(hosts) == 1 else None
-            result = self._client.run_collective(
-                sequence,
-                DEFAULT_GROUP,
-                data,
-                kind=CollectiveKind.BROADCAST,
-                root=root,
-                into=into,
-                timeout=self._timeout_s,
-            )
+            result = self._broadcast(sequence, data, root, into=into)
             write_bytes_into(hosts, result, what=f"rank {self.rank()}: gradserver broadcast")
 
         return self._operations.submit("broadcast", staging, run, tensors)
@@ -92,15 +84,7 @@ class ByteCollectives(GroupCore):
         def run(sequence: int) -> None:
             memory = host_bytes(tensor)
             assert memory is not None  # a contiguous host tensor (`_small_on_host`)
-            self._client.run_collective(
-                sequence,
-                DEFAULT_GROUP,
-                memory,
-                kind=CollectiveKind.BROADCAST,
-                root=root,
-                into=memory,
-                timeout=self._timeout_s,
-            )
+            self._broadcast(sequence, memory, root, into=memory)
 
         return self._operations.submit_host("broadcast", run, [tensor])
 

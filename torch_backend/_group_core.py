@@ -103,6 +103,21 @@ class GroupCore(dist.ProcessGroup):
             timeout=self._timeout_s,
         )
 
+    def _broadcast(
+        self, sequence: int, data: np.ndarray, root: int, *, into: np.ndarray | None
+    ) -> np.ndarray:
+        """One BROADCAST of the root's bytes `data` (a non-root rank's only say how many); the
+        result is written into `into` when given."""
+        return self._client.run_collective(
+            sequence,
+            DEFAULT_GROUP,
+            data,
+            kind=CollectiveKind.BROADCAST,
+            root=root,
+            into=into,
+            timeout=self._timeout_s,
+        )
+
     def _small_on_host(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether a call may take a small call's short path: one non-empty contiguous strided
         tensor of at most SMALL_BYTES that is not staged (its own memory is sent and written)."""
