@@ -68,7 +68,6 @@ class NonFiniteContribution(Exception):
 
 _BLOCK = 65536  # elements per in-cache pass (module docstring)
 _IN_PLACE_BLOCK = 262144  # the same for an average written over its contributors (`InPlace`)
-_SPLIT = 65536  # elements: the grain of the ranges a large chunk is split into across threads
 _SMALL = 4096  # elements: below this, one pass without the block loop (`_sum_small`)
 
 
@@ -240,13 +239,13 @@ class Averager:
 
     def _over_ranges(self, size: int, threads: int, work: Callable[[int, int], bool]) -> bool:
         """Runs `work(begin, end)` over `size` elements: at once, or cut into up to `threads`
-        ranges (multiples of `_SPLIT`, at least two each) on the range threads; True when every
+        ranges (multiples of `_BLOCK`, at least two each) on the range threads; True when every
         range was finite. Every element goes through the same operations wherever a range or a
         block starts, so the bytes do not depend on the cut."""
-        parts = min(threads, size // (2 * _SPLIT))
+        parts = min(threads, size // (2 * _BLOCK))
         if parts <= 1:
             return work(0, size)
-        bounds = [size * i // parts // _SPLIT * _SPLIT for i in range(parts)] + [size]
+        bounds = [size * i // parts // _BLOCK * _BLOCK for i in range(parts)] + [size]
         pool = self._range_pool()
         jobs = [pool.submit(work, bounds[i], bounds[i + 1]) for i in range(parts)]
         return all([job.result() for job in jobs])
