@@ -293,14 +293,12 @@ def train_diloco_ft(trainer: Trainer, variant: Variant) -> dict[str, Any]:
 
 
 def finish(outer: Any, model: torch.nn.Module) -> None:
-    """Lands the exchanges still on their way and makes the model DiLoCo's result, the global
-    weights (with streaming, the fragments exchanged before the last step lack the local steps
-    taken since; without, they are the local weights already)."""
+    """Makes the model DiLoCo's result, the global weights, holding every inner step: `flush`
+    gives the fragments exchanged earlier in the last period (streaming) one last outer step with
+    the inner steps taken since (its bytes are counted), lands what is on its way and copies the
+    global weights into `model`; without fragments, after a period's last step, it sends nothing."""
+    outer.flush()
     outer.close()
-    weights = outer.global_tensors()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(weights[name])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

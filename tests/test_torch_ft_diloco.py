@@ -165,6 +165,32 @@ def test_streaming_int8_survives_a_rank_killed_after_it_sent_its_payload(
     assert loss < 0.01
 
 
+@pytest.mark.timeout(240)
+def test_a_replacement_that_arrives_in_the_final_flush_takes_part_in_it(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """Streaming (2 fragments, delay 3, keep_local 0.5): rank 1 dies with its payload of the last
+    period's last exchange (inner step 200) sent, and ranks 0 and 2 are held in `flush` until the
+    replacement asks for a live rank's state. It takes the state at the flush's exchange, inner
+    step 200, takes part in the rest of the flush (weighing 0) and ends with the others' global
+    weights; its own `flush` then sends nothing."""
+    flags = (
+        *("--steps", "200", "--sync-every", "20"),
+        *("--fragments", "2", "--delay", "3", "--keep-local", "0.5"),
+    )
+    faults = ("--die", "1:199:exchange", "--hold", f"0,2:flush:{tmp_path / 'joined'}")
+    with _run(processes, "flush", *_faulty(*faults, *flags)) as run:
+        run.wait_for(r"rank 1: dying in exchange \d+, its payload sent", timeout=120)
+        joined = run.wait_for(JOINED.pattern, 180)
+        assert int(joined[3]) == 200, joined[0]
+        assert int(joined[2]) >= 20, joined[0]  # past the 20 exchanges of the inner steps
+        assert run.wait(180) == 0, run.output
+    finals = {int(m[1]): (m[3], m[4]) for m in map(FINAL.search, run.lines) if m}
+    assert len(set(finals.values())) == 1, finals  # the same outer and discarded counts
+    _, loss = _one_state(run, 200)
+    assert loss < 0.01
+
+
 STARTED_COORDINATOR = re.compile(r"started coordinator \(pid (\d+)\)")
 
 

@@ -113,7 +113,18 @@ class _Fragment:
     numel: int
     feedback: ErrorFeedback | None
     counted_at_send: float = 0.0
+    sent_at_step: int = 0  # the inner step of its last exchange that was not discarded
     pending: _Exchange | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _BeforeSend:
+    """What a fragment's exchange changed when it was sent: put back when every replica discards
+    it, so that what it carried is sent next time."""
+
+    counted_at_send: float
+    residual: torch.Tensor | None
+    sent_at_step: int
 
 
 class DiLoCo:
@@ -185,6 +196,7 @@ class DiLoCo:
         self._counts = False  # whether `count` was ever called: else every weight is 1
         self._sending = 0  # the fragment whose exchange is (or was last) sent
         self._joined_at = -1  # the inner step this replica joined a running job at (ft)
+        self._flushing = False  # inside `flush` (a replica joining then takes part in the rest)
         self._hook: RemovableHandle | None = None
         self.exchange.check_identical(params)
         self._fragments = [
@@ -193,7 +205,10 @@ class DiLoCo:
         ]
         if self.exchange.attach(self):
             # It took a live replica's state at that one's exchange: it takes part from there.
-            self._run_from(self._joined(), resumed=True)
+            if self._flushing:
+                self._flush_from(self._joined(), resumed=True)
+            else:
+                self._run_from(self._joined(), resumed=True)
 
     def _fragment(
         self, params: list[tuple[str, torch.Tensor]], send_at: int, outer_optimizer: OuterOptimizer
@@ -256,6 +271,45 @@ class DiLoCo:
                 if self.delay == 0 and fragment.pending is not None:
                     self._apply(fragment)
 
+    def flush(self) -> None:
+        """An outer step, now, of every fragment not exchanged at this inner step, applied at
+        once (no delay): call it on every replica after the last inner step. With fragments, the
+        ones exchanged earlier in the last period would otherwise leave out the inner steps taken
+        since; afterwards the global weights hold every inner step, and the model's parameters
+        are the global weights (whatever `keep_local`), the same on every replica. It costs one
+        more exchange of those fragments; without fragments, after a period's last step, nothing
+        is sent. A second call sends nothing (but what was discarded: ft)."""
+        self._flush_from(0, resumed=False)
+
+    def _flush_from(self, first: int, *, resumed: bool) -> None:
+        """`flush` from fragment `first` (`resumed`: as in `_run_from`)."""
+        self._flushing = True
+        try:
+            while True:
+                try:
+                    self._flush_fragments(first, resumed=resumed)
+                    break
+                except Resumed:  # as in `_run_from`: the donor's exchange now
+                    first, resumed = self._joined(), True
+        finally:
+            self._flushing = False
+        with torch.no_grad():
+            for fragment in self._fragments:
+                for weight, param in zip(fragment.global_weights, fragment.params, strict=True):
+                    _local(param).copy_(weight)
+
+    def _flush_fragments(self, first: int, *, resumed: bool) -> None:
+        for index in range(first, len(self._fragments)):
+            fragment = self._fragments[index]
+            # What is on its way lands first; a resumed fragment's was applied by the donor.
+            if fragment.pending is not None and not (resumed and index == first):
+                self._apply(fragment)
+            if fragment.sent_at_step < self.inner_step or (resumed and index == first):
+                self._sending = index
+                self._send(fragment)
+                if fragment.pending is not None:
+                    self._apply(fragment)
+
     def close(self) -> None:
         """Applies the exchanges still on their way (every replica has the same ones) and
         removes the inner optimizer's hook. Safe to call more than once."""
@@ -306,8 +360,12 @@ class DiLoCo:
         return weight
 
     def _send(self, fragment: _Fragment) -> None:
-        counted_before = fragment.counted_at_send
-        residual_before = None if fragment.feedback is None else fragment.feedback.residual
+        before = _BeforeSend(
+            fragment.counted_at_send,
+            None if fragment.feedback is None else fragment.feedback.residual,
+            fragment.sent_at_step,
+        )
+        fragment.sent_at_step = self.inner_step
         weight = self._weight(fragment)
         with torch.no_grad():
             delta = torch.cat(
@@ -321,7 +379,7 @@ class DiLoCo:
             delta.zero_()  # sent as zeros; the count in the payload fails the exchange everywhere
         feedback = fragment.feedback
         if feedback is not None and self._sums_quantized(feedback):
-            self._send_quantized_sum(fragment, feedback, delta, weight, nonfinite, counted_before)
+            self._send_quantized_sum(fragment, feedback, delta, weight, nonfinite, before)
             return
         summed = feedback is None or not self.exchange.gathers
         if fragment.feedback is None:
@@ -340,10 +398,7 @@ class DiLoCo:
             self.sent_bytes += payload.numel()
             self.received_bytes += self.replicas * payload.numel()
         self._landing(
-            fragment,
-            _Exchange(self.inner_step + self.delay, landing, None, weight, summed),
-            counted_before,
-            residual_before,
+            fragment, _Exchange(self.inner_step + self.delay, landing, None, weight, summed), before
         )
 
     def _sums_quantized(self, feedback: ErrorFeedback) -> bool:
@@ -362,13 +417,12 @@ class DiLoCo:
         delta: torch.Tensor,
         weight: float,
         nonfinite: int,
-        counted_before: float,
+        before: _BeforeSend,
     ) -> None:
         """wΔ plus the kept error as records the coordinator sums and requantizes once (one
         payload up, one down), [w, counts] as an exact SUM beside it. The error kept is what was
         to be sent less the decoding of what was (the coordinator's numpy encoder gives the
         torch codec's records for the same values)."""
-        residual_before = feedback.residual
         values = delta * weight if weight != 1.0 else delta
         compensated = values if feedback.residual is None or nonfinite else values + feedback.residual
         if not nonfinite:
@@ -383,14 +437,13 @@ class DiLoCo:
         self.received_bytes += wire_bytes
         # The landed vector is [Σ records decoded, Σ w, counts]: averaged as a float32 sum.
         exchange = _Exchange(self.inner_step + self.delay, landing, None, weight, True)
-        self._landing(fragment, exchange, counted_before, residual_before)
+        self._landing(fragment, exchange, before)
 
     def _landing(
         self,
         fragment: _Fragment,
         exchange: _Exchange,
-        counted_before: float,
-        residual_before: torch.Tensor | None,
+        before: _BeforeSend,
     ) -> None:
         """Keeps `exchange` pending on `fragment`; an exchange that heals has its result in
         already, or was discarded by every replica (what it carried is sent next time)."""
@@ -400,9 +453,10 @@ class DiLoCo:
             result = landing.wait()
             if result is None:
                 # No replica applies it: what it carried is still in Δ and is sent next time.
-                fragment.counted_at_send = counted_before
+                fragment.counted_at_send = before.counted_at_send
+                fragment.sent_at_step = before.sent_at_step
                 if fragment.feedback is not None:
-                    fragment.feedback.residual = residual_before
+                    fragment.feedback.residual = before.residual
                 self.discarded += 1
                 log.warning(
                     "outer step of parameters %s.. at inner step %d discarded on every replica",
@@ -529,6 +583,8 @@ class DiLoCo:
             "inner_step": self.inner_step,
             "outer_steps": self.outer_steps,
             "sending": self._sending,
+            "flushing": self._flushing,
+            "sent_at": [fragment.sent_at_step for fragment in self._fragments],
             "counts": self._counts,
             "optimizers": [
                 {
@@ -581,6 +637,9 @@ class DiLoCo:
         self.inner_step = int(extra["inner_step"])
         self.outer_steps = int(extra["outer_steps"])
         self._sending = int(extra["sending"])
+        self._flushing = bool(extra["flushing"])
+        for fragment, sent_at in zip(self._fragments, extra["sent_at"], strict=True):
+            fragment.sent_at_step = int(sent_at)
         self._counts = bool(extra["counts"])
 
     def _joined(self) -> int:

@@ -15,7 +15,8 @@ example, whose `ft.Replica` is replaced by one that carries the fault.
 first incarnations) stops at the start of inner step STEP until the file FLAG exists (at most
 120 s), and a rank that joins the running job creates FLAG as it asks for a live rank's state.
 So the others cannot finish the job before a replacement (slow to start on a loaded machine)
-joins: a test of the heal, not of how fast a process starts.
+joins: a test of the heal, not of how fast a process starts. STEP `flush` holds them in
+`DiLoCo.flush` instead, after the last inner step, so the replacement joins in the flush.
 """
 
 from __future__ import annotations
@@ -32,11 +33,21 @@ from typing import Any
 import torch
 
 from gradserver.torch import ft
+from gradserver.torch.diloco import DiLoCo
 
 from .processes import ROOT
 
 PHASES = ("inner", "exchange")
+FLUSH = -2  # `--hold RANKS:flush:FLAG`: the hold is at `DiLoCo.flush`, after the last inner step
 _FLAG_WAIT_S = 120.0
+
+
+def _hold(rank: int, where: str, flag: Path) -> None:
+    """Waits for `flag` to exist (a replacement asking for a live rank's state), bounded."""
+    print(f"rank {rank}: holding {where}", flush=True)
+    deadline = time.monotonic() + _FLAG_WAIT_S
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _dying_replica(
@@ -56,10 +67,7 @@ def _dying_replica(
                 if rank == die_rank and phase == "inner" and forwards[0] == die_step:
                     self._die(f"in inner step {die_step}")
                 if rank in held and forwards[0] == hold_step and flag is not None:
-                    print(f"rank {rank}: holding at inner step {hold_step}", flush=True)
-                    deadline = time.monotonic() + _FLAG_WAIT_S
-                    while not flag.exists() and time.monotonic() < deadline:
-                        time.sleep(0.05)
+                    _hold(rank, f"at inner step {hold_step}", flag)
                 forwards[0] += 1
 
             model.register_forward_pre_hook(forward)
@@ -74,6 +82,18 @@ def _dying_replica(
                     self._die(f"in exchange {self.step}, its payload sent")
 
             self.client.send = sent  # type: ignore[method-assign]
+
+        def diloco(self, **options: Any) -> DiLoCo:
+            outer = super().diloco(**options)
+            if rank in held and hold_step == FLUSH and flag is not None:
+                flush = outer.flush
+
+                def held_flush() -> None:
+                    _hold(rank, "before the flush", flag)
+                    flush()
+
+                outer.flush = held_flush  # type: ignore[method-assign]
+            return outer
 
         def _heal(self, at: tuple[int, tuple[int, ...]] | None = None) -> None:
             if flag is not None:
@@ -97,7 +117,8 @@ def main() -> None:
     hold_step, flag = -1, None
     if args.hold:
         ranks, step, path = args.hold.split(":", 2)
-        held, hold_step, flag = {int(r) for r in ranks.split(",")}, int(step), Path(path)
+        held, flag = {int(r) for r in ranks.split(",")}, Path(path)
+        hold_step = FLUSH if step == "flush" else int(step)
     if args.die:
         rank, step, phase = [*args.die.split(":"), "", "", ""][:3]
         if phase not in PHASES:
