@@ -256,6 +256,9 @@ class DiLoCo:
                 return
             except Resumed:  # healed while it rejoined a lost coordinator: the donor's exchange now
                 first, resumed = self._joined(), True
+                if self._flushing:  # the donor was ahead, in its final flush: so is this one now
+                    self._flush_from(first, resumed=True)
+                    return
 
     def _fragments_from(self, first: int, *, resumed: bool) -> None:
         in_period = self.inner_step % self.sync_every or self.sync_every
