@@ -55,7 +55,6 @@ def main() -> None:
             losses.append(loss.item())
             if (step + 1) % 100 == 0:
                 print(f"rank {rank} step {step + 1}: loss {loss.item():.4f}", flush=True)
-        outer.flush()  # a partial last period takes one last outer step; the model = global weights
     print(
         f"rank {rank}: {outer.outer_steps} outer steps, {outer.sent_bytes} bytes sent, "
         f"{outer.received_bytes} received",

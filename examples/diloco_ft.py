@@ -94,9 +94,8 @@ def main() -> None:
                     f"loss {loss.item():.4f}",
                     flush=True,
                 )
-        # The fragments exchanged earlier in the last period (or a partial last period) take
-        # one last outer step with the inner steps since; the model becomes the global weights.
-        outer.flush()
+    # Leaving the block flushed: the fragments exchanged earlier in the last period took one last
+    # outer step with the inner steps since, and the model holds the global weights.
     _, sha256 = parameter_digest(outer.global_tensors().items())
     print(
         f"rank {rank}: {outer.inner_step} inner steps, {outer.outer_steps} outer steps "

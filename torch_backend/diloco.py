@@ -8,6 +8,7 @@
             outer.count(batch.tokens)           # optional: weights this replica's share
             inner_optimizer.step()              # every 50th step is also an outer step
             inner_optimizer.zero_grad()
+    # leaving the block flushed: the model is the global weights, holding every inner step
 
 Each replica (a process, or a DDP/FSDP2 group of them: pass the outer `group`) trains alone with
 its inner optimizer. Every `sync_every` (H) inner steps the wrapper computes the pseudo-gradient
@@ -37,7 +38,9 @@ order, into F fragments of about equal size; fragment f is exchanged at inner st
 τ steps after it was sent. The mixing rule when fragment f's outer step lands:
 local ← keep_local · local + (1 - keep_local) · global (keep_local = 0: the local weights become
 the global ones, plain DiLoCo; the paper's alpha is keep_local, 0.5 with τ > 0). Each fragment has its
-own outer optimizer and error feedback.
+own outer optimizer and error feedback. At the end (`flush`, which leaving the `with` block
+calls): every fragment not exchanged at the last inner step takes one more outer step, so the
+final global weights hold every inner step; the model then holds them.
 
 Every replica must take the same number of inner steps; replicas must start from the same
 parameters (checked at construction: the error names the first parameter that differs).
@@ -281,7 +284,8 @@ class DiLoCo:
         since; afterwards the global weights hold every inner step, and the model's parameters
         are the global weights (whatever `keep_local`), the same on every replica. It costs one
         more exchange of those fragments; without fragments, after a period's last step, nothing
-        is sent. A second call sends nothing (but what was discarded: ft)."""
+        is sent. A second call sends nothing (but what was discarded: ft). Leaving a `with`
+        block normally calls it."""
         self._flush_from(0, resumed=False)
 
     def _flush_from(self, first: int, *, resumed: bool) -> None:
@@ -316,9 +320,7 @@ class DiLoCo:
     def close(self) -> None:
         """Applies the exchanges still on their way (every replica has the same ones) and
         removes the inner optimizer's hook. Safe to call more than once."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._unhook()
         for fragment in self._fragments:
             if fragment.pending is not None:
                 self._apply(fragment)
@@ -333,9 +335,21 @@ class DiLoCo:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        if error is None:
-            self.close()
-        elif self._hook is not None:  # the exchanges in flight may be what failed: leave them
+        """Leaving the block normally flushes (`flush`: the model becomes the global weights,
+        holding every inner step) and closes; after an error only the hook is removed (the
+        exchanges in flight may be what failed: they are left alone)."""
+        if error is not None:
+            self._unhook()
+            return
+        try:
+            self.flush()
+        except BaseException:
+            self._unhook()
+            raise
+        self.close()
+
+    def _unhook(self) -> None:
+        if self._hook is not None:
             self._hook.remove()
             self._hook = None
 
