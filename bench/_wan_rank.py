@@ -241,7 +241,7 @@ def _diloco_step(trainer: Trainer, inner: torch.optim.Optimizer, outer: Any, ste
     trainer.compute_s += time.perf_counter() - began
     outer.step()
     if step + 1 == args.steps:
-        finish(outer, model)
+        finish(outer)
     if trainer.due(step + 1) or step + 1 == args.steps:
         trainer.evaluate_at(step + 1)
 
@@ -292,11 +292,11 @@ def train_diloco_ft(trainer: Trainer, variant: Variant) -> dict[str, Any]:
         job.close()
 
 
-def finish(outer: Any, model: torch.nn.Module) -> None:
+def finish(outer: Any) -> None:
     """Makes the model DiLoCo's result, the global weights, holding every inner step: `flush`
     gives the fragments exchanged earlier in the last period (streaming) one last outer step with
     the inner steps taken since (its bytes are counted), lands what is on its way and copies the
-    global weights into `model`; without fragments, after a period's last step, it sends nothing."""
+    global weights into the model; without fragments, after a period's last step, it sends nothing."""
     outer.flush()
     outer.close()
 

@@ -207,11 +207,9 @@ class DiLoCo:
             for index, part in enumerate(_split(params, fragments))
         ]
         if self.exchange.attach(self):
-            # It took a live replica's state at that one's exchange: it takes part from there.
-            if self._flushing:
-                self._flush_from(self._joined(), resumed=True)
-            else:
-                self._run_from(self._joined(), resumed=True)
+            # It took a live replica's state at that one's exchange (in a step, or in the
+            # donor's final flush): it takes part from there.
+            self._run_from(self._joined(), resumed=True)
 
     def _fragment(
         self, params: list[tuple[str, torch.Tensor]], send_at: int, outer_optimizer: OuterOptimizer
@@ -251,17 +249,22 @@ class DiLoCo:
         self._run_from(0, resumed=False)
 
     def _run_from(self, first: int, *, resumed: bool) -> None:
-        """The fragments' part of an inner step, from fragment `first`; `resumed`: this replica
-        just took a live one's state at fragment `first`'s exchange, which it sends now."""
+        """The fragments' part of an inner step, or of the final flush while `_flushing`, from
+        fragment `first`; `resumed`: this replica just took a live one's state at fragment
+        `first`'s exchange, which it sends now. A state taken in the donor's flush (the donor
+        ahead) makes this replica finish that flush."""
         while True:
             try:
-                self._fragments_from(first, resumed=resumed)
-                return
+                if self._flushing:
+                    self._flush_fragments(first, resumed=resumed)
+                else:
+                    self._fragments_from(first, resumed=resumed)
+                break
             except Resumed:  # healed while it rejoined a lost coordinator: the donor's exchange now
                 first, resumed = self._joined(), True
-                if self._flushing:  # the donor was ahead, in its final flush: so is this one now
-                    self._flush_from(first, resumed=True)
-                    return
+        if self._flushing:
+            self._flushing = False
+            self._model_from_global()
 
     def _fragments_from(self, first: int, *, resumed: bool) -> None:
         in_period = self.inner_step % self.sync_every or self.sync_every
@@ -286,20 +289,14 @@ class DiLoCo:
         more exchange of those fragments; without fragments, after a period's last step, nothing
         is sent. A second call sends nothing (but what was discarded: ft). Leaving a `with`
         block normally calls it."""
-        self._flush_from(0, resumed=False)
-
-    def _flush_from(self, first: int, *, resumed: bool) -> None:
-        """`flush` from fragment `first` (`resumed`: as in `_run_from`)."""
         self._flushing = True
         try:
-            while True:
-                try:
-                    self._flush_fragments(first, resumed=resumed)
-                    break
-                except Resumed:  # as in `_run_from`: the donor's exchange now
-                    first, resumed = self._joined(), True
+            self._run_from(0, resumed=False)
         finally:
-            self._flushing = False
+            self._flushing = False  # also when it failed: later steps are steps again
+
+    def _model_from_global(self) -> None:
+        """The model's parameters (this rank's shards) become the global weights."""
         with torch.no_grad():
             for fragment in self._fragments:
                 for weight, param in zip(fragment.global_weights, fragment.params, strict=True):
@@ -664,13 +661,11 @@ class DiLoCo:
         phase from the global weights, with no error kept and nothing counted (what the donor
         trained since its last exchange, and the error it kept, are the donor's to send), and
         weighs 0 in the exchange it joins at. The fragment whose exchange it joins at."""
-        with torch.no_grad():
-            for fragment in self._fragments:
-                for weight, param in zip(fragment.global_weights, fragment.params, strict=True):
-                    _local(param).copy_(weight)
-                if fragment.feedback is not None:
-                    fragment.feedback.residual = None
-                fragment.counted_at_send = 0.0
+        self._model_from_global()
+        for fragment in self._fragments:
+            if fragment.feedback is not None:
+                fragment.feedback.residual = None
+            fragment.counted_at_send = 0.0
         self._counted = 0.0
         self._joined_at = self.inner_step
         return self._sending
