@@ -12,12 +12,15 @@
   mean of the replicas' local weights, Σ wᵢθᵢ / Σ wᵢ, a replica that counted 0 left out.
 - `flush` after a mid-period stop, called or by leaving the `with` block: every fragment's global
   weights hold the last inner step, the model takes them, a second flush sends nothing.
+- A checkpoint (`state_dict`, `load_state_dict`) taken mid-period and loaded by new objects: the
+  run ends as the one that never stopped, bit for bit; a checkpoint that does not fit is refused.
 - Refusals with clear messages, and an example run under `gradserver run`.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import re
 import sys
 from collections.abc import Callable
@@ -257,6 +260,79 @@ def _flushed(rank: int, quantize: str | None, leave_block: bool = False) -> dict
     }
 
 
+def _resumed(rank: int) -> dict[str, Any]:
+    """Streaming int8 (H = 4, 2 fragments, delay 1, keep_local 0.5), the replicas counting unequal
+    batches: 10 inner steps and a flush in one run, and the same run saved after inner step 6
+    (fragment 0 on its way; model, inner optimizer and outer state through torch.save) and taken
+    up by new objects, as a restarted process would. Refusals: other settings, a replica that
+    loaded another step's state, a load after the first inner step."""
+    from gradserver.torch.diloco import DiLoCo
+
+    def build(fragments: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        outer = DiLoCo(
+            model, inner, sync_every=4, fragments=fragments, delay=1, keep_local=0.5, quantize="int8"
+        )
+        return model, inner, outer
+
+    def train(model: torch.nn.Module, inner: torch.optim.Optimizer, outer: DiLoCo, last: int) -> None:
+        for step in outer.steps(last):
+            x, y = _batch(step, rank, size=16 + 8 * rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            outer.count(len(x))
+            inner.step()
+            inner.zero_grad()
+            outer.step()
+
+    def saved(model: torch.nn.Module, inner: torch.optim.Optimizer, outer: DiLoCo) -> bytes:
+        buffer = io.BytesIO()
+        state = {"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()}
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def flat(tensors: Any) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+
+    model, inner, outer = build()
+    train(model, inner, outer, 10)
+    outer.flush()
+    straight = (flat(outer.global_tensors().values()), flat(model.parameters()), outer.outer_steps)
+
+    model, inner, outer = build()
+    train(model, inner, outer, 5)
+    at_5 = saved(model, inner, outer)
+    train(model, inner, outer, 6)
+    at_6 = saved(model, inner, outer)
+    del model, inner, outer  # the process that saved them is gone
+
+    def resume(
+        checkpoint: bytes, fragments: int = 2
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
+        model, inner, outer = build(fragments)
+        state = torch.load(io.BytesIO(checkpoint), weights_only=True)
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
+        outer.load_state_dict(state["outer"])
+        return model, inner, outer
+
+    model, inner, outer = resume(at_6)
+    at = outer.inner_step
+    train(model, inner, outer, 10)
+    outer.flush()
+    resumed = (flat(outer.global_tensors().values()), flat(model.parameters()), outer.outer_steps)
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "at": at,
+        "other_settings": _error_of(lambda: resume(at_6, fragments=1)),
+        "other_step": _error_of(lambda: resume(at_5 if rank == 2 else at_6)),
+        "late": _error_of(
+            lambda: outer.load_state_dict(torch.load(io.BytesIO(at_6), weights_only=True)["outer"])
+        ),
+    }
+
+
 def _error_of(call: Callable[[], object]) -> str:
     try:
         call()
@@ -299,6 +375,7 @@ def _results(rank: int) -> dict[str, Any]:
     results["flushed"] = _flushed(rank, None)
     results["flushed_int8"] = _flushed(rank, "int8")
     results["flushed_on_leaving"] = _flushed(rank, None, leave_block=True)
+    results["resumed"] = _resumed(rank)
     for name, options in RUNS.items():
         results[name] = _train(rank, options)
     return results
@@ -429,6 +506,39 @@ def test_flush_gives_every_fragment_its_last_inner_steps_and_the_model_the_globa
     for replica in replicas:
         assert replica[run]["model_is_global"]
         assert torch.equal(replica[run]["globals"], seen["globals"])
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_as_the_run_that_never_stopped(
+    replicas: list[dict[str, Any]],
+) -> None:
+    """Bit for bit: the global weights, the model and the outer steps after the flush; every piece
+    of the outer state counts (int8's kept error, fragment 0's average on its way, the weights
+    counted since each fragment's exchange)."""
+    for replica in replicas:
+        seen = replica["resumed"]
+        assert seen["at"] == 6
+        globals_, model, outer_steps = seen["resumed"]
+        assert torch.equal(globals_, seen["straight"][0])
+        assert torch.equal(model, seen["straight"][1])
+        assert outer_steps == seen["straight"][2] == 6  # 5 exchanges, fragment 0's in flight, the flush
+        assert torch.equal(globals_, replicas[0]["resumed"]["resumed"][0])
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_on_every_replica(replicas: list[dict[str, Any]]) -> None:
+    for rank, replica in enumerate(replicas):
+        seen = replica["resumed"]
+        assert seen["other_settings"] == (
+            "FailedPreconditionError: FAILED_PRECONDITION: DiLoCo.load_state_dict: the state was saved "
+            "with fragments=2, this DiLoCo has fragments=1: resume with the settings it was saved with"
+        )
+        assert seen["other_step"].startswith(
+            f"FailedPreconditionError: FAILED_PRECONDITION: replica {rank}: parameter 'outer/position' "
+            "differs across replicas at the start (replicas [2] against replica 0)"
+        ), seen["other_step"]
+        assert seen["late"] == (
+            "FailedPreconditionError: FAILED_PRECONDITION: DiLoCo.load_state_dict: this replica is at "
+            "inner step 10; load a checkpoint before the first inner step"
+        )
 
 
 def test_bad_input_is_refused_with_a_clear_message(replicas: list[dict[str, Any]]) -> None:

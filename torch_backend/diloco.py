@@ -45,6 +45,9 @@ final global weights hold every inner step; the model then holds them.
 Every replica must take the same number of inner steps; replicas must start from the same
 parameters (checked at construction: the error names the first parameter that differs).
 
+Checkpoints: `state_dict()` (each replica its own, beside its model's and inner optimizer's) and
+`load_state_dict()` before the first inner step; a resumed run ends as one that never stopped.
+
 Fault tolerant (`ft.Replica(model, inner_optimizer).diloco(sync_every=...)`, `_ft_exchange`):
 each exchange is one fault-tolerant step of the coordinator, summed over the replicas that take
 part; a lost replica costs its current inner phase, and its replacement takes a live replica's
@@ -572,6 +575,91 @@ class DiLoCo:
                     local.mul_(self.keep_local).add_(weight, alpha=1.0 - self.keep_local)
         self.outer_steps += 1
 
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's outer state, to save beside its model's and inner optimizer's (each
+        replica its own: the kept quantization error and what it counted are its own; with a
+        sharded model, this rank's shards): the settings it was made with, the global weights,
+        every fragment's outer optimizer, kept error and average not yet applied, and where the
+        loop is. Exchanges still on their way are waited for first (every replica sent them at
+        the same inner step). References, as torch's `state_dict`: save it before the next step."""
+        for fragment in self._fragments:
+            pending = fragment.pending
+            if pending is not None and pending.landing is not None:
+                result = pending.landing.wait()
+                assert result is not None  # only an exchange that heals is discarded, when sent
+                fragment.pending = dataclasses.replace(pending, landing=None, result=result)
+        return {
+            "settings": self._settings(),
+            "parameters": [fragment.names for fragment in self._fragments],
+            "tensors": self.outer_tensors(),
+            "extra": {
+                **self.outer_extra(),
+                "counted": self._counted,
+                "counted_at_send": [fragment.counted_at_send for fragment in self._fragments],
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes from what `state_dict` gave on this replica: call it on every replica, before
+        the first inner step, after loading the model's and the inner optimizer's state. Refuses
+        a state saved with other settings, naming the first that differs, and checks that every
+        replica loaded the same outer state (the same inner step and global weights): every
+        replica raises the same error naming what differs."""
+        if self.exchange.heals:
+            raise FailedPreconditionError(
+                "DiLoCo.load_state_dict: not over ft.Replica yet (a replica that joins a running job "
+                "takes a live replica's state; resuming a whole ft job from checkpoints is not supported)"
+            )
+        if self.inner_step or any(fragment.pending is not None for fragment in self._fragments):
+            raise FailedPreconditionError(
+                f"DiLoCo.load_state_dict: this replica is at inner step {self.inner_step}; load a "
+                "checkpoint before the first inner step"
+            )
+        saved, mine = state["settings"], self._settings()
+        for name, value in mine.items():
+            if saved.get(name) != value:
+                raise FailedPreconditionError(
+                    f"DiLoCo.load_state_dict: the state was saved with {name}={saved.get(name)!r}, this "
+                    f"DiLoCo has {name}={value!r}: resume with the settings it was saved with"
+                )
+        for index, fragment in enumerate(self._fragments):
+            if state["parameters"][index] != fragment.names:
+                raise FailedPreconditionError(
+                    f"DiLoCo.load_state_dict: fragment {index} of the saved state holds parameters "
+                    f"{_names(state['parameters'][index])}, this model's {_names(fragment.names)}: "
+                    "resume the model it was saved with"
+                )
+        extra = state["extra"]
+        self.load_outer(state["tensors"], extra)
+        self._counted = float(extra["counted"])
+        for fragment, counted in zip(self._fragments, extra["counted_at_send"], strict=True):
+            fragment.counted_at_send = float(counted)
+        # The position first: replicas that loaded different steps' states are told so, not
+        # that their tensors differ (a state saved with an average on its way has one more).
+        position = [self.inner_step, self.outer_steps, *(f.sent_at_step for f in self._fragments)]
+        self.exchange.check_identical([("outer/position", torch.tensor(position, dtype=torch.int64))])
+        self.exchange.check_identical(
+            [
+                (name, tensor)
+                for name, tensor in self.outer_tensors().items()
+                if not name.endswith("/residual")
+            ]
+        )
+
+    def _settings(self) -> dict[str, Any]:
+        """What a saved state must have been made with to be loaded here."""
+        return {
+            "sync_every": self.sync_every,
+            "fragments": len(self._fragments),
+            "delay": self.delay,
+            "keep_local": self.keep_local,
+            "quantize": self.quantize,
+            "block": self.block,
+            "replicas": self.replicas,
+        }
+
     # --- the state a joining replica takes (ft) -------------------------------------------------
 
     def outer_tensors(self) -> dict[str, torch.Tensor]:
@@ -691,6 +779,10 @@ def _split(params: list[tuple[str, torch.Tensor]], parts: int) -> Iterator[list[
             end = len(params)
         yield params[start:end]
         start = end
+
+
+def _names(names: list[str]) -> str:
+    return f"{names[0]}..{names[-1]} ({len(names)})"
 
 
 def _refuse_nonfinite(counts: list[int], fragment: _Fragment, inner_step: int) -> None:
