@@ -1,10 +1,14 @@
 """Outer steps (DiLoCo) in the built-in trainer (`--outer-steps H`, `--fragments F`): the
 arithmetic against a reference, replicas bit-identical after every exchange, a falling loss,
-resuming, the fingerprint, the refusals, and a worker killed mid-run under `gradserver run
---restart-lost 1` whose replacement heals from a live one."""
+resuming, the fingerprint, the refusals, a worker killed mid-run under `gradserver run
+--restart-lost 1` whose replacement heals from a live one, and the final flush of F > 1 (the mean
+weights of the fragments exchanged earlier in the last period; resumed, joined, launched)."""
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
+import dataclasses
 import json
 import os
 import random
@@ -19,7 +23,7 @@ from typing import TypeVar
 import pytest
 import torch
 
-from gradserver.common.errors import DeadlineExceededError
+from gradserver.common.errors import DeadlineExceededError, InvalidArgumentError
 from gradserver.common.sample_ranges import step_sample_ranges
 from gradserver.train.checkpoint import load_checkpoint
 from gradserver.train.clipping import clip_by_global_norm_
@@ -201,6 +205,7 @@ def test_loss_falls_with_outer_steps_on_the_shipped_corpus() -> None:
     results = _train_threads(2, config)[0]
     assert [r.step for r in results] == list(range(12))
     assert [r.inner_steps for r in results] == [4 * (s + 1) for s in range(12)]
+    assert not any(r.flush for r in results)  # one fragment: nothing to flush
     assert all(r.tokens == 4 * 4 * 64 for r in results), results[0].tokens
     first, last = results[0].global_loss, sum(r.global_loss for r in results[-3:]) / 3
     # Untrained, the loss is about ln(256) = 5.55; the first step's is the mean over its 4 inner steps.
@@ -212,12 +217,14 @@ def test_resume_continues_bit_identically(tmp_path: Path) -> None:
     continues exactly as the uninterrupted job (fragments, so local and global weights differ)."""
     base = dict(model="tiny", batch_size=2, lr=1e-2, outer_steps=4, fragments=2, outer_momentum=0.9)
     straight = _train_threads(2, TrainConfig(steps=16, out=str(tmp_path / "a"), **base))[0]
-    _train_threads(2, TrainConfig(steps=8, out=str(tmp_path / "b"), **base))
+    interrupted = TrainConfig(steps=16, out=str(tmp_path / "b"), checkpoint_every=2, **base)
+    with pytest.raises(_Interrupted):  # after step 4, whose checkpoint is not written
+        _in_threads(2, lambda engine: train(engine, interrupted, _stop_after(4)))
     ckpt = load_checkpoint(tmp_path / "b" / "checkpoint-rank0.pt")
     assert ckpt.data_position == 4 and set(ckpt.outer_state) == {"global", "optimizers"}
     resumed = _train_threads(2, TrainConfig(steps=16, out=str(tmp_path / "b"), resume=True, **base))[0]
-    assert [r.step for r in resumed] == [4, 5, 6, 7]
-    assert [r.global_loss for r in resumed] == [r.global_loss for r in straight[4:]]
+    assert [r.step for r in resumed] == [4, 5, 6, 7, 8]  # 8: the flush
+    assert [r.global_loss for r in resumed[:-1]] == [r.global_loss for r in straight[4:8]]
     a, b = (load_checkpoint(tmp_path / d / "checkpoint-rank0.pt") for d in ("a", "b"))
     for name, value in a.model_state.items():
         assert torch.equal(b.model_state[name], value), name
@@ -405,7 +412,8 @@ def test_workers_rejoin_a_restarted_coordinator_and_end_bit_identical(
         assert w.wait(240) == 0, w.output
         assert "rejoining" in w.output, w.output
     a, b = (load_checkpoint(p) for p in sorted(tmp_path.glob("checkpoint-*.pt")))
-    assert a.data_position == b.data_position == 24
+    assert a.data_position == b.data_position == 25  # 24 trainer steps, 1 flush step
+    _assert_model_is_the_global_weights([a, b])
     for name, value in a.outer_state["global"].items():
         assert torch.equal(b.outer_state["global"][name], value), name
     for saved_a, saved_b in zip(a.outer_state["optimizers"], b.outer_state["optimizers"], strict=True):
@@ -447,3 +455,290 @@ def test_outer_steps_on_a_quantized_wire_with_error_feedback_end_bit_identical(
     losses = [by_step[s] for s in sorted(by_step)]
     assert len(losses) == steps // 4
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
+
+
+# --- the final flush (F > 1): the mean weights of every fragment not exchanged at the last step ----
+
+
+class _Interrupted(Exception):
+    """Raised by an on_step callback: the job stops there, as if the worker had been killed."""
+
+
+def _stop_after(step: int) -> Callable[[StepResult], None]:
+    def on_step(result: StepResult) -> None:
+        if result.step == step:
+            raise _Interrupted(step)
+
+    return on_step
+
+
+def _assert_model_is_the_global_weights(states: list) -> None:
+    """Each checkpoint's model (its local weights) is its global weights, and the same on all."""
+    for state in states:
+        assert set(state.model_state) == set(state.outer_state["global"])
+        for name, value in state.outer_state["global"].items():
+            assert torch.equal(state.model_state[name], value), name
+    for other in states[1:]:
+        for name, value in states[0].model_state.items():
+            assert torch.equal(other.model_state[name], value), name
+
+
+@pytest.mark.timeout(120)
+def test_the_flush_gives_each_other_fragment_the_workers_mean_weights_with_the_inner_steps_since() -> None:
+    """OuterTrainer alone (2 workers on a LocalHub, H = 6, F = 3, 4 trainer steps): the flush
+    exchanges the two fragments not exchanged at step 3, each global weight becoming the mean of
+    the workers' local weights (global - the averaged global - local computed here), the outer
+    momentum untouched; the fragment of step 3 is left alone; afterwards every worker's model is
+    its global weights, bit for bit the same on both."""
+    world, trainer_steps, settings = 2, 4, OuterSettings(6, 3, outer_lr=0.7, outer_momentum=0.9)
+    cfg = model_config("tiny")
+    data = TokenWindows(corpus_bytes(), cfg.max_seq_len)
+
+    def run(engine: LocalEngine) -> dict:
+        trainer = OuterTrainer(
+            TransformerLM(cfg, seed=0), engine, settings, lr=1e-2, trainer_steps=trainer_steps
+        )
+        for step in range(trainer_steps):
+            trainer.train_step(_batches(data, engine, step, settings.inner_per_exchange, 2))
+        with pytest.raises(InvalidArgumentError, match="the flush's steps take none"):
+            trainer.train_step(_batches(data, engine, trainer_steps, settings.inner_per_exchange, 2))
+
+        def snapshot() -> dict:
+            return {
+                "global": {k: v.clone() for k, v in trainer._global_items()},
+                "local": {k: v.detach().clone() for k, v in trainer.model.named_parameters()},
+                "momentum": [
+                    [s["momentum_buffer"].clone() for s in f.optimizer.state_dict()["state"].values()]
+                    for f in trainer.fragments
+                ],
+            }
+
+        before = snapshot()
+        flushed = [trainer.flush_step(), trainer.flush_step()]
+        with pytest.raises(InvalidArgumentError, match="is not a flush step"):
+            trainer.flush_step()
+        names = [[trainer._names[id(p)] for u in f.units for p in u.params] for f in trainer.fragments]
+        return {"before": before, "after": snapshot(), "results": flushed, "names": names}
+
+    runs = _in_threads(world, run)
+    names = runs[0]["names"]
+    results = runs[0]["results"]
+    assert [(r.step, r.fragment, r.flush, r.tokens) for r in results] == [(4, 1, True, 0), (5, 2, True, 0)]
+    assert all(r.inner_steps == trainer_steps * 2 and r.outer_steps == r.step + 1 for r in results)
+    assert all(r.grad_norm is None and r.loss != r.loss and r.global_loss != r.global_loss for r in results)
+    for rank in range(world):
+        after = runs[rank]["after"]
+        for name, value in after["global"].items():
+            assert torch.equal(after["local"][name], value), (rank, name)
+        for name in after["global"]:
+            assert torch.equal(after["global"][name], runs[0]["after"]["global"][name]), (rank, name)
+    before, after = runs[0]["before"], runs[0]["after"]
+    for name in names[0]:  # exchanged at the last trainer step (3 % 3): nothing to add
+        assert torch.equal(after["global"][name], before["global"][name]), name
+    for k in (1, 2):
+        for index, name in enumerate(names[k]):
+            mean = sum(
+                (run["before"]["global"][name] - run["before"]["local"][name]).double() for run in runs
+            )
+            delta = (mean / world).float()
+            # The average as it is (the workers' mean weights), the outer optimizer left alone.
+            expected = before["global"][name] - delta
+            torch.testing.assert_close(after["global"][name], expected, rtol=1e-5, atol=1e-6)
+            assert torch.equal(after["momentum"][k][index], before["momentum"][k][index]), name
+            assert not torch.equal(after["global"][name], before["global"][name]), name
+            # The local weights held inner steps the global weights lacked before the flush.
+            assert not torch.equal(before["local"][name], before["global"][name]), name
+
+
+def _train_on_a_coordinator(
+    coordinator, world: int, config: TrainConfig, **options
+) -> list[list[StepResult]]:
+    """`train` on `world` CoordinatorEngines of one real coordinator (in this process), whose
+    --max-steps is the job's engine steps, as launch sets it."""
+    from gradserver.train.engines import CoordinatorEngine
+
+    from .helpers.server import connect_all, run_each
+
+    server = coordinator(world_size=world, max_steps=config.total_steps, **options)
+    clients = connect_all(server.address, world)
+    try:
+        return run_each(clients, lambda c: train(CoordinatorEngine(c), config), timeout=240)
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("outer_steps", "fragments", "steps"), [(4, 2, 8), (6, 3, 10)])
+def test_a_job_with_fragments_ends_with_the_flush_and_every_model_is_the_global_weights(
+    coordinator, tmp_path: Path, outer_steps: int, fragments: int, steps: int
+) -> None:
+    """Through a real coordinator (--max-steps = the job's engine steps): F - 1 flush steps
+    follow the trainer steps, each exchanging a fragment not exchanged at the last one, with no
+    tokens; their metrics lines say so and leave the loss out; the final checkpoints hold models
+    that are their global weights, the same on both workers."""
+    config = TrainConfig(
+        model="tiny",
+        steps=steps,
+        batch_size=2,
+        lr=1e-2,
+        out=str(tmp_path),
+        outer_steps=outer_steps,
+        fragments=fragments,
+    )
+    trainer_steps, total = config.trainer_steps, config.total_steps
+    assert (config.flush_steps, total) == (fragments - 1, trainer_steps + fragments - 1)
+    per_rank = _train_on_a_coordinator(coordinator, 2, config)
+    for results in per_rank:
+        assert [r.step for r in results] == list(range(total))
+        assert [r.flush for r in results] == [False] * trainer_steps + [True] * (fragments - 1)
+        flushed = results[trainer_steps:]
+        assert sorted(r.fragment for r in flushed) == sorted(
+            set(range(fragments)) - {(trainer_steps - 1) % fragments}
+        )
+        assert all(r.tokens == 0 and r.inner_steps == steps and r.contributors == 2 for r in flushed)
+        assert [r.outer_steps for r in results] == list(range(1, total + 1))
+    lines = _metrics(tmp_path)
+    assert sorted((m["worker_id"], m["step"]) for m in lines) == [
+        (w, s) for w in range(2) for s in range(total)
+    ]
+    for m in lines:
+        flush = m["step"] >= trainer_steps
+        assert m["flush"] is flush, m
+        assert ("loss" in m, "global_loss" in m) == (not flush, not flush), m
+        if flush:
+            assert (m["tokens"], m["tokens_per_s"], m["inner_steps"]) == (0, 0.0, steps), m
+    states = [load_checkpoint(p) for p in sorted(tmp_path.glob("checkpoint-*.pt"))]
+    assert len(states) == 2 and {(s.step, s.data_position) for s in states} == {(total - 1, total)}
+    _assert_model_is_the_global_weights(states)
+
+
+@pytest.mark.timeout(120)
+def test_resuming_within_or_after_the_flush_finishes_it_without_redoing_a_step(tmp_path: Path) -> None:
+    """H = 6, F = 3 (4 trainer steps, flush steps 4 and 5): a job stopped after flush step 4
+    (checkpoint of step 4) resumes with flush step 5 alone and ends bit-identical to one that
+    ran straight; resuming that finished job does nothing and leaves its checkpoints alone."""
+    base = dict(model="tiny", steps=8, batch_size=2, lr=1e-2, outer_steps=6, fragments=3, checkpoint_every=1)
+    _train_threads(2, TrainConfig(out=str(tmp_path / "a"), **base))
+    b = TrainConfig(out=str(tmp_path / "b"), **base)
+    with pytest.raises(_Interrupted):
+        _in_threads(2, lambda engine: train(engine, b, _stop_after(5)))
+    assert load_checkpoint(tmp_path / "b" / "checkpoint-rank0.pt").data_position == 5
+    resumed = _train_threads(2, dataclasses.replace(b, resume=True))
+    assert [[(r.step, r.flush) for r in results] for results in resumed] == [[(5, True)]] * 2
+    for rank in range(2):
+        a, c = (load_checkpoint(tmp_path / d / f"checkpoint-rank{rank}.pt") for d in ("a", "b"))
+        assert (a.step, a.data_position) == (c.step, c.data_position) == (5, 6)
+        for name, value in a.model_state.items():
+            assert torch.equal(c.model_state[name], value), name
+        for name, value in a.outer_state["global"].items():
+            assert torch.equal(c.outer_state["global"][name], value), name
+    finished = [(tmp_path / "a" / f"checkpoint-rank{r}.pt").read_bytes() for r in range(2)]
+    lines = len(_metrics(tmp_path / "a"))
+    again = _train_threads(2, TrainConfig(out=str(tmp_path / "a"), resume=True, **base))
+    assert again == [[], []]
+    assert [(tmp_path / "a" / f"checkpoint-rank{r}.pt").read_bytes() for r in range(2)] == finished
+    assert len(_metrics(tmp_path / "a")) == lines
+
+
+@pytest.mark.timeout(120)
+def test_a_job_resumed_from_its_flush_cannot_change_its_step_count(tmp_path: Path) -> None:
+    """After the flush began, further inner steps would follow flush steps: refused, naming the
+    job's --steps; the same job still resumes."""
+    base = dict(model="tiny", batch_size=2, lr=1e-2, outer_steps=4, fragments=2, out=str(tmp_path))
+    _train_threads(2, TrainConfig(steps=4, **base))
+    with pytest.raises(InvalidArgumentError, match=r"saved in the final flush of a job of --steps 4 "):
+        _train_threads(2, TrainConfig(steps=8, resume=True, **base))
+    assert _train_threads(2, TrainConfig(steps=4, resume=True, **base)) == [[], []]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_joins_during_the_flush_takes_part_in_the_rest_of_it(
+    coordinator, tmp_path: Path
+) -> None:
+    """3 workers, H = 6, F = 3 (4 trainer steps, flush steps 4 and 5), --on-worker-loss
+    continue: worker 2 leaves after step 3, the others wait after it until a replacement has
+    joined, so the replacement takes part from flush step 4: it takes a live worker's state and
+    runs both flush steps, the state digests are compared at step 5, and the three end with the
+    same models, which are the global weights."""
+    from gradserver.train.engines import CoordinatorEngine
+    from gradserver.worker import WorkerClient
+
+    from .helpers.server import TEST_TIMEOUTS, connect_all
+
+    config = TrainConfig(
+        model="tiny", steps=8, batch_size=2, lr=1e-2, out=str(tmp_path), outer_steps=6, fragments=3
+    )
+    server = coordinator(world_size=3, on_worker_loss="continue", max_steps=config.total_steps)
+    clients = connect_all(server.address, 3)
+    replaced = threading.Event()
+
+    def survivor(result: StepResult) -> None:
+        if result.step == config.trainer_steps - 1:
+            assert replaced.wait(60), "the replacement did not join"
+
+    def run(client: WorkerClient) -> list[StepResult]:
+        if client.worker_id == 2:
+            try:
+                train(CoordinatorEngine(client), config, _stop_after(config.trainer_steps - 1))
+            except _Interrupted:
+                return []
+            finally:
+                client.close()
+        return train(CoordinatorEngine(client), config, survivor)
+
+    newcomer: WorkerClient | None = None
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        try:
+            futures = [pool.submit(run, c) for c in clients]
+            assert futures[2].result(120) == []
+            newcomer = WorkerClient.connect(server.address, timeout=TEST_TIMEOUTS)
+            assert (newcomer.worker_id, newcomer.recovery_step) == (2, config.trainer_steps)
+            late = pool.submit(train, CoordinatorEngine(newcomer), config)
+            replaced.set()
+            survivors = [f.result(180) for f in futures[:2]]
+            joined = late.result(180)
+        finally:
+            replaced.set()
+            for c in [*clients, *([newcomer] if newcomer is not None else [])]:
+                c.close()
+    assert [(r.step, r.flush, r.contributors) for r in joined] == [(4, True, 3), (5, True, 3)]
+    for results in survivors:
+        assert [r.step for r in results] == list(range(config.total_steps))
+    states = [load_checkpoint(tmp_path / f"checkpoint-rank{r}.pt") for r in range(3)]
+    assert {s.data_position for s in states} == {config.total_steps}
+    _assert_model_is_the_global_weights(states)
+
+
+@pytest.mark.timeout(120)
+def test_the_flush_steps_run_on_the_torch_distributed_engine(tmp_path: Path) -> None:
+    """The flush's exchange with 0 tokens on TorchDistributedEngine (gloo, one rank)."""
+    import torch.distributed as dist
+
+    from gradserver.train.engines import TorchDistributedEngine
+
+    config = TrainConfig(model="tiny", steps=4, batch_size=2, lr=1e-2, outer_steps=4, fragments=2)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    engine = TorchDistributedEngine()
+    try:
+        results = train(engine, config)
+    finally:
+        engine.close()
+    tokens = 2 * 2 * 64  # 2 inner steps of 2 samples of 64 tokens
+    assert [(r.step, r.flush, r.tokens) for r in results] == [
+        (0, False, tokens),
+        (1, False, tokens),
+        (2, True, 0),
+    ]
+
+
+def test_launch_gives_the_coordinator_the_flush_steps_too() -> None:
+    """launch's --max-steps for its coordinator: the trainer steps and the flush's."""
+    from gradserver.cli import build_parser
+    from gradserver.train.launch import _job
+
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = subcommands.choices["launch"]
+    job = _job(parser.parse_args(["--steps", "8", "--outer-steps", "4", "--", "--fragments", "2"]))
+    assert job.engine_steps == 5
+    assert _job(parser.parse_args(["--steps", "8", "--outer-steps", "4"])).engine_steps == 2

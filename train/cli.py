@@ -17,8 +17,9 @@ Threads: after Join the worker sets torch's intra-op threads to `cores // worker
 otherwise; the choice is logged at INFO.
 
 Each step logs one line; with `--progress-fd N` (how `gradserver launch` follows its workers) it
-also writes one JSON object per step to that inherited file descriptor, never to stdout; with
-`--out DIR`, one JSON line per step goes to DIR/metrics.jsonl. `--print-config` prints the
+also writes one JSON object per step (not for the final flush's steps, which train nothing) to
+that inherited file descriptor, never to stdout; with `--out DIR`, one JSON line per step goes to
+DIR/metrics.jsonl. `--print-config` prints the
 resolved configuration (secrets masked) and exits.
 """
 
@@ -524,6 +525,17 @@ def _run_training(config: WorkerConfig, fingerprint: Mapping[str, str]) -> int:
     def report(r: StepResult) -> None:
         rate = r.tokens / r.seconds
         outer = "" if r.inner_steps is None else f" ({r.inner_steps} inner, {r.outer_steps} outer steps done)"
+        if r.flush:
+            # It trained nothing: no loss or rate to show, and the bar keeps the last step's.
+            log.info(
+                "worker %d step %d: final flush of fragment %s, all-reduce %.0f ms%s",
+                me,
+                r.step,
+                r.fragment,
+                r.comm_s * 1000,
+                outer,
+            )
+            return
         log.info(
             "worker %d step %d: loss %.4f, global loss %.4f, %.0f tokens/s, compute %.0f ms, "
             "all-reduce %.0f ms%s",

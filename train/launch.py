@@ -167,10 +167,10 @@ class _Job:
     @property
     def engine_steps(self) -> int:
         """The steps the coordinator runs (its --max-steps): with outer steps one per exchange,
-        not one per inner step."""
+        not one per inner step, the final flush's included."""
         if self.worker.job != "train":
             return self.worker.steps
-        return self.worker.train_config().trainer_steps
+        return self.worker.train_config().total_steps
 
     @property
     def task_zero(self) -> bool:

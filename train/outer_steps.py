@@ -9,10 +9,20 @@ fragment become the global ones. Fragment k is exchanged at trainer steps ≡ k 
 H inner steps each fragment has had one outer step. The exchange does not overlap the next
 inner steps (the Streaming DiLoCo delay τ is 0 here).
 
+At the end, with F > 1, the fragments exchanged earlier in the last period would leave out the
+inner steps taken since, and the model would be a mix of global and local weights. So F - 1 flush
+steps follow the last inner step (`flush_step`): trainer steps without inner steps, each one more
+exchange of the fragment its step number names by the same rule, which is every fragment but the
+one exchanged at the last trainer step. A flush step applies the average as it is, global ←
+global - Δ̄ (the mean of the workers' weights), not through the outer optimizer, whose state it
+leaves alone. Afterwards the model's parameters are the global weights, the same on every worker.
+With F = 1 there is nothing to flush.
+
 Engine step numbers stay consecutive (one per exchange), so what the coordinator does per step
 (the average over the workers that contributed, live recovery, rejoining a restarted
-coordinator, state checks) happens per exchange. A worker that joins a running job therefore
-takes part from the next exchange, a fragment boundary.
+coordinator, state checks) happens per exchange, the flush's included. A worker that joins a
+running job therefore takes part from the next exchange, a fragment boundary (in the flush: the
+rest of the flush).
 
 Replicated state (equal on every worker, what the state digest covers): the global weights and
 each fragment's outer optimizer state. Per worker (served to a replacement, not compared): the
@@ -26,6 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -60,6 +71,11 @@ class OuterSettings:
     def inner_per_exchange(self) -> int:
         """Inner steps per trainer step (one exchange of one fragment)."""
         return self.outer_steps // self.fragments
+
+    @property
+    def flush_steps(self) -> int:
+        """Trainer steps after the last inner step: one per fragment not exchanged at the last one."""
+        return self.fragments - 1
 
 
 def check_outer_settings(
@@ -156,7 +172,10 @@ class _Fragment:
 
 
 class OuterTrainer:
-    """The trainer of `--outer-steps`: same interface as DistributedTrainer for train()."""
+    """The trainer of `--outer-steps`: same interface as DistributedTrainer for train(), and
+    `flush_step` for the steps after the last inner step. `trainer_steps`: the trainer steps with
+    inner steps (TrainConfig.trainer_steps), after which the flush's steps come (None: no end is
+    known, so no flush)."""
 
     def __init__(
         self,
@@ -169,6 +188,7 @@ class OuterTrainer:
         max_grad_norm: float | None = None,
         step: int = 0,
         keep_snapshot: bool = False,
+        trainer_steps: int | None = None,
     ) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise InvalidArgumentError(f"max_grad_norm must be positive, got {max_grad_norm}")
@@ -181,6 +201,7 @@ class OuterTrainer:
         self.max_grad_norm = max_grad_norm
         self.step = step
         self.keep_snapshot = keep_snapshot
+        self.trainer_steps = trainer_steps
         self.device = next(model.parameters()).device
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._num_blocks = len(model.block_list())
@@ -219,6 +240,15 @@ class OuterTrainer:
     def fragment_at(self, step: int) -> int:
         return step % len(self.fragments)
 
+    def _inner_steps_done(self) -> int:
+        trained = self.step if self.trainer_steps is None else min(self.step, self.trainer_steps)
+        return trained * self.inner_per_step
+
+    @property
+    def flushing(self) -> bool:
+        """Whether the inner steps are over and the next step is one of the flush's."""
+        return self.trainer_steps is not None and self.step >= self.trainer_steps
+
     # --- a trainer step: the inner steps, then one fragment's outer step ---------------------------
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -229,6 +259,26 @@ class OuterTrainer:
                 f"train_step needs the micro-batches of {per} inner steps (a multiple of {per}), "
                 f"got {len(micro_batches)}"
             )
+        if self.flushing:
+            raise InvalidArgumentError(
+                f"step {self.step}: the inner steps end before step {self.trainer_steps} "
+                "(trainer_steps); the flush's steps take none (flush_step)"
+            )
+        return self._step_all_or_none(micro_batches)
+
+    def flush_step(self) -> StepResult:
+        """A step of the final flush: the exchange of fragment `fragment_at(step)` without inner
+        steps, its average applied as it is (global ← global - Δ̄; its result: no tokens, loss NaN,
+        `flush` True). After the last one every fragment's local weights are its global weights."""
+        end, count = self.trainer_steps, self.settings.flush_steps
+        if end is None or not end <= self.step < end + count:
+            raise InvalidArgumentError(
+                f"step {self.step} is not a flush step: the flush is the {count} steps from "
+                f"trainer_steps ({end}) on"
+            )
+        return self._step_all_or_none(())
+
+    def _step_all_or_none(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         started = time.perf_counter()
         if self.keep_snapshot:
             self._before_current = self._copy_state()
@@ -245,6 +295,46 @@ class OuterTrainer:
     def _train_step(
         self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], started: float
     ) -> StepResult:
+        flush = not micro_batches
+        if flush:
+            # Nothing was trained, so there is no loss to report (NaN); the engines want a finite
+            # one (the coordinator refuses NaN), and 0 over 0 tokens weighs nothing in the average.
+            loss_value, sent_loss, tokens, norm = math.nan, 0.0, 0, None
+        else:
+            loss_value, tokens, norm = self._inner_steps(micro_batches)
+            sent_loss = loss_value
+        compute_done = time.perf_counter()
+        fragment = self.fragments[self.fragment_at(self.step)]
+        averages = self._exchange(fragment, sent_loss, tokens)
+        if self.keep_snapshot:
+            self.engine.commit(self.step)
+        comm_done = time.perf_counter()
+        with self.engine.updating_state():
+            self._outer_step(fragment, averages, flush=flush)
+            self.step += 1
+        self._before_last, self._before_current = self._before_current, None
+        global_loss = self.engine.global_loss()  # also when unused: it ends the step's loss exchange
+        return StepResult(
+            step=self.step - 1,
+            loss=loss_value,
+            global_loss=math.nan if flush else global_loss,
+            tokens=tokens,
+            seconds=time.perf_counter() - started,
+            compute_s=compute_done - started,
+            comm_s=comm_done - compute_done,
+            grad_norm=norm,
+            contributors=self.engine.contributors,
+            inner_steps=self._inner_steps_done(),
+            outer_steps=self.step,
+            fragment=self.fragment_at(self.step - 1),
+            flush=flush,
+        )
+
+    def _inner_steps(
+        self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[float, int, float | None]:
+        """Runs the step's inner steps; returns the mean loss, the tokens and the last gradient
+        norm (None without clipping)."""
         per = self.inner_per_step
         micro_per_inner = len(micro_batches) // per
         loss_sum = torch.zeros((), device=self.device)
@@ -264,30 +354,7 @@ class OuterTrainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum) / len(micro_batches)  # the mean over the whole inner phase
-        compute_done = time.perf_counter()
-        fragment = self.fragments[self.fragment_at(self.step)]
-        averages = self._exchange(fragment, loss_value, tokens)
-        if self.keep_snapshot:
-            self.engine.commit(self.step)
-        comm_done = time.perf_counter()
-        with self.engine.updating_state():
-            self._outer_step(fragment, averages)
-            self.step += 1
-        self._before_last, self._before_current = self._before_current, None
-        return StepResult(
-            step=self.step - 1,
-            loss=loss_value,
-            global_loss=self.engine.global_loss(),
-            tokens=tokens,
-            seconds=time.perf_counter() - started,
-            compute_s=compute_done - started,
-            comm_s=comm_done - compute_done,
-            grad_norm=float(norm) if norm is not None else None,
-            contributors=self.engine.contributors,
-            inner_steps=self.step * per,
-            outer_steps=self.step,
-            fragment=self.fragment_at(self.step - 1),
-        )
+        return loss_value, tokens, float(norm) if norm is not None else None
 
     def _exchange(self, fragment: _Fragment, loss: float, tokens: int) -> list[torch.Tensor]:
         """Sends the fragment's pseudo-gradients global - local; returns their averages in unit order."""
@@ -313,7 +380,11 @@ class OuterTrainer:
             )
         return [average for _, average in averages]
 
-    def _outer_step(self, fragment: _Fragment, averages: list[torch.Tensor]) -> None:
+    def _outer_step(self, fragment: _Fragment, averages: list[torch.Tensor], *, flush: bool) -> None:
+        """The fragment's outer step with the averaged Δ̄; in the flush, global ← global - Δ̄ (the
+        workers' mean weights) instead: its Δ covers only part of a period and no inner step
+        follows, and the outer optimizer's lr and Nesterov momentum would carry the weights past
+        that mean (measured: docs/slow-links.md, "In the built-in trainer")."""
         with torch.no_grad():
             for unit, average in zip(fragment.units, averages, strict=True):
                 flat = average.reshape(-1).to(self.device, torch.float32)
@@ -324,9 +395,13 @@ class OuterTrainer:
                 for g, piece in zip(
                     unit.globals, torch.split(flat, [g.numel() for g in unit.globals]), strict=True
                 ):
-                    g.grad = piece.view(g.shape).clone()
-            fragment.optimizer.step()
-            fragment.optimizer.zero_grad(set_to_none=True)
+                    if flush:
+                        g.sub_(piece.view(g.shape))
+                    else:
+                        g.grad = piece.view(g.shape).clone()
+            if not flush:
+                fragment.optimizer.step()
+                fragment.optimizer.zero_grad(set_to_none=True)
             for unit in fragment.units:
                 for g, p in zip(unit.globals, unit.params, strict=True):
                     p.copy_(g)

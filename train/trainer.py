@@ -56,14 +56,16 @@ class StepResult:
     # How many workers this step's averages came from (None: the engine does not say).
     contributors: int | None = None
     # With --outer-steps only (None otherwise): inner steps and exchanges (outer steps of one
-    # fragment each) done after this step, and the fragment this step exchanged.
+    # fragment each) done after this step, the fragment this step exchanged, and whether the step
+    # was one of the final flush's (no inner steps, so no tokens and a NaN loss).
     inner_steps: int | None = None
     outer_steps: int | None = None
     fragment: int | None = None
+    flush: bool | None = None
 
 
 # StepResult fields that exist only with --outer-steps: left out of a step's metrics without it.
-OUTER_FIELDS = ("inner_steps", "outer_steps", "fragment")
+OUTER_FIELDS = ("inner_steps", "outer_steps", "fragment", "flush")
 
 
 class Trainer(Protocol):

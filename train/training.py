@@ -9,6 +9,11 @@ identity, never by join order, and refuses rather than silently starting again a
 checkpoint of another identity or of another job (fingerprint) is an error naming what differs.
 With `outer_steps` (DiLoCo) an OuterTrainer (train/outer_steps.py) runs the steps instead: each is
 H/F inner steps and one exchange, `steps` counts inner steps, and the checkpoint adds the outer state.
+With F > 1 fragments, F - 1 flush steps follow the last inner step (`TrainConfig.flush_steps`): an
+exchange each, of every fragment not exchanged at the last step, applied as the workers' mean
+weights, so the model ends as the global weights. They are steps like the others (engine step
+numbers, metrics lines, state checks, checkpoints, rejoining, live recovery) but take no data:
+their metrics lines say `"flush": true`, with 0 tokens and no loss.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ class TrainConfig:
     node_id: str = ""
     check_state_every: int = 0
     # Outer steps (train/outer_steps.py; 0: off): then `steps` counts inner steps, and
-    # checkpoint_every and check_state_every count trainer steps (exchanges).
+    # checkpoint_every and check_state_every count trainer steps (exchanges, the flush's too).
     outer_steps: int = 0
     fragments: int = 1
     outer_lr: float = DEFAULT_OUTER_LR
@@ -120,8 +125,21 @@ class TrainConfig:
 
     @property
     def trainer_steps(self) -> int:
-        """Trainer steps (engine steps, exchanges) the job runs: `steps` / inner steps per step."""
+        """Trainer steps with inner steps (each an engine step, an exchange): `steps` / inner
+        steps per step."""
         return self.steps // self.inner_per_step
+
+    @property
+    def flush_steps(self) -> int:
+        """Steps after the last inner step (OuterSettings.flush_steps; none without fragments)."""
+        outer = self.outer
+        return outer.flush_steps if outer is not None else 0
+
+    @property
+    def total_steps(self) -> int:
+        """Engine steps the job runs (a coordinator's --max-steps): the trainer steps, then the
+        flush's."""
+        return self.trainer_steps + self.flush_steps
 
 
 _IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -208,6 +226,24 @@ def _state_check_due(
     return step in engine.state_checks()
 
 
+def _metrics_entry(result: StepResult, engine: AveragingEngine) -> dict[str, object]:
+    """A step's metrics.jsonl line. A flush step trained nothing: its line leaves its NaN losses
+    out (NaN is not JSON, and loss.png skips a line without a global loss)."""
+    left_out = ("loss", "global_loss") if result.flush else ()
+    return {
+        "time": time.time(),
+        "worker_id": engine.rank,
+        "engine": engine.name,
+        "world_size": engine.world_size,
+        **{
+            k: v
+            for k, v in dataclasses.asdict(result).items()
+            if (v is not None or k not in OUTER_FIELDS) and k not in left_out
+        },
+        "tokens_per_s": result.tokens / result.seconds,
+    }
+
+
 def checkpoint_identity(config: TrainConfig, rank: int) -> str:
     """Whose checkpoint: the node id when given, else the rank (stable only where ranks are
     fixed by configuration, not by join order)."""
@@ -243,7 +279,24 @@ def find_resume_checkpoint(
     cfg = model_config(config.model)
     if ckpt.model_config != cfg:
         raise InvalidArgumentError(f"{path} is of model {ckpt.model_config.name}, not {cfg.name}")
+    _check_flush_resume(path, ckpt, config)
     return ckpt
+
+
+def _check_flush_resume(path: Path, ckpt: Checkpoint, config: TrainConfig) -> None:
+    """Refuses to continue a job to another step count from within or after its final flush:
+    inner steps would then come after flush steps, and step numbers (so data positions and
+    `inner_steps`) assume every inner step comes first. Before the flush the count may change."""
+    saved = ckpt.fingerprint.get("steps")
+    if not config.flush_steps or saved is None or int(saved) == config.steps:
+        return
+    ended = int(saved) // config.inner_per_step
+    if ckpt.data_position > ended:
+        raise InvalidArgumentError(
+            f"--resume: {path} was saved in the final flush of a job of --steps {saved} (at step "
+            f"{ckpt.data_position}, after its {ended} trainer steps): it can only finish that job "
+            f"(--steps {saved}), not continue to --steps {config.steps}"
+        )
 
 
 def train(
@@ -251,8 +304,8 @@ def train(
     config: TrainConfig,
     on_step: Callable[[StepResult], None] | None = None,
 ) -> list[StepResult]:
-    """Runs trainer steps until `config.trainer_steps` (counting steps restored from a
-    checkpoint): `config.steps`, or with outer steps `config.steps` inner steps."""
+    """Runs trainer steps until `config.total_steps` (counting steps restored from a checkpoint):
+    `config.steps`, or with outer steps `config.steps` inner steps and then the flush's steps."""
     device = resolve_device(config.device)
     cfg = model_config(config.model)
     seq_len = config.seq_len or cfg.max_seq_len
@@ -268,6 +321,7 @@ def train(
             lr=config.lr,
             max_grad_norm=config.max_grad_norm or None,
             keep_snapshot=reconnect,
+            trainer_steps=config.trainer_steps,
         )
     else:
         trainer = DistributedTrainer(
@@ -310,18 +364,31 @@ def train(
     per_step = per_worker * config.inner_per_step
     micro_per_step = config.accumulation_steps * config.inner_per_step
     try:
-        while trainer.step < config.trainer_steps:
+        # One loop for the flush's steps too: a worker that resumes or joins within the flush
+        # takes part in the rest of it, and each gets the same rejoining, checks and checkpoints.
+        while trainer.step < config.total_steps:
             step = trainer.step
             set_log_context(step=step)
             try:
                 if _state_check_due(step, config, engine, recovery_step):
                     engine.check_state(step, state_digest(trainer.replicated_tensors()))
-                indices = engine.sample_indices(step, data.num_samples, per_step)
-                micro = [
-                    data.batch(indices[i * config.batch_size : (i + 1) * config.batch_size])
-                    for i in range(micro_per_step)
-                ]
-                result = trainer.train_step(micro)
+                if step >= config.trainer_steps and isinstance(trainer, OuterTrainer):
+                    if step == config.trainer_steps:
+                        log.info(
+                            "inner steps done; flush steps %d..%d: the workers' mean weights for "
+                            "every fragment not exchanged at step %d",
+                            step,
+                            config.total_steps - 1,
+                            step - 1,
+                        )
+                    result = trainer.flush_step()
+                else:
+                    indices = engine.sample_indices(step, data.num_samples, per_step)
+                    micro = [
+                        data.batch(indices[i * config.batch_size : (i + 1) * config.batch_size])
+                        for i in range(micro_per_step)
+                    ]
+                    result = trainer.train_step(micro)
             # By meaning: only a lost coordinator is worth rejoining; the end of the job, a failed
             # step (every worker sees the same one) or a refusal ends training with its error.
             except ConnectionLost as exc:
@@ -331,19 +398,7 @@ def train(
                 continue
             results.append(result)
             if metrics is not None:
-                entry = {
-                    "time": time.time(),
-                    "worker_id": engine.rank,
-                    "engine": engine.name,
-                    "world_size": engine.world_size,
-                    **{
-                        k: v
-                        for k, v in dataclasses.asdict(result).items()
-                        if v is not None or k not in OUTER_FIELDS
-                    },
-                    "tokens_per_s": result.tokens / result.seconds,
-                }
-                metrics.write(json.dumps(entry) + "\n")
+                metrics.write(json.dumps(_metrics_entry(result, engine)) + "\n")
             if on_step is not None:
                 on_step(result)
             every = config.checkpoint_every
