@@ -9,11 +9,14 @@ H inner steps over the mesh's "site" group (the ranks holding the same shard ind
 site, as HSDP's replicate groups are). Each rank's global shards must then be the same bytes as
 those of its peer in the other site, and the full global weights (its shards gathered within the
 site) the same on every rank; the result must also equal the same DiLoCo run with the model
-unsharded (DDP inside each site), whose averages it computes from the same gradients.
+unsharded (DDP inside each site), whose averages it computes from the same gradients. A run saved
+mid-period (each rank its own shards' states) and resumed by new objects ends as the one that
+never stopped.
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -86,8 +89,51 @@ def _train(rank: int, sharded: bool) -> dict[str, Any]:
     return {"site": site, "place": place, "shards": shards, "full": full}
 
 
+def _resumed(rank: int) -> str:
+    """The sharded run saved after inner step 6 (mid-period: each rank its model's, inner
+    optimizer's and outer state, its own shards) and taken up by a new model, optimizer and
+    DiLoCo: the full global weights after step 12."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradserver.torch.diloco import DiLoCo
+
+    mesh = init_device_mesh("cpu", (SITES, RANKS_PER_SITE), mesh_dim_names=("site", "shard"))
+    site, place = divmod(rank, RANKS_PER_SITE)
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
+        model = _model()
+        fully_shard(model, mesh=mesh["shard"])
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, DiLoCo(model, inner, sync_every=H, group=mesh["site"].get_group())
+
+    def train(model: torch.nn.Module, inner: torch.optim.Optimizer, outer: DiLoCo, last: int) -> None:
+        for step in outer.steps(last):
+            x, y = _batch(step, site)
+            half = slice(place * 8, (place + 1) * 8)
+            torch.nn.functional.mse_loss(model(x[half]), y[half]).backward()
+            inner.step()
+            inner.zero_grad()
+            outer.step()
+
+    model, inner, outer = build()
+    train(model, inner, outer, 6)
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()}, buffer
+    )
+    model, inner, outer = build()
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)  # DTensors: not weights only
+    model.load_state_dict(state["model"])
+    inner.load_state_dict(state["inner"])
+    outer.load_state_dict(state["outer"])
+    train(model, inner, outer, STEPS)
+    outer.close()
+    return state_digest({n: p.full_tensor().detach() for n, p in model.named_parameters()})
+
+
 def _results(rank: int) -> dict[str, Any]:
-    return {"fsdp": _train(rank, sharded=True), "ddp": _train(rank, sharded=False)}
+    return {"fsdp": _train(rank, sharded=True), "ddp": _train(rank, sharded=False), "resumed": _resumed(rank)}
 
 
 def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
@@ -124,3 +170,10 @@ def test_sharding_inside_the_sites_trains_as_ddp_inside_them_does(ranks: list[di
     """FSDP2's reduce-scatter and DDP's all_reduce average the same two gradients per element (two
     ranks: one rounding either way), so AdamW and the outer steps see the same values."""
     assert ranks[0]["fsdp"]["full"] == ranks[0]["ddp"]["full"]
+
+
+def test_a_sharded_run_resumed_from_its_checkpoint_ends_as_the_run_that_never_stopped(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Each rank saves and loads its own shards' outer state (`DiLoCo.state_dict`)."""
+    assert all(r["resumed"] == ranks[0]["fsdp"]["full"][-1] for r in ranks)
