@@ -372,7 +372,7 @@ def train(
             try:
                 if _state_check_due(step, config, engine, recovery_step):
                     engine.check_state(step, state_digest(trainer.replicated_tensors()))
-                if step >= config.trainer_steps and isinstance(trainer, OuterTrainer):
+                if isinstance(trainer, OuterTrainer) and trainer.flushing:
                     if step == config.trainer_steps:
                         log.info(
                             "inner steps done; flush steps %d..%d: the workers' mean weights for "
