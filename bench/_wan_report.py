@@ -62,6 +62,17 @@ VARIANTS = {
             quantize="int8",
             keep_local=0.5,
         ),
+        # Over ft the exchange runs beside the next tau inner steps as over the process group.
+        Variant(
+            "streaming-ft",
+            "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int8, over ft",
+            ddp=False,
+            fragments=4,
+            delay=5,
+            quantize="int8",
+            keep_local=0.5,
+            ft=True,
+        ),
         Variant(
             "streaming-int4",
             "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int4",

@@ -26,7 +26,9 @@ bytes per rank: the same tokens, in the same order, for every variant:
   links, but not through the relay, so without its delay (this kernel has no netem);
 - diloco: gradserver.torch.diloco outer steps every --sync-every (H) inner steps, float32;
 - diloco-int8: the same with int8 pseudo-gradients;
-- streaming, streaming-int4: 4 fragments, delay 5 and int8 (int4) pseudo-gradients.
+- streaming, streaming-int4: 4 fragments, delay 5 and int8 (int4) pseudo-gradients;
+- diloco-ft, diloco-ft-kill, streaming-ft: over `ft.Replica` (each exchange a fault-tolerant
+  step; -kill: one rank SIGKILLed mid-run and started again).
 
 Inner optimizer AdamW (DDP's optimizer too), the same learning rate and warm-up. Per variant:
 tokens/s (every rank's tokens over the slowest rank's training time), wire bytes per token

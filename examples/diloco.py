@@ -35,6 +35,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--sync-every", type=int, default=20)
     parser.add_argument("--quantize", choices=["bf16", "int8", "int4"], default=None)
+    parser.add_argument("--fragments", type=int, default=1, help="streaming: parts synced in turn")
+    parser.add_argument("--delay", type=int, default=0, help="streaming: inner steps an exchange overlaps")
+    parser.add_argument("--keep-local", type=float, default=0.0, help="streaming: the mixing rule's alpha")
     args = parser.parse_args()
 
     dist.init_process_group("gradserver")
@@ -44,7 +47,15 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     losses = []
-    with diloco.DiLoCo(model, optimizer, sync_every=args.sync_every, quantize=args.quantize) as outer:
+    with diloco.DiLoCo(
+        model,
+        optimizer,
+        sync_every=args.sync_every,
+        quantize=args.quantize,
+        fragments=args.fragments,
+        delay=args.delay,
+        keep_local=args.keep_local,
+    ) as outer:
         for step in range(args.steps):
             x, y = samples(step, rank)
             loss = torch.nn.functional.mse_loss(model(x), y)

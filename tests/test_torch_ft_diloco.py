@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,11 +92,18 @@ def _digests_agree(run: ManagedProcess) -> dict[int, set[int]]:
     return {outer: set(digests) for outer, digests in seen.items()}
 
 
+STREAMING = ("--fragments", "2", "--delay", "3", "--keep-local", "0.5", "--quantize", "int8")
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("streaming", [(), STREAMING], ids=["diloco", "streaming-int8"])
 def test_without_a_fault_the_global_weights_are_identical_and_those_of_the_process_group(
-    processes: ProcessGroup,
+    processes: ProcessGroup, streaming: tuple[str, ...]
 ) -> None:
-    flags = ("--steps", "100", "--sync-every", "20")
+    """Streaming too: over ft each exchange runs while the next 3 inner steps do, as over the
+    process group, and ends in the same bits."""
+    flags = ("--steps", "100", "--sync-every", "20", *streaming)
+    outers = 10 if streaming else 5  # 2 fragments: an outer step of each every period
     with (
         _run(processes, "ft", *_example(*flags)) as ft_run,
         _run(processes, "pg", sys.executable, str(ROOT / "examples" / "diloco.py"), *flags) as pg_run,
@@ -103,7 +111,9 @@ def test_without_a_fault_the_global_weights_are_identical_and_those_of_the_proce
         assert ft_run.wait(180) == 0, ft_run.output
         assert pg_run.wait(180) == 0, pg_run.output
     by_outer = _digests_agree(ft_run)
-    assert by_outer == {outer: {0, 1, 2} for outer in range(1, 6)}, by_outer
+    # The last streaming exchange lands in the flush, after the loop's last print.
+    printed = outers - 1 if streaming else outers
+    assert by_outer == {outer: {0, 1, 2} for outer in range(1, printed + 1)}, by_outer
     sha256, _ = _one_state(ft_run, 100)
     process_group = set(re.findall(r'"param_sha256": "([0-9a-f]+)"', pg_run.output))
     assert process_group == {sha256}, (process_group, sha256)
@@ -160,7 +170,13 @@ def test_streaming_int8_survives_a_rank_killed_after_it_sent_its_payload(
         assert (int(joined[2]), int(joined[3])) == (7, 80), joined[0]
         assert faulty.wait(180) == 0, faulty.output
     by_outer = _digests_agree(faulty)
-    assert by_outer[19] == {0, 1, 2}, by_outer  # the 20th lands in close()
+    # When rank 1's records reached the coordinator before it died, they count in exchange 4's
+    # sum and its [w, counts] do not: every rank discards that exchange (FT17), one fewer. The
+    # replacement took the count with the state.
+    discarded = {int(m[4]) for m in map(FINAL.search, faulty.lines) if m}
+    assert discarded in ({0}, {1}), faulty.output
+    last = 19 - discarded.pop()
+    assert by_outer[last] == {0, 1, 2}, by_outer  # the 20th lands in close()
     _, loss = _one_state(faulty, 200)
     assert loss < 0.01
 
@@ -195,11 +211,14 @@ STARTED_COORDINATOR = re.compile(r"started coordinator \(pid (\d+)\)")
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("streaming", [(), STREAMING], ids=["diloco", "streaming-int8"])
 def test_the_coordinator_killed_is_restarted_and_the_replicas_rejoin_and_go_on(
-    processes: ProcessGroup,
+    processes: ProcessGroup, streaming: tuple[str, ...]
 ) -> None:
-    with _run(processes, "ft", *_example("--steps", "400", "--sync-every", "20")) as run:
-        run.wait_for(r"rank 1 outer 5 at inner step 100", timeout=120)
+    """Streaming too: there the exchange the coordinator dies in may be on its way beside the
+    inner steps, and each replica rejoins when it waits for its result."""
+    with _run(processes, "ft", *_example("--steps", "400", "--sync-every", "20", *streaming)) as run:
+        run.wait_for(r"rank 1 outer 5 at inner step \d+", timeout=120)
         coordinator = [int(m[1]) for m in map(STARTED_COORDINATOR.search, run.lines) if m][-1]
         os.kill(coordinator, signal.SIGKILL)
         run.wait_for(r"^run: coordinator was killed by SIGKILL; starting it again on its port", 30)
@@ -209,7 +228,7 @@ def test_the_coordinator_killed_is_restarted_and_the_replicas_rejoin_and_go_on(
             )
         assert run.wait(180) == 0, run.output
     assert run.lines[-1] == "run: all 3 ranks finished", run.output
-    assert _digests_agree(run)[20] == {0, 1, 2}
+    assert _digests_agree(run)[39 if streaming else 20] == {0, 1, 2}
     _one_state(run, 400)
 
 
@@ -306,5 +325,125 @@ def test_quantized_exchanges_are_summed_by_the_coordinator_one_payload_each_way(
     per_exchange = quantized_wire.records_for(numel) * quantized_wire.record_bytes(dtype) + 4 * (1 + 2)
     for sent, received, _ in results.values():
         assert sent == received == (steps // sync_every) * per_exchange
+    for name, value in results[0][2].items():
+        assert torch.equal(results[1][2][name], value), name
+
+
+@pytest.mark.timeout(120)
+def test_an_exchange_runs_while_the_next_inner_steps_do(coordinator) -> None:
+    """Streaming over ft (2 fragments exchanged at inner steps 4 and 8 of each period of 8,
+    delay 3): rank 0 sends its exchange of inner step 4 and goes on training; rank 1 sends its
+    part only once rank 0 has taken two more inner steps. Were the exchange not overlapped, rank
+    0 would wait in it for rank 1's part, and rank 1 for rank 0's steps. Both end with the same
+    global weights, every exchange applied."""
+    import copy
+    import threading
+
+    server = coordinator(world_size=2, on_worker_loss="continue")
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    went_on = threading.Event()  # rank 0 took inner step 6 while its exchange of step 4 was out
+    results: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+    errors: list[BaseException] = []
+
+    def replica() -> None:
+        try:
+            model = copy.deepcopy(start)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            job = ft.Replica(model, optimizer, coordinator=server.address, timeout=30.0)
+            rank = job.client.worker_id
+            generator = torch.Generator().manual_seed(rank + 1)
+            with job.diloco(sync_every=8, fragments=2, delay=3) as outer:
+                for step in outer.steps(16):
+                    if rank == 0 and step == 6:
+                        went_on.set()
+                    if rank == 1 and step == 3:  # its step 4 (index 3) ends with its send
+                        assert went_on.wait(30), "rank 0 did not go on while its exchange was out"
+                    x = torch.randn(32, 16, generator=generator)
+                    torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            results[rank] = (outer.outer_steps, outer.global_tensors())
+            job.close()
+        except BaseException as exc:
+            errors.append(exc)
+            went_on.set()  # let the other one fail fast, not time out
+
+    threads = [threading.Thread(target=replica) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(100)
+    assert not errors, errors
+    assert sorted(results) == [0, 1]
+    # 2 periods of 2 fragments, and the flush's outer step of fragment 0 (sent at inner step 12).
+    assert results[0][0] == results[1][0] == 5, results
+    for name, value in results[0][1].items():
+        assert torch.equal(results[1][1][name], value), name
+
+
+class _Gone(BaseException):
+    """Ends a replica's thread as if its process had died (its client closed first)."""
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_lost_between_the_parts_of_a_quantized_sum_makes_every_replica_discard_it(
+    coordinator,
+) -> None:
+    """int8 over ft: an exchange is two keys of one step, the records of wΔ and [w, counts].
+    Worker 2 sends its records of exchange 1 and leaves before its [w, counts]: its complete
+    records stay counted (3 contributors) and the weights are summed over 2, so Σ wᵢΔᵢ / Σ wᵢ
+    would be half as large again as the average. Both others discard the exchange (what it
+    carried goes with their next one) and end with the same global weights."""
+    import copy
+    import threading
+
+    server = coordinator(world_size=3, on_worker_loss="continue")
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    results: dict[int, tuple[int, int, dict[str, torch.Tensor]]] = {}
+    errors: list[BaseException] = []
+
+    def replica() -> None:
+        try:
+            model = copy.deepcopy(start)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            job = ft.Replica(model, optimizer, coordinator=server.address, timeout=30.0)
+            rank = job.client.worker_id
+            if rank == 2:
+                client, send = job.client, job.client.send
+
+                def send_then_leave(key: Any, array: Any, **options: Any) -> None:
+                    send(key, array, **options)
+                    if key.step == 1 and options.get("wire") == "int8":
+                        client.close()  # after its records: they are complete, and counted
+                        raise _Gone
+
+                client.send = send_then_leave  # type: ignore[method-assign]
+            generator = torch.Generator().manual_seed(rank + 1)
+            outer = job.diloco(sync_every=4, quantize="int8")
+            with outer:
+                for _ in outer.steps(12):
+                    x = torch.randn(32, 16, generator=generator)
+                    torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
+                    outer.count(len(x))
+                    optimizer.step()
+                    optimizer.zero_grad()
+            results[rank] = (outer.outer_steps, outer.discarded, outer.global_tensors())
+            job.close()
+        except _Gone:
+            pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=replica) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(100)
+    assert not errors, errors
+    assert sorted(results) == [0, 1]
+    # Exchanges 0 and 2 applied, exchange 1 discarded on both.
+    assert results[0][:2] == results[1][:2] == (2, 1), results
     for name, value in results[0][2].items():
         assert torch.equal(results[1][2][name], value), name

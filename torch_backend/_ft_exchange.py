@@ -5,20 +5,24 @@ collective of [wΔ, w, counts] over the replicas that take part (the coordinator
 `--on-worker-loss continue`), so Σ wᵢΔᵢ / Σ wᵢ is the average over the contributors weighted by
 what each counted, then the step's commit barrier. A step that failed (a replica lost after part
 of the sum used it) is discarded by every replica; a lost coordinator is rejoined as `ft.Replica`
-does, and the exchange is run again in its new job. The result is in when `sum` returns: the
-exchange does not overlap the inner steps (a replica that joins takes the state at an exchange,
-which a donor then holds still for it; landed averages not yet due are part of that state).
+does, and the exchange is run again in its new job. Without a delay the result is in when `sum`
+returns; with one (`at_boundary(overlap=True)`) the step runs on a thread of its own while the
+next inner steps do, and the training thread resolves it when it waits for the result (a rejoin
+or a heal changes the model, so only that thread does them). One exchange is on its way at a
+time: DiLoCo waits for it before it sends the next.
 
 The state a joining replica takes at exchange S (`StateSnapshot` step S) is the donor's as it
 sends S: model, inner optimizer, and DiLoCo's outer state (global weights, every fragment's outer
 optimizer, kept quantization error, landed averages, the inner step), checked byte for byte.
-A donor offers it only while it is held at that exchange (between its payload and its result,
-and the result of S waits for the joiner's part): at any other time it offers step S-1, so a
-request waits for the boundary instead of reading a state that the inner steps are changing.
-The coordinator's gather needs every rank, so int8 and int4 payloads are summed by the
-coordinator instead (`quantized_sum`): the replica sends its compensated wΔ as block-quantized
-records and [w, counts] as an exact float32 SUM, two keys of the same step, and gets one
-quantized sum back (one payload up, one down). bf16 travels dequantized as float32.
+A donor offers it only from its payload until its result is in (and the result of S waits for
+the joiner's part): held still at the exchange, or, while the exchange overlaps the inner steps,
+as a copy made at its boundary (the model, the inner optimizer and the outer state: memory for
+about three more copies of the model's parameters with AdamW, for that while). At any other time
+it offers step S-1, so a request waits for the boundary instead of reading a state that the inner
+steps are changing. The coordinator's gather needs every rank, so int8 and int4 payloads are
+summed by the coordinator instead (`quantized_sum`): the replica sends its compensated wΔ as
+block-quantized records and [w, counts] as an exact float32 SUM, two keys of the same step, and
+gets one quantized sum back (one payload up, one down). bf16 travels dequantized as float32.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +40,14 @@ import torch
 from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
+    InternalError,
     InvalidArgumentError,
     StepFailed,
 )
 from gradserver.common.messages import KeyKind, ReduceOp, TensorKey
+from gradserver.worker import StateSnapshot
 
-from ._outer_exchange import OuterState, Resumed
+from ._outer_exchange import Landing, OuterState, Resumed
 
 if TYPE_CHECKING:
     from .ft import Replica
@@ -49,6 +56,7 @@ log = logging.getLogger("gradserver.torch.ft")
 
 _OUTER_GROUP = 3  # the collective group of the outer steps' sums (ft.py uses 1 and 2)
 _OUTER_EXTRA_GROUP = 4  # [w, counts] of a quantized sum, exact float32, in the same step
+_GROUPS = (_OUTER_GROUP, _OUTER_EXTRA_GROUP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +67,43 @@ class _Landed:
 
     def wait(self) -> torch.Tensor | None:
         return self.result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    """One try of an exchange's step: the arrays sent (the sums landed in them), how many
+    replicas each part's sum was over, or the error that stopped it."""
+
+    step: int
+    arrays: list[np.ndarray]
+    contributors: list[int]
+    error: GradServerError | None
+
+
+class _InFlight:
+    """An exchange whose step runs on a thread of its own (`at_boundary(overlap=True)`); the
+    training thread resolves it in `wait` (a rejoin or a heal changes the model, so only that
+    thread may do them). Every wait of the step's own (send, receive, barrier) has the client's
+    deadline, so the thread ends."""
+
+    def __init__(self, exchange: FtExchange, parts: list[tuple[torch.Tensor, str | None]]) -> None:
+        self._exchange = exchange
+        self._parts = parts
+        self._step = exchange.replica.step
+        self._attempt: _Attempt | None = None
+        self._outcome: _Landed | None = None
+        self._thread = threading.Thread(target=self._run, name="gradserver-outer-exchange", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._attempt = self._exchange._attempt(self._step, self._parts)
+
+    def wait(self) -> torch.Tensor | None:
+        if self._outcome is None:
+            self._thread.join()
+            assert self._attempt is not None  # _attempt returns its errors: it does not raise
+            self._outcome = _Landed(self._exchange._resolve(self._parts, self._attempt))
+        return self._outcome.result
 
 
 class FtExchange:
@@ -78,74 +123,119 @@ class FtExchange:
         self.replicas = replica.client.total_workers
         self.rank = replica.client.worker_id
         self._state: OuterState | None = None
-        self._boundary = False  # held at an exchange: its state is what a joiner takes
+        self._boundary = False  # at an exchange's boundary: its state is what a joiner takes
+        self._overlap = False  # the exchange being sent runs in the background
+        self._captured: StateSnapshot | None = None  # the boundary's state, copied (overlap)
+        self._in_flight: _InFlight | None = None
 
     def check_identical(self, params: list[tuple[str, torch.Tensor]]) -> None:
         """Not checked here: the replicas that begin the job must start from the same weights (a
         seeded initialisation, as for `ft.Replica.ddp`); a replica that joins takes a live one's."""
 
-    def gather(self, piece: torch.Tensor) -> _Landed:
+    def gather(self, piece: torch.Tensor) -> Landing:
         raise FailedPreconditionError("an ft exchange has no gather: quantized payloads are summed")
 
-    def sum(self, vector: torch.Tensor) -> _Landed:
+    def sum(self, vector: torch.Tensor) -> Landing:
         """Exchange `vector` as the replica's next step: its SUM over the replicas that took part,
-        or None when every replica discards the step. Raises `Resumed` when this replica took a
-        live one's state as it rejoined a restarted coordinator."""
+        or None when every replica discards the step. `Resumed` (from here, or from the landing's
+        `wait` when it overlaps) when this replica took a live one's state as it rejoined a
+        restarted coordinator."""
         return self._exchange([(vector, None)])
 
-    def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> _Landed:
+    def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> Landing:
         """`sum` of [values, extra], `values` travelling as `wire` ("int8", "int4") records that
         the coordinator sums and requantizes once, `extra` as exact float32: the landed vector
         holds the decoded sum, then the sum of `extra`."""
         return self._exchange([(values, wire), (extra, None)])
 
-    def _exchange(self, parts: list[tuple[torch.Tensor, str | None]]) -> _Landed:
+    def _exchange(self, parts: list[tuple[torch.Tensor, str | None]]) -> Landing:
         """The parts (each with its wire dtype, None: exact float32), one collective group each,
-        as the replica's next step."""
+        as the replica's next step: on its own thread when it overlaps, else now."""
+        if self._in_flight is not None:
+            raise InternalError(
+                f"outer step {self.replica.step} sent while the one before is on its way (DiLoCo "
+                "waits for it first)"
+            )
+        if self._overlap:
+            self._in_flight = _InFlight(self, parts)
+            return self._in_flight
+        return _Landed(self._resolve(parts, self._attempt(self.replica.step, parts)))
+
+    def _attempt(self, step: int, parts: list[tuple[torch.Tensor, str | None]]) -> _Attempt:
+        """Sends the parts as `step` and waits for their sums and the commit barrier; returns
+        what happened instead of raising (it may run on the exchange's thread)."""
+        client = self.replica.client
+        # Copies: the sums land in them, and a retry sends the parts again.
+        arrays = [vector.detach().float().cpu().numpy().copy() for vector, _ in parts]
+        try:
+            for group, array, (_, wire) in zip(_GROUPS, arrays, parts, strict=False):
+                key = TensorKey.collective(step, group, ReduceOp.SUM)
+                client.send(key, array, into=array, wire=wire, exact=wire is None and len(parts) > 1)
+            contributors = [client.receive(KeyKind.COLLECTIVE).num_contributors for _ in parts]
+            client.barrier(step, "commit")
+        except GradServerError as exc:
+            return _Attempt(step, arrays, [], exc)
+        return _Attempt(step, arrays, contributors, None)
+
+    def _resolve(
+        self, parts: list[tuple[torch.Tensor, str | None]], attempt: _Attempt
+    ) -> torch.Tensor | None:
+        """What the exchange gave (None: every replica discards it), from its first attempt: a
+        lost coordinator is rejoined and the step run again in its new job; the replica's step
+        moves past it and the boundary ends. On the training thread."""
         replica = self.replica
-        groups = (_OUTER_GROUP, _OUTER_EXTRA_GROUP)
-        while True:
-            step = replica.step
-            # Copies: a retry sends them again.
-            arrays = [vector.detach().float().cpu().numpy().copy() for vector, _ in parts]
-            error: GradServerError | None = None
-            contributors = 0
-            try:
-                for group, array, (_, wire) in zip(groups, arrays, parts, strict=False):
-                    key = TensorKey.collective(step, group, ReduceOp.SUM)
-                    replica.client.send(
-                        key, array, into=array, wire=wire, exact=wire is None and len(parts) > 1
+        try:
+            while True:
+                step, error = attempt.step, attempt.error
+                if error is not None and replica._rejoins(error):
+                    healed = replica.healed
+                    replica._rejoin(step, error)
+                    if replica.healed is not healed:
+                        raise Resumed
+                    # Every replica is at this exchange again, in the new coordinator's job.
+                    attempt = self._attempt(replica.step, parts)
+                    continue
+                if error is not None and not isinstance(error, StepFailed):
+                    raise error  # the coordinator is gone, or this replica was refused
+                # A replica lost between the parts of a quantized sum counts in the first (a
+                # complete contribution stays counted) and not in [w, counts]: Σ wᵢΔᵢ / Σ wᵢ would
+                # mix them. Every replica gets the same counts, so every one discards it.
+                mixed = error is None and len(set(attempt.contributors)) > 1
+                contributors = attempt.contributors[0] if attempt.contributors else 0
+                if error is None and not mixed and contributors < replica.min_replicas:
+                    raise FailedPreconditionError(
+                        f"outer step {step} was averaged over {contributors} replicas, fewer "
+                        f"than min_replicas {replica.min_replicas}: the job stops"
                     )
-                contributors = replica.client.receive(KeyKind.COLLECTIVE).num_contributors
-                for _ in parts[1:]:
-                    replica.client.receive(KeyKind.COLLECTIVE)
-                replica.client.barrier(step, "commit")
-            except GradServerError as exc:
-                error = exc
-            if error is not None and replica._rejoins(error):
-                healed = replica.healed
-                replica._rejoin(step, error)
-                if replica.healed is not healed:
-                    raise Resumed
-                continue  # every replica is at this exchange again, in the new coordinator's job
-            if error is not None and not isinstance(error, StepFailed):
-                raise error  # the coordinator is gone, or this replica was refused
-            if error is None and contributors < replica.min_replicas:
-                raise FailedPreconditionError(
-                    f"outer step {step} was averaged over {contributors} replicas, fewer than "
-                    f"min_replicas {replica.min_replicas}: the job stops"
-                )
-            # The step number and the boundary change together: a joining replica reads them as one.
-            with replica.client.updating_state():
-                replica.step = step + 1
-                self._boundary = False
-                if error is None:
-                    replica.committed += 1
-                    replica.contributors = contributors
-            if error is not None:
-                log.warning("outer step %d discarded on every replica: %s", step, error.message)
-                return _Landed(None)
-            return _Landed(torch.from_numpy(np.concatenate(arrays)).to(parts[0][0].device))
+                # The step number and the boundary change together: a joining replica reads them as one.
+                with replica.client.updating_state():
+                    replica.step = step + 1
+                    self._release()
+                    if error is None and not mixed:
+                        replica.committed += 1
+                        replica.contributors = contributors
+                if error is not None:
+                    log.warning("outer step %d discarded on every replica: %s", step, error.message)
+                    return None
+                if mixed:
+                    log.warning(
+                        "outer step %d discarded on every replica: its parts were summed over %s "
+                        "replicas (one was lost between them)",
+                        step,
+                        " and ".join(map(str, attempt.contributors)),
+                    )
+                    return None
+                device = parts[0][0].device
+                return torch.from_numpy(np.concatenate(attempt.arrays)).to(device)
+        finally:
+            if self._boundary or self._in_flight is not None:  # left by an error: nothing to offer
+                with replica.client.updating_state():
+                    self._release()
+
+    def _release(self) -> None:
+        self._boundary = False
+        self._captured = None
+        self._in_flight = None
 
     # --- the state a joining replica takes ------------------------------------------------------
 
@@ -164,18 +254,30 @@ class FtExchange:
         return True
 
     @contextlib.contextmanager
-    def at_boundary(self) -> Iterator[None]:
-        self._boundary = True
+    def at_boundary(self, *, overlap: bool) -> Iterator[None]:
+        """The state is at an exchange's boundary from here until its result is in: with
+        `overlap` a copy of it is made now, for the inner steps go on while the exchange runs."""
+        with self.replica.client.updating_state():
+            self._boundary = True
+            self._captured = self.replica._outer_snapshot(copy=True) if overlap else None
+        self._overlap = overlap
         try:
             yield
+        except BaseException:
+            with self.replica.client.updating_state():
+                self._release()
+            raise
         finally:
-            if self._boundary:
-                with self.replica.client.updating_state():
-                    self._boundary = False
+            self._overlap = False
 
     def offered_step(self) -> int:
         """The boundary this replica's state is at: its next exchange while it is held there."""
         return self.replica.step if self._boundary else self.replica.step - 1
+
+    def captured(self) -> StateSnapshot | None:
+        """The state copied at the boundary of the exchange on its way (None: not overlapping,
+        the live state is held still)."""
+        return self._captured
 
     def tensors(self) -> dict[str, torch.Tensor]:
         assert self._state is not None

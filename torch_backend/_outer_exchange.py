@@ -11,6 +11,8 @@ gather of every replica's bytes in rank order. Two implementations, each in its 
   step of the coordinator, summed over the replicas that take part and committed behind a barrier;
   a step that failed is discarded by every replica (`Landing.wait` gives None), and a replica
   that joins the running job takes a live one's state, outer state included, at an exchange.
+  With `at_boundary(overlap=True)` the step runs on a thread of its own while the inner steps go
+  on, and a joining replica takes a copy of the state made at the exchange's boundary.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class Landing(Protocol):
 
     def wait(self) -> torch.Tensor | None:
         """The exchange's result (the summed vector, or every replica's bytes one row each), the
-        same bytes on every replica; None when the exchange was discarded by every replica."""
+        same bytes on every replica; None when the exchange was discarded by every replica.
+        Called by the training thread; the same answer every time. May raise `Resumed`."""
         ...
 
 
@@ -55,7 +58,9 @@ class OuterExchange(Protocol):
     gathers: bool  # whether `gather` is offered: else quantized payloads are summed dequantized
     # whether `quantized_sum` is offered: int8/int4 records summed by the coordinator
     sums_quantized: bool
-    heals: bool  # results land at once (or the exchange is discarded), and replicas join at one
+    # an exchange may be discarded (`Landing.wait` gives None), replicas join at one, and only
+    # one exchange is on its way at a time: DiLoCo waits for it before it sends the next
+    heals: bool
 
     def check_identical(self, params: list[tuple[str, torch.Tensor]]) -> None:
         """Refuses replicas that start from different parameters, naming the first that differs."""
@@ -81,9 +86,12 @@ class OuterExchange(Protocol):
         exchange (checked byte for byte), which this one takes part in next."""
         ...
 
-    def at_boundary(self) -> contextlib.AbstractContextManager[None]:
-        """Held from the moment an exchange's payload is built until its result is in: the
-        state is then at the exchange's boundary, which a joining replica may take."""
+    def at_boundary(self, *, overlap: bool) -> contextlib.AbstractContextManager[None]:
+        """Entered once an exchange's payload is built, around the call that sends it: the state
+        is at the exchange's boundary, which a joining replica may take until the result is in.
+        `overlap`: the caller goes on with inner steps before it waits for the result, so an
+        exchange that heals copies that state now and runs in the background; else the call
+        returns with the result in (the state is held still meanwhile)."""
         ...
 
 
@@ -93,6 +101,6 @@ class Resumed(Exception):
 
 
 @contextlib.contextmanager
-def nothing_held() -> Iterator[None]:
+def nothing_held(*, overlap: bool) -> Iterator[None]:
     """`at_boundary` of an exchange that heals no replica."""
     yield

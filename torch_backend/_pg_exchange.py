@@ -96,8 +96,8 @@ class ProcessGroupExchange:
         """Nothing to carry: a lost rank ends the job, no replica joins one."""
         return False
 
-    def at_boundary(self) -> contextlib.AbstractContextManager[None]:
-        return nothing_held()
+    def at_boundary(self, *, overlap: bool) -> contextlib.AbstractContextManager[None]:
+        return nothing_held(overlap=overlap)
 
 
 def _structure_digest(params: list[tuple[str, torch.Tensor]]) -> int:

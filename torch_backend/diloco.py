@@ -51,8 +51,10 @@ Checkpoints: `state_dict()` (each replica its own, beside its model's and inner 
 Fault tolerant (`ft.Replica(model, inner_optimizer).diloco(sync_every=...)`, `_ft_exchange`):
 each exchange is one fault-tolerant step of the coordinator, summed over the replicas that take
 part; a lost replica costs its current inner phase, and its replacement takes a live replica's
-state at an exchange and joins there (docs/fault-tolerance.md). bf16 payloads then travel
-dequantized, as float32 SUMs (the coordinator's gather needs every rank), error feedback kept.
+state at an exchange and joins there (docs/fault-tolerance.md). With a `delay` the exchange runs
+while the next inner steps do, as over a process group (a replacement then takes a copy of the
+state made at the exchange). bf16 payloads then travel dequantized, as float32 SUMs (the
+coordinator's gather needs every rank), error feedback kept.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
+from gradserver.common.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from gradserver.common.messages import DType
 from gradserver.common.quantized_wire import VALUES_PER_RECORD, record_bytes, records_for
 
@@ -105,6 +107,7 @@ class _Exchange:
     result: torch.Tensor | None
     own_weight: float
     summed: bool  # the result is the SUM of [wΔ, w, counts]; else every replica's payload gathered
+    before: _BeforeSend | None = None  # put back if every replica discards it (an exchange that heals)
 
 
 @dataclasses.dataclass
@@ -321,9 +324,23 @@ class DiLoCo:
         """Applies the exchanges still on their way (every replica has the same ones) and
         removes the inner optimizer's hook. Safe to call more than once."""
         self._unhook()
+        self._outside_a_step(self._apply_pending)
+
+    def _apply_pending(self) -> None:
         for fragment in self._fragments:
             if fragment.pending is not None:
                 self._apply(fragment)
+
+    def _outside_a_step(self, wait: Callable[[], None]) -> None:
+        """Runs `wait` (it waits for exchanges on their way) outside `step`: when this replica
+        took a live one's state meanwhile (it rejoined a restarted coordinator behind the
+        others), it first does what `step` would at that state's exchange, then runs `wait` again."""
+        while True:
+            try:
+                wait()
+                return
+            except Resumed:
+                self._run_from(self._joined(), resumed=True)
 
     def __enter__(self) -> DiLoCo:
         def after_inner_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -376,7 +393,15 @@ class DiLoCo:
         fragment.counted_at_send = self._counted
         return weight
 
+    def _overlaps(self) -> bool:
+        """Whether the exchange being sent runs while inner steps do (its result is due later)."""
+        return self.delay > 0 and not self._flushing
+
     def _send(self, fragment: _Fragment) -> None:
+        if self.exchange.heals:
+            # One exchange on its way at a time, and the state a joining replica takes at this
+            # one's boundary holds every earlier result.
+            self._settle_all()
         before = _BeforeSend(
             fragment.counted_at_send,
             None if fragment.feedback is None else fragment.feedback.residual,
@@ -406,7 +431,7 @@ class DiLoCo:
             payload = self._summed_payload(values, weight, nonfinite)
         else:
             payload = self._quantized_payload(fragment.feedback, delta, weight, nonfinite)
-        with self.exchange.at_boundary():
+        with self.exchange.at_boundary(overlap=self._overlaps()):
             landing = self.exchange.sum(payload) if summed else self.exchange.gather(payload)
         if summed:
             self.sent_bytes += payload.numel() * 4
@@ -414,9 +439,7 @@ class DiLoCo:
         else:
             self.sent_bytes += payload.numel()
             self.received_bytes += self.replicas * payload.numel()
-        self._landing(
-            fragment, _Exchange(self.inner_step + self.delay, landing, None, weight, summed), before
-        )
+        fragment.pending = _Exchange(self.inner_step + self.delay, landing, None, weight, summed, before)
 
     def _sums_quantized(self, feedback: ErrorFeedback) -> bool:
         """Whether the exchange sums this fragment's int8/int4 records on the coordinator (the
@@ -445,7 +468,7 @@ class DiLoCo:
         if not nonfinite:
             feedback.encode(values)  # keeps compensated - decode(records of compensated)
         extra = self._summed_payload(delta[:0], weight, nonfinite)
-        with self.exchange.at_boundary():
+        with self.exchange.at_boundary(overlap=self._overlaps()):
             landing = self.exchange.quantized_sum(compensated, extra, feedback.format)
         wire_bytes = (
             records_for(delta.numel()) * record_bytes(_WIRE_FORMATS[feedback.format]) + 4 * extra.numel()
@@ -453,36 +476,36 @@ class DiLoCo:
         self.sent_bytes += wire_bytes
         self.received_bytes += wire_bytes
         # The landed vector is [Σ records decoded, Σ w, counts]: averaged as a float32 sum.
-        exchange = _Exchange(self.inner_step + self.delay, landing, None, weight, True)
-        self._landing(fragment, exchange, before)
+        fragment.pending = _Exchange(self.inner_step + self.delay, landing, None, weight, True, before)
 
-    def _landing(
-        self,
-        fragment: _Fragment,
-        exchange: _Exchange,
-        before: _BeforeSend,
-    ) -> None:
-        """Keeps `exchange` pending on `fragment`; an exchange that heals has its result in
-        already, or was discarded by every replica (what it carried is sent next time)."""
-        landing = exchange.landing
-        assert landing is not None
-        if self.exchange.heals:  # its result is in already, or the exchange was discarded
-            result = landing.wait()
-            if result is None:
-                # No replica applies it: what it carried is still in Δ and is sent next time.
-                fragment.counted_at_send = before.counted_at_send
-                fragment.sent_at_step = before.sent_at_step
-                if fragment.feedback is not None:
-                    fragment.feedback.residual = before.residual
-                self.discarded += 1
-                log.warning(
-                    "outer step of parameters %s.. at inner step %d discarded on every replica",
-                    fragment.names[0],
-                    self.inner_step,
-                )
-                return
-            exchange = dataclasses.replace(exchange, landing=None, result=result)
-        fragment.pending = exchange
+    def _settle_all(self) -> None:
+        for fragment in self._fragments:
+            self._settle(fragment)
+
+    def _settle(self, fragment: _Fragment) -> None:
+        """Waits for the fragment's exchange on its way, if any: its result stays pending until
+        due; an exchange every replica discarded (ft) leaves nothing pending, and what it
+        carried is sent next time."""
+        pending = fragment.pending
+        if pending is None or pending.landing is None:
+            return
+        result = pending.landing.wait()
+        if result is not None:
+            fragment.pending = dataclasses.replace(pending, landing=None, result=result)
+            return
+        fragment.pending = None
+        before = pending.before
+        assert before is not None  # kept for every exchange sent
+        fragment.counted_at_send = before.counted_at_send
+        fragment.sent_at_step = before.sent_at_step
+        if fragment.feedback is not None:
+            fragment.feedback.residual = before.residual
+        self.discarded += 1
+        log.warning(
+            "outer step of parameters %s.. sent at inner step %d discarded on every replica",
+            fragment.names[0],
+            pending.due - self.delay,
+        )
 
     def _summed_payload(self, delta: torch.Tensor, weight: float, nonfinite: int) -> torch.Tensor:
         """[w·Δ, w, one slot per replica: this one's count of non-finite values]: summed by the
@@ -523,8 +546,8 @@ class DiLoCo:
     def _average(self, fragment: _Fragment, exchange: _Exchange) -> torch.Tensor:
         """Σ wᵢΔᵢ / Σ wᵢ from the exchange's result, the same bits on every replica."""
         numel = fragment.numel
-        buffer = exchange.result if exchange.landing is None else exchange.landing.wait()
-        assert buffer is not None  # a discarded exchange is never pending
+        buffer = exchange.result
+        assert buffer is not None  # settled: a discarded exchange is not pending
         if exchange.summed:
             total_weight = float(buffer[numel])
             _refuse_nonfinite([int(c) for c in buffer[numel + 1 :].tolist()], fragment, self.inner_step)
@@ -556,8 +579,11 @@ class DiLoCo:
         return summed if total_weight == 1.0 else summed / total_weight
 
     def _apply(self, fragment: _Fragment) -> None:
+        """The fragment's outer step with its exchange's average (none: every replica discarded it)."""
+        self._settle(fragment)
         exchange = fragment.pending
-        assert exchange is not None
+        if exchange is None:
+            return
         fragment.pending = None
         average = self._average(fragment, exchange)
         with torch.no_grad():
@@ -584,12 +610,7 @@ class DiLoCo:
         every fragment's outer optimizer, kept error and average not yet applied, and where the
         loop is. Exchanges still on their way are waited for first (every replica sent them at
         the same inner step). References, as torch's `state_dict`: save it before the next step."""
-        for fragment in self._fragments:
-            pending = fragment.pending
-            if pending is not None and pending.landing is not None:
-                result = pending.landing.wait()
-                assert result is not None  # only an exchange that heals is discarded, when sent
-                fragment.pending = dataclasses.replace(pending, landing=None, result=result)
+        self._outside_a_step(self._settle_all)
         return {
             "settings": self._settings(),
             "parameters": [fragment.names for fragment in self._fragments],
@@ -680,10 +701,14 @@ class DiLoCo:
         return tensors
 
     def outer_extra(self) -> dict[str, Any]:
-        """The rest of the outer state: where the loop is and the optimizers' other values."""
+        """The rest of the outer state: where the loop is and the optimizers' other values.
+        Taken with no exchange on its way (`_settle`): its result is not state yet."""
+        if any(f.pending is not None and f.pending.landing is not None for f in self._fragments):
+            raise InternalError("DiLoCo's outer state was read with an exchange on its way")
         return {
             "inner_step": self.inner_step,
             "outer_steps": self.outer_steps,
+            "discarded": self.discarded,
             "sending": self._sending,
             "flushing": self._flushing,
             "sent_at": [fragment.sent_at_step for fragment in self._fragments],
@@ -738,6 +763,7 @@ class DiLoCo:
                 fragment.pending = _Exchange(due, None, result, own, summed)
         self.inner_step = int(extra["inner_step"])
         self.outer_steps = int(extra["outer_steps"])
+        self.discarded = int(extra.get("discarded", 0))  # not in states saved before it was
         self._sending = int(extra["sending"])
         self._flushing = bool(extra["flushing"])
         for fragment, sent_at in zip(self._fragments, extra["sent_at"], strict=True):

@@ -543,17 +543,30 @@ class Replica:
 
     def _snapshot(self) -> StateSnapshot:
         if self._outer is not None:
-            # With outer steps, the state is whole only while this replica is held at an exchange
-            # (the inner steps change it between them): anything else is never served.
+            # With outer steps, the state is whole only at an exchange's boundary (the inner
+            # steps change it between them): anything else is never served. While the exchange
+            # runs beside the inner steps, what is served is the copy made at its boundary.
             step = self._outer.offered_step()
             if step != self.step:
                 return StateSnapshot(step, {})
-            outer = self._outer.extra()
-            extra = {"step": step, "optimizer": _optimizer_extra(self.optimizer), "outer": outer}
-            tensors = state_tensors(self.model, self.optimizer) | self._outer.tensors()
-            return StateSnapshot(step, tensors, encode_extra(extra))
+            captured = self._outer.captured()
+            return captured if captured is not None else self._outer_snapshot(copy=False)
         extra = {"step": self.step, "optimizer": _optimizer_extra(self.optimizer)}
         return StateSnapshot(self.step, state_tensors(self.model, self.optimizer), encode_extra(extra))
+
+    def _outer_snapshot(self, *, copy: bool) -> StateSnapshot:
+        """The state at the exchange this replica is at (model, inner optimizer, outer state);
+        `copy`: tensors copied, for the inner steps to go on while it is served."""
+        assert self._outer is not None
+        extra = {
+            "step": self.step,
+            "optimizer": _optimizer_extra(self.optimizer),
+            "outer": self._outer.extra(),
+        }
+        tensors = state_tensors(self.model, self.optimizer) | self._outer.tensors()
+        if copy:
+            tensors = {name: tensor.detach().clone() for name, tensor in tensors.items()}
+        return StateSnapshot(self.step, tensors, encode_extra(extra))
 
     def _heal(self, at: tuple[int, tuple[int, ...]] | None = None) -> None:
         """Takes a live replica's state: the job's at this rank's recovery step, or `at` (step,
