@@ -20,6 +20,7 @@ from gradserver.common.messages import (
     ChunkIn,
     DType,
     ErrorOut,
+    KeyKind,
     ReduceOp,
     TensorKey,
 )
@@ -165,6 +166,30 @@ def test_every_worker_gets_the_same_bytes_within_one_ulp_of_the_exact_mean(worke
     # And the result is what the coordinator's single rounding of the sent values gives.
     sent = [widen(narrow(g, wire).tobytes(), wire).astype(np.float64) for g in grads]
     assert np.array_equal(got[0], widen(round_f64(np.mean(sent, axis=0), wire).tobytes(), wire))
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_key_of_float32_workers_sums_alike_over_shared_memory_and_grpc(
+    workers, dtype: str, transport: str
+) -> None:
+    """`send(..., wire=dtype)` on workers whose own wire is float32: the SUM comes back in the
+    16-bit dtype, the same bytes on every worker. With shared memory ("auto" on one host) the
+    answer lies in the output arena as 16-bit values (it was read as float32, giving garbage)."""
+    clients = workers(2, client_options={"transport": transport})
+    wire = parse_wire_dtype(dtype)
+    rng = np.random.default_rng(5)
+    grads = [rng.standard_normal(1000).astype(np.float32) for _ in clients]
+
+    def one(c: WorkerClient) -> np.ndarray:
+        key = TensorKey.collective(0, 3, ReduceOp.SUM)
+        c.send(key, grads[c.worker_id].copy(), wire=dtype)
+        return np.asarray(c.receive(KeyKind.COLLECTIVE).gradients, dtype=np.float32).copy()
+
+    got = run_each(clients, one)
+    assert got[0].tobytes() == got[1].tobytes()
+    sent = [widen(narrow(g, wire).tobytes(), wire).astype(np.float64) for g in grads]
+    assert np.array_equal(got[0], widen(round_f64(sent[0] + sent[1], wire).tobytes(), wire))
 
 
 def test_workers_with_different_wire_dtypes_fail_the_step_naming_both(coordinator) -> None:

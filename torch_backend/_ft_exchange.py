@@ -21,8 +21,8 @@ about three more copies of the model's parameters with AdamW, for that while). A
 it offers step S-1, so a request waits for the boundary instead of reading a state that the inner
 steps are changing. The coordinator's gather needs every rank, so int8 and int4 payloads are
 summed by the coordinator instead (`quantized_sum`): the replica sends its compensated wΔ as
-block-quantized records and [w, counts] as an exact float32 SUM, two keys of the same step, and
-gets one quantized sum back (one payload up, one down). bf16 travels dequantized as float32.
+block-quantized records (bf16: bfloat16 values) and [w, counts] as an exact float32 SUM, two keys
+of the same step, and gets one quantized sum back (one payload up, one down).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ log = logging.getLogger("gradserver.torch.ft")
 _OUTER_GROUP = 3  # the collective group of the outer steps' sums (ft.py uses 1 and 2)
 _OUTER_EXTRA_GROUP = 4  # [w, counts] of a quantized sum, exact float32, in the same step
 _GROUPS = (_OUTER_GROUP, _OUTER_EXTRA_GROUP)
+_WIRE_DTYPES = {"bf16": "bfloat16"}  # the client's name of a quantization format, where it differs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ class FtExchange:
 
     gathers = False
     heals = True
-    sums_quantized = True
+    summed_formats = frozenset({"bf16", "int8", "int4"})
 
     def __init__(self, replica: Replica) -> None:
         if replica.replica_group is not None:
@@ -143,10 +144,11 @@ class FtExchange:
         return self._exchange([(vector, None)])
 
     def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> Landing:
-        """`sum` of [values, extra], `values` travelling as `wire` ("int8", "int4") records that
-        the coordinator sums and requantizes once, `extra` as exact float32: the landed vector
-        holds the decoded sum, then the sum of `extra`."""
-        return self._exchange([(values, wire), (extra, None)])
+        """`sum` of [values, extra], `values` travelling as `wire` ("int8", "int4" records that
+        the coordinator sums and requantizes once; "bf16" values it sums in float64 and rounds
+        once to bfloat16), `extra` as exact float32: the landed vector holds the decoded sum,
+        then the sum of `extra`."""
+        return self._exchange([(values, _WIRE_DTYPES.get(wire, wire)), (extra, None)])
 
     def _exchange(self, parts: list[tuple[torch.Tensor, str | None]]) -> Landing:
         """The parts (each with its wire dtype, None: exact float32), one collective group each,

@@ -56,8 +56,9 @@ class OuterExchange(Protocol):
     replicas: int  # the replicas a payload has a slot for (the world)
     rank: int  # this replica's slot
     gathers: bool  # whether `gather` is offered: else quantized payloads are summed dequantized
-    # whether `quantized_sum` is offered: int8/int4 records summed by the coordinator
-    sums_quantized: bool
+    # the formats `quantized_sum` takes ("int8", "int4": records the coordinator sums and
+    # requantizes once; "bf16": bfloat16 values it sums and rounds once); others are gathered
+    summed_formats: frozenset[str]
     # an exchange may be discarded (`Landing.wait` gives None), replicas join at one, and only
     # one exchange is on its way at a time: DiLoCo waits for it before it sends the next
     heals: bool
@@ -72,8 +73,9 @@ class OuterExchange(Protocol):
 
     def quantized_sum(self, values: torch.Tensor, extra: torch.Tensor, wire: str) -> Landing:
         """The SUM of [values, extra] over the replicas taking part: `values` travel as `wire`
-        ("int8", "int4") records the coordinator sums and requantizes once, `extra` as exact
-        float32; the landed vector is the decoded sum of `values`, then the sum of `extra`."""
+        (one of `summed_formats`), which the coordinator sums and requantizes (rounds) once,
+        `extra` as exact float32; the landed vector is the decoded sum of `values`, then the sum
+        of `extra`."""
         ...
 
     def gather(self, piece: torch.Tensor) -> Landing:

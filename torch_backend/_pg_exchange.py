@@ -68,7 +68,7 @@ class ProcessGroupExchange:
         process_group = group if group is not None else dist.group.WORLD
         # A "gradserver" group's coordinator sums int8/int4 records; other backends gather.
         self._quantized = process_group if isinstance(process_group, QuantizedCollectives) else None
-        self.sums_quantized = self._quantized is not None
+        self.summed_formats = frozenset({"int8", "int4"}) if self._quantized is not None else frozenset()
 
     def check_identical(self, params: list[tuple[str, torch.Tensor]]) -> None:
         _check_identical(params, self.group, self.rank, self.replicas)

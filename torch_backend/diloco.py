@@ -27,7 +27,8 @@ the error it kept from the previous exchange (error feedback). int8 and int4 (wi
 block of 64) over a "gradserver" group or `ft`: each replica sends wᵢΔᵢ plus its kept error as
 records that the coordinator decodes, sums in float64 in rank order and requantizes once, and
 [wᵢ, counts] as an exact SUM beside them: one payload up and one down, every replica decoding the
-same bytes. Otherwise (bf16, another block size, a gloo group) the payloads are all-gathered as
+same bytes; over `ft`, bf16 too (bfloat16 values summed in float64, rounded once to bfloat16).
+Otherwise (bf16 over a group, another block size, a gloo group) the payloads are all-gathered as
 bytes, and every replica decodes them and sums wᵢ·decode(payloadᵢ) in rank order in float32: the
 same operations on the same bytes, so the same bits, one payload up and N down. `sent_bytes` and
 `received_bytes` count them.
@@ -53,8 +54,8 @@ each exchange is one fault-tolerant step of the coordinator, summed over the rep
 part; a lost replica costs its current inner phase, and its replacement takes a live replica's
 state at an exchange and joins there (docs/fault-tolerance.md). With a `delay` the exchange runs
 while the next inner steps do, as over a process group (a replacement then takes a copy of the
-state made at the exchange). bf16 payloads then travel dequantized, as float32 SUMs (the
-coordinator's gather needs every rank), error feedback kept.
+state made at the exchange). The coordinator's gather needs every rank, so there bf16, int8 and
+int4 payloads are all summed by the coordinator, one payload each way.
 """
 
 from __future__ import annotations
@@ -442,12 +443,10 @@ class DiLoCo:
         fragment.pending = _Exchange(self.inner_step + self.delay, landing, None, weight, summed, before)
 
     def _sums_quantized(self, feedback: ErrorFeedback) -> bool:
-        """Whether the exchange sums this fragment's int8/int4 records on the coordinator (the
-        wire's records hold 64 values a scale: other blocks travel as before)."""
-        return (
-            self.exchange.sums_quantized
-            and feedback.format in _WIRE_FORMATS
-            and feedback.block == VALUES_PER_RECORD
+        """Whether the exchange sums this fragment's quantized payload on the coordinator (the
+        wire's int8/int4 records hold 64 values a scale: other blocks travel as before)."""
+        return feedback.format in self.exchange.summed_formats and (
+            feedback.format == "bf16" or feedback.block == VALUES_PER_RECORD
         )
 
     def _send_quantized_sum(
@@ -459,10 +458,11 @@ class DiLoCo:
         nonfinite: int,
         before: _BeforeSend,
     ) -> None:
-        """wΔ plus the kept error as records the coordinator sums and requantizes once (one
-        payload up, one down), [w, counts] as an exact SUM beside it. The error kept is what was
-        to be sent less the decoding of what was (the coordinator's numpy encoder gives the
-        torch codec's records for the same values)."""
+        """wΔ plus the kept error as records (bf16: bfloat16 values) the coordinator sums and
+        requantizes once (one payload up, one down), [w, counts] as an exact SUM beside it. The
+        error kept is what was to be sent less the decoding of what was (the coordinator's numpy
+        encoder gives the torch codec's records for the same values, and the client rounds to
+        bfloat16 as torch does)."""
         values = delta * weight if weight != 1.0 else delta
         compensated = values if feedback.residual is None or nonfinite else values + feedback.residual
         if not nonfinite:
@@ -470,9 +470,11 @@ class DiLoCo:
         extra = self._summed_payload(delta[:0], weight, nonfinite)
         with self.exchange.at_boundary(overlap=self._overlaps()):
             landing = self.exchange.quantized_sum(compensated, extra, feedback.format)
-        wire_bytes = (
-            records_for(delta.numel()) * record_bytes(_WIRE_FORMATS[feedback.format]) + 4 * extra.numel()
-        )
+        if feedback.format == "bf16":
+            value_bytes = 2 * delta.numel()
+        else:
+            value_bytes = records_for(delta.numel()) * record_bytes(_WIRE_FORMATS[feedback.format])
+        wire_bytes = value_bytes + 4 * extra.numel()
         self.sent_bytes += wire_bytes
         self.received_bytes += wire_bytes
         # The landed vector is [Σ records decoded, Σ w, counts]: averaged as a float32 sum.

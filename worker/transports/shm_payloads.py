@@ -111,6 +111,10 @@ class ShmPayloads:
         try:
             if event.header.dtype is DType.BYTES:
                 return self.ledger.fill(event, self.arenas.result_bytes(event.shm))
+            if event.header.dtype is not DType.FLOAT32:
+                # A 16-bit key's average (`send(..., wire="bfloat16")`): its bytes, widened.
+                raw = self.arenas.result_bytes(event.shm)
+                return self.ledger.fill(event, payload_values(raw.data, event.header.dtype))
             return self.ledger.fill(event, self.arenas.average(event.shm))
         finally:
             self.arenas.release(event.shm)
