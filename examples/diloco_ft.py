@@ -71,7 +71,7 @@ def main() -> None:
     )
     if job.healed is not None:
         print(
-            f"rank {rank}: joined the running job at exchange {job.healed.step} (inner step "
+            f"rank {rank}: joined the running job at step {job.healed.step} (inner step "
             f"{outer.inner_step}), state from rank {job.healed.donor}",
             flush=True,
         )

@@ -12,11 +12,12 @@ refused by name.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ FINAL = re.compile(
     r"held-out loss (\S+)"
 )
 JOINED = re.compile(
-    r"rank (\d): joined the running job at exchange (\d+) \(inner step (\d+)\), state from rank (\d)"
+    r"rank (\d): joined the running job at step (\d+) \(inner step (\d+)\), state from rank (\d)"
 )
 
 
@@ -137,7 +138,8 @@ def test_a_rank_killed_mid_inner_phase_rejoins_at_the_next_exchange_at_the_fault
         faulty.wait_for(r"rank 1: dying in inner step 250", timeout=120)
         faulty.wait_for(r"^run: rank 1 was killed by SIGKILL; starting it again", 60)
         joined = faulty.wait_for(JOINED.pattern, 120)
-        assert (int(joined[2]), int(joined[3])) == (13, 280) and joined[4] in ("0", "2"), joined[0]
+        # The job's step 14: step 0 checked the start, exchange k is step k + 1.
+        assert (int(joined[2]), int(joined[3])) == (14, 280) and joined[4] in ("0", "2"), joined[0]
         assert faulty.wait(180) == 0, faulty.output
         assert fault_free.wait(180) == 0, fault_free.output
     assert faulty.lines[-1] == "run: all 3 ranks finished", faulty.output
@@ -165,12 +167,12 @@ def test_streaming_int8_survives_a_rank_killed_after_it_sent_its_payload(
     )
     faults = ("--die", "1:50:exchange", "--hold", f"0,2:75:{tmp_path / 'joined'}")
     with _run(processes, "faulty", *_faulty(*faults, *flags)) as faulty:
-        faulty.wait_for(r"rank 1: dying in exchange 4, its payload sent", timeout=120)
+        faulty.wait_for(r"rank 1: dying in step 5 \(an exchange\), its payload sent", timeout=120)
         joined = faulty.wait_for(JOINED.pattern, 180)
-        assert (int(joined[2]), int(joined[3])) == (7, 80), joined[0]
+        assert (int(joined[2]), int(joined[3])) == (8, 80), joined[0]  # step 0 checked the start
         assert faulty.wait(180) == 0, faulty.output
     by_outer = _digests_agree(faulty)
-    # When rank 1's records reached the coordinator before it died, they count in exchange 4's
+    # When rank 1's records reached the coordinator before it died, they count in that exchange's
     # sum and its [w, counts] do not: every rank discards that exchange (FT17), one fewer. The
     # replacement took the count with the state.
     discarded = {int(m[4]) for m in map(FINAL.search, faulty.lines) if m}
@@ -196,10 +198,10 @@ def test_a_replacement_that_arrives_in_the_final_flush_takes_part_in_it(
     )
     faults = ("--die", "1:199:exchange", "--hold", f"0,2:flush:{tmp_path / 'joined'}")
     with _run(processes, "flush", *_faulty(*faults, *flags)) as run:
-        run.wait_for(r"rank 1: dying in exchange \d+, its payload sent", timeout=120)
+        run.wait_for(r"rank 1: dying in step \d+ \(an exchange\), its payload sent", timeout=120)
         joined = run.wait_for(JOINED.pattern, 180)
         assert int(joined[3]) == 200, joined[0]
-        assert int(joined[2]) >= 20, joined[0]  # past the 20 exchanges of the inner steps
+        assert int(joined[2]) >= 21, joined[0]  # past the start's check and the 20 exchanges
         assert run.wait(180) == 0, run.output
     finals = {int(m[1]): (m[3], m[4]) for m in map(FINAL.search, run.lines) if m}
     assert len(set(finals.values())) == 1, finals  # the same outer and discarded counts
@@ -466,3 +468,128 @@ def test_a_replica_lost_between_the_parts_of_a_quantized_sum_makes_every_replica
     assert results[0][:2] == results[1][:2] == (2, 1), results
     for name, value in results[0][2].items():
         assert torch.equal(results[1][2][name], value), name
+
+
+Run = Callable[[ft.Replica, torch.nn.Module, torch.optim.Optimizer], Any]
+
+
+def _ft_replicas(address: str, run: Run) -> dict[int, Any]:
+    """`run(job, model, inner)` on two ft replicas (threads) of one MLP joined to `address`: what
+    each returned (or the error it raised), by worker id."""
+    import copy
+    import threading
+
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    results: dict[int, Any] = {}
+
+    def replica() -> None:
+        model = copy.deepcopy(start)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        job = ft.Replica(model, inner, coordinator=address, timeout=30.0)
+        try:
+            results[job.client.worker_id] = run(job, model, inner)
+        except Exception as exc:
+            results[job.client.worker_id] = exc
+        finally:
+            job.close()
+
+    threads = [threading.Thread(target=replica) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(100)
+    assert sorted(results) == [0, 1], results
+    return results
+
+
+def test_replicas_that_start_from_different_weights_are_refused_by_name(coordinator) -> None:
+    """Over ft the start is checked too (one step of the job): every replica raises, naming the
+    first parameter that differs."""
+
+    def run(job: ft.Replica, model: torch.nn.Module, inner: torch.optim.Optimizer) -> Any:
+        if job.client.worker_id == 1:
+            with torch.no_grad():
+                model[2].bias += 1e-6
+        return job.diloco(sync_every=4)
+
+    results = _ft_replicas(coordinator(world_size=2, on_worker_loss="continue").address, run)
+    for rank, error in results.items():
+        assert isinstance(error, FailedPreconditionError), error
+        assert f"replica {rank}: parameter '2.bias' differs across the 2 replicas that took part" in str(
+            error
+        ), error
+
+
+@pytest.mark.timeout(120)
+def test_a_whole_ft_job_resumed_from_checkpoints_ends_as_the_job_that_never_stopped(coordinator) -> None:
+    """Streaming int8 over ft (H = 4, 2 fragments, delay 1, keep_local 0.5): 12 inner steps and
+    the flush in one job, and the same saved after inner step 6 (an exchange on its way) by
+    every replica, every process gone, and taken up by new replicas of a new coordinator's job:
+    the same global weights and models, bit for bit. Replicas that loaded different steps'
+    states are refused, naming the position."""
+    options = {"sync_every": 4, "fragments": 2, "delay": 1, "keep_local": 0.5, "quantize": "int8"}
+
+    def train(
+        outer: DiLoCo, model: torch.nn.Module, inner: torch.optim.Optimizer, rank: int, last: int
+    ) -> None:
+        for step in outer.steps(last):
+            x = torch.randn(32, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+            torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin()).backward()
+            outer.count(len(x))
+            inner.step()
+            inner.zero_grad()
+            outer.step()
+
+    def flat(tensors: Any) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+
+    def straight(job: ft.Replica, model: torch.nn.Module, inner: torch.optim.Optimizer) -> Any:
+        outer = job.diloco(**options)
+        train(outer, model, inner, job.client.worker_id, 12)
+        outer.flush()
+        return flat(outer.global_tensors().values()), flat(model.parameters())
+
+    saved: dict[int, dict[int, bytes]] = {5: {}, 6: {}}
+
+    def first_half(job: ft.Replica, model: torch.nn.Module, inner: torch.optim.Optimizer) -> Any:
+        outer = job.diloco(**options)
+        for at in (5, 6):
+            train(outer, model, inner, job.client.worker_id, at)
+            buffer = io.BytesIO()
+            torch.save(
+                {"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()},
+                buffer,
+            )
+            saved[at][job.client.worker_id] = buffer.getvalue()
+        return None
+
+    def resumed(at: dict[int, int]) -> Run:
+        def run(job: ft.Replica, model: torch.nn.Module, inner: torch.optim.Optimizer) -> Any:
+            rank = job.client.worker_id
+            assert job.healed is None
+            outer = job.diloco(**options)  # from the seeded weights: the start is checked
+            state = torch.load(io.BytesIO(saved[at[rank]][rank]), weights_only=True)
+            model.load_state_dict(state["model"])
+            inner.load_state_dict(state["inner"])
+            outer.load_state_dict(state["outer"])
+            begun = outer.inner_step
+            train(outer, model, inner, rank, 12)
+            outer.flush()
+            return flat(outer.global_tensors().values()), flat(model.parameters()), begun
+
+        return run
+
+    new = lambda: coordinator(world_size=2, on_worker_loss="continue").address  # noqa: E731
+    want = _ft_replicas(new(), straight)
+    _ft_replicas(new(), first_half)
+    got = _ft_replicas(new(), resumed({0: 6, 1: 6}))
+    for rank in (0, 1):
+        assert not isinstance(got[rank], Exception), got[rank]
+        assert got[rank][2] == 6
+        assert torch.equal(got[rank][0], want[rank][0]) and torch.equal(got[rank][1], want[rank][1]), rank
+    assert torch.equal(got[0][0], got[1][0])
+    mixed = _ft_replicas(new(), resumed({0: 5, 1: 6}))
+    for rank in (0, 1):
+        assert isinstance(mixed[rank], FailedPreconditionError), mixed[rank]
+        assert f"replica {rank}: parameter 'outer/position' differs" in str(mixed[rank]), mixed[rank]

@@ -1,6 +1,8 @@
 """DiLoCo's exchange over an `ft.Replica`: each exchange is one fault-tolerant step of the job.
 
-Exchange S (one fragment at its send step) is step S of the replica's coordinator: a SUM
+Each exchange (one fragment at its send step) is the next step S of the replica's coordinator
+(the job's first step checks that the replicas start from the same parameters, and a resumed
+job's next two that they loaded the same checkpoint step: `check_identical`): a SUM
 collective of [wΔ, w, counts] over the replicas that take part (the coordinator runs with
 `--on-worker-loss continue`), so Σ wᵢΔᵢ / Σ wᵢ is the average over the contributors weighted by
 what each counted, then the step's commit barrier. A step that failed (a replica lost after part
@@ -47,7 +49,7 @@ from gradserver.common.errors import (
 from gradserver.common.messages import KeyKind, ReduceOp, TensorKey
 from gradserver.worker import StateSnapshot
 
-from ._outer_exchange import Landing, OuterState, Resumed
+from ._outer_exchange import Landing, OuterState, Resumed, parameter_digests, structure_digest
 
 if TYPE_CHECKING:
     from .ft import Replica
@@ -130,8 +132,41 @@ class FtExchange:
         self._in_flight: _InFlight | None = None
 
     def check_identical(self, params: list[tuple[str, torch.Tensor]]) -> None:
-        """Not checked here: the replicas that begin the job must start from the same weights (a
-        seeded initialisation, as for `ft.Replica.ddp`); a replica that joins takes a live one's."""
+        """Refuses replicas whose parameters differ (names, shapes, dtypes or any byte), naming
+        the first that does; every replica raises the same error. One step of the job: the SUM
+        of each digest byte b and of b² over the n replicas that take part, which are all equal
+        where n·Σb² = (Σb)² (exact in float32: b < 256, n ≤ 256). Nothing to check on a replica
+        that joined the running job: it took a live one's state, checked byte for byte."""
+        replica = self.replica
+        if replica.healed is not None:
+            return
+        if self.replicas > 256:
+            log.warning("the start is not checked with more than 256 replicas (the sums would round)")
+            return
+        words = [structure_digest(params), len(params), *parameter_digests(params)]
+        digest = np.frombuffer(np.array(words, dtype="<u8").tobytes(), dtype=np.uint8).astype(np.float32)
+        summed = self._exchange([(torch.from_numpy(np.concatenate([digest, digest * digest])), None)]).wait()
+        if summed is None:
+            raise FailedPreconditionError(
+                f"replica {self.rank}: the check that the replicas hold the same parameters was "
+                "discarded (a replica was lost in it): start the job again"
+            )
+        n = replica.contributors or 0
+        sums = summed[: digest.size].double().view(len(words), 8)
+        squares = summed[digest.size :].double().view(len(words), 8)
+        differs = (n * squares != sums * sums).any(dim=1).tolist()
+        if differs[0] or differs[1]:
+            raise FailedPreconditionError(
+                f"replica {self.rank}: the models differ in their parameters' names, shapes or dtypes "
+                f"across the {n} replicas that took part ({len(params)} parameters here)"
+            )
+        for (name, _), differ in zip(params, differs[2:], strict=True):
+            if differ:
+                raise FailedPreconditionError(
+                    f"replica {self.rank}: parameter {name!r} differs across the {n} replicas that "
+                    "took part: every replica must start from the same weights (seed the model's "
+                    "initialisation, or load one checkpoint)"
+                )
 
     def gather(self, piece: torch.Tensor) -> Landing:
         raise FailedPreconditionError("an ft exchange has no gather: quantized payloads are summed")

@@ -18,10 +18,13 @@ gather of every replica's bytes in rank order. Two implementations, each in its 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import zlib
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class Landing(Protocol):
@@ -95,6 +98,24 @@ class OuterExchange(Protocol):
         exchange that heals copies that state now and runs in the background; else the call
         returns with the result in (the state is held still meanwhile)."""
         ...
+
+
+def structure_digest(params: list[tuple[str, torch.Tensor]]) -> int:
+    """56 bits of the parameters' names, dtypes and (this rank's) shapes, in order."""
+    text = ";".join(f"{name}:{p.dtype}:{tuple(_local(p).shape)}" for name, p in params)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def parameter_digests(params: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """The CRC-32 of each parameter's bytes (this rank's shard of a sharded one)."""
+    return [
+        zlib.crc32(_local(p).detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for _, p in params
+    ]
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 class Resumed(Exception):

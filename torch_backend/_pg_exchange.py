@@ -12,25 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import zlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from gradserver.common.errors import FailedPreconditionError
 
-from ._outer_exchange import OuterState, nothing_held
+from ._outer_exchange import OuterState, nothing_held, parameter_digests, structure_digest
 from ._quantized_collectives import QuantizedCollectives
 
 # torch 2.13 renamed all_gather_into_tensor (which it warns about); older ones have only that.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded (DTensor) value; a plain tensor as it is."""
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 @dataclasses.dataclass
@@ -100,11 +92,6 @@ class ProcessGroupExchange:
         return nothing_held(overlap=overlap)
 
 
-def _structure_digest(params: list[tuple[str, torch.Tensor]]) -> int:
-    text = ";".join(f"{name}:{p.dtype}:{tuple(_local(p).shape)}" for name, p in params)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-
-
 def _check_identical(
     params: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None, rank: int, replicas: int
 ) -> None:
@@ -112,7 +99,7 @@ def _check_identical(
     first parameter that does and the replicas whose copy differs from replica 0's; every replica
     raises the same error."""
     structures = _gather(
-        torch.tensor([_structure_digest(params), len(params)], dtype=torch.int64), group, replicas
+        torch.tensor([structure_digest(params), len(params)], dtype=torch.int64), group, replicas
     )
     differing = [r for r in range(replicas) if not torch.equal(structures[r], structures[0])]
     if differing:
@@ -120,13 +107,7 @@ def _check_identical(
             f"replica {rank}: the models differ in their parameters' names, shapes or dtypes: replicas "
             f"{differing} against replica 0 ({len(params)} parameters here)"
         )
-    digests = torch.tensor(
-        [
-            zlib.crc32(_local(p).detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-            for _, p in params
-        ],
-        dtype=torch.int64,
-    )
+    digests = torch.tensor(parameter_digests(params), dtype=torch.int64)
     gathered = _gather(digests, group, replicas)
     for index, (name, _) in enumerate(params):
         differing = [r for r in range(replicas) if gathered[r, index] != gathered[0, index]]

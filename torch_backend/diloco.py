@@ -48,6 +48,7 @@ parameters (checked at construction: the error names the first parameter that di
 
 Checkpoints: `state_dict()` (each replica its own, beside its model's and inner optimizer's) and
 `load_state_dict()` before the first inner step; a resumed run ends as one that never stopped.
+Over `ft` too, on the replicas that begin a job (a replacement takes a live replica's state).
 
 Fault tolerant (`ft.Replica(model, inner_optimizer).diloco(sync_every=...)`, `_ft_exchange`):
 each exchange is one fault-tolerant step of the coordinator, summed over the replicas that take
@@ -630,10 +631,11 @@ class DiLoCo:
         a state saved with other settings, naming the first that differs, and checks that every
         replica loaded the same outer state (the same inner step and global weights): every
         replica raises the same error naming what differs."""
-        if self.exchange.heals:
+        if self._joined_at >= 0:
             raise FailedPreconditionError(
-                "DiLoCo.load_state_dict: not over ft.Replica yet (a replica that joins a running job "
-                "takes a live replica's state; resuming a whole ft job from checkpoints is not supported)"
+                "DiLoCo.load_state_dict: this replica joined the running job and took a live "
+                "replica's state; load checkpoints only on the replicas that begin a job "
+                "(ft: when `job.healed` is None)"
             )
         if self.inner_step or any(fragment.pending is not None for fragment in self._fragments):
             raise FailedPreconditionError(

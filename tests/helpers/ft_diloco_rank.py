@@ -79,7 +79,7 @@ def _dying_replica(
             def sent(*a: Any, **k: Any) -> None:
                 send(*a, **k)
                 if phase == "exchange" and forwards[0] >= die_step:
-                    self._die(f"in exchange {self.step}, its payload sent")
+                    self._die(f"in step {self.step} (an exchange), its payload sent")
 
             self.client.send = sent  # type: ignore[method-assign]
 
