@@ -74,6 +74,17 @@ VARIANTS = {
             ft=True,
         ),
         Variant(
+            "streaming-ft-kill",
+            "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int8, over ft, a rank killed",
+            ddp=False,
+            fragments=4,
+            delay=5,
+            quantize="int8",
+            keep_local=0.5,
+            ft=True,
+            kill=True,
+        ),
+        Variant(
             "streaming-int4",
             "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int4",
             ddp=False,

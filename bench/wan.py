@@ -27,8 +27,8 @@ bytes per rank: the same tokens, in the same order, for every variant:
 - diloco: gradserver.torch.diloco outer steps every --sync-every (H) inner steps, float32;
 - diloco-int8: the same with int8 pseudo-gradients;
 - streaming, streaming-int4: 4 fragments, delay 5 and int8 (int4) pseudo-gradients;
-- diloco-ft, diloco-ft-kill, streaming-ft: over `ft.Replica` (each exchange a fault-tolerant
-  step; -kill: one rank SIGKILLed mid-run and started again).
+- diloco-ft, diloco-ft-kill, streaming-ft, streaming-ft-kill: over `ft.Replica` (each exchange a
+  fault-tolerant step; -kill: one rank SIGKILLed mid-run and started again).
 
 Inner optimizer AdamW (DDP's optimizer too), the same learning rate and warm-up. Per variant:
 tokens/s (every rank's tokens over the slowest rank's training time), wire bytes per token
@@ -224,7 +224,7 @@ def run_variant(cluster: WanCluster, args: argparse.Namespace, name: str) -> Sum
         for result in results:
             if result.get("healed_at") is not None:
                 summary.note += (
-                    f"; rank {result['rank']} started again, joined at exchange {result['healed_at']}"
+                    f"; rank {result['rank']} started again, joined at the job's step {result['healed_at']}"
                 )
         if variant.ft:
             summary.note += f"; {max(int(r['discarded']) for r in results)} exchanges discarded"
