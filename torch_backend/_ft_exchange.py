@@ -234,12 +234,16 @@ class FtExchange:
                     continue
                 if error is not None and not isinstance(error, StepFailed):
                     raise error  # the coordinator is gone, or this replica was refused
-                # A replica lost between the parts of a quantized sum counts in the first (a
-                # complete contribution stays counted) and not in [w, counts]: Σ wᵢΔᵢ / Σ wᵢ would
-                # mix them. Every replica gets the same counts, so every one discards it.
-                mixed = error is None and len(set(attempt.contributors)) > 1
+                # Why every replica discards the step (None: it is applied). A replica lost
+                # between the parts of a quantized sum counts in the first (a complete
+                # contribution stays counted) and not in [w, counts]: Σ wᵢΔᵢ / Σ wᵢ would mix
+                # them. Every replica gets the same counts, so every one discards it.
+                discarded = error.message if error is not None else None
+                if discarded is None and len(set(attempt.contributors)) > 1:
+                    counts = " and ".join(map(str, attempt.contributors))
+                    discarded = f"its parts were summed over {counts} replicas (one was lost between them)"
                 contributors = attempt.contributors[0] if attempt.contributors else 0
-                if error is None and not mixed and contributors < replica.min_replicas:
+                if discarded is None and contributors < replica.min_replicas:
                     raise FailedPreconditionError(
                         f"outer step {step} was averaged over {contributors} replicas, fewer "
                         f"than min_replicas {replica.min_replicas}: the job stops"
@@ -248,19 +252,11 @@ class FtExchange:
                 with replica.client.updating_state():
                     replica.step = step + 1
                     self._release()
-                    if error is None and not mixed:
+                    if discarded is None:
                         replica.committed += 1
                         replica.contributors = contributors
-                if error is not None:
-                    log.warning("outer step %d discarded on every replica: %s", step, error.message)
-                    return None
-                if mixed:
-                    log.warning(
-                        "outer step %d discarded on every replica: its parts were summed over %s "
-                        "replicas (one was lost between them)",
-                        step,
-                        " and ".join(map(str, attempt.contributors)),
-                    )
+                if discarded is not None:
+                    log.warning("outer step %d discarded on every replica: %s", step, discarded)
                     return None
                 device = parts[0][0].device
                 return torch.from_numpy(np.concatenate(attempt.arrays)).to(device)
