@@ -41,6 +41,14 @@ class Variant:
     kill: bool = False  # ft: one rank SIGKILLed mid-inner-phase and started again (`kill_step`)
 
 
+def _streaming(name: str, quantize: str = "int8", *, also: str = "", **options: bool) -> Variant:
+    """Streaming DiLoCo as the paper runs it with a delay: 4 fragments, tau = 5, and alpha = 0.5,
+    which keeps half of the local progress made while a fragment's exchange was on its way.
+    `also`: the rest of the label; `options`: ft, kill."""
+    label = f"streaming DiLoCo H={{H}}, F=4, tau=5, alpha=0.5, {quantize}{also}"
+    return Variant(name, label, ddp=False, fragments=4, delay=5, quantize=quantize, keep_local=0.5, **options)
+
+
 VARIANTS = {
     v.name: v
     for v in (
@@ -49,50 +57,13 @@ VARIANTS = {
         Variant("ddp-gloo", "DDP on gloo (no added delay)", ddp=True, backend="gloo"),
         Variant("diloco", "DiLoCo H={H}", ddp=False),
         Variant("diloco-int8", "DiLoCo H={H}, int8", ddp=False, quantize="int8"),
-        # The paper's choice with a delay: alpha = 0.5 keeps half of the local progress made
-        # while a fragment's exchange was on its way.
         Variant("diloco-ft", "DiLoCo H={H} over ft", ddp=False, ft=True),
         Variant("diloco-ft-kill", "DiLoCo H={H} over ft, a rank killed", ddp=False, ft=True, kill=True),
-        Variant(
-            "streaming",
-            "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int8",
-            ddp=False,
-            fragments=4,
-            delay=5,
-            quantize="int8",
-            keep_local=0.5,
-        ),
+        _streaming("streaming"),
         # Over ft the exchange runs beside the next tau inner steps as over the process group.
-        Variant(
-            "streaming-ft",
-            "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int8, over ft",
-            ddp=False,
-            fragments=4,
-            delay=5,
-            quantize="int8",
-            keep_local=0.5,
-            ft=True,
-        ),
-        Variant(
-            "streaming-ft-kill",
-            "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int8, over ft, a rank killed",
-            ddp=False,
-            fragments=4,
-            delay=5,
-            quantize="int8",
-            keep_local=0.5,
-            ft=True,
-            kill=True,
-        ),
-        Variant(
-            "streaming-int4",
-            "streaming DiLoCo H={H}, F=4, tau=5, alpha=0.5, int4",
-            ddp=False,
-            fragments=4,
-            delay=5,
-            quantize="int4",
-            keep_local=0.5,
-        ),
+        _streaming("streaming-ft", also=", over ft", ft=True),
+        _streaming("streaming-ft-kill", also=", over ft, a rank killed", ft=True, kill=True),
+        _streaming("streaming-int4", "int4"),
     )
 }
 

@@ -275,45 +275,75 @@ def test_bad_input_is_refused_by_name(coordinator) -> None:
             other.diloco(sync_every=2)
 
 
-def _two_replicas(address: str, quantize: str | None) -> dict[int, tuple[int, int, dict[str, torch.Tensor]]]:
-    """Two ft replicas (threads) of one MLP, 12 inner steps, an outer step every 4, on
-    `address`'s coordinator: each one's bytes sent and received and its global weights."""
+Run = Callable[[ft.Replica, torch.nn.Module, torch.optim.Optimizer], Any]
+
+
+def _ft_replicas(address: str, run: Run, replicas: int = 2) -> dict[int, Any]:
+    """`run(job, model, inner)` on `replicas` ft replicas (threads) of one seeded MLP joined to
+    `address`, each with its AdamW and closed afterwards: what each returned (or the exception it
+    raised), by worker id."""
     import copy
     import threading
 
     torch.manual_seed(0)
     start = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    results: dict[int, tuple[int, int, dict[str, torch.Tensor]]] = {}
-    errors: list[BaseException] = []
+    results: dict[int, Any] = {}
+    unjoined: list[Exception] = []
 
     def replica() -> None:
+        model = copy.deepcopy(start)  # the replicas start from the same weights
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         try:
-            model = copy.deepcopy(start)  # the replicas start from the same weights
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            job = ft.Replica(model, optimizer, coordinator=address, timeout=30.0)
-            rank = job.client.worker_id
-            generator = torch.Generator().manual_seed(rank + 1)
-            with job.diloco(sync_every=4, quantize=quantize) as outer:
-                for _ in outer.steps(12):
-                    x = torch.randn(32, 16, generator=generator)
-                    torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-            begun = {name: p.detach() for name, p in start.named_parameters()}
-            moved = {name: g - begun[name] for name, g in outer.global_tensors().items()}
-            results[rank] = (outer.sent_bytes, outer.received_bytes, moved)
-            job.close()
-        except BaseException as exc:
-            errors.append(exc)
+            job = ft.Replica(model, inner, coordinator=address, timeout=30.0)
+        except Exception as exc:
+            unjoined.append(exc)
+            return
+        try:
+            results[job.client.worker_id] = run(job, model, inner)
+        except Exception as exc:
+            results[job.client.worker_id] = exc
+        finally:
+            job.close()  # also its receiver thread, and what a client closed early left mapped
 
-    threads = [threading.Thread(target=replica) for _ in range(2)]
+    threads = [threading.Thread(target=replica) for _ in range(replicas)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(100)
-    assert not errors, errors
-    assert sorted(results) == [0, 1]
+    assert not unjoined, unjoined
+    assert sorted(results) == list(range(replicas)), results
     return results
+
+
+def _succeeded(results: dict[int, Any]) -> dict[int, Any]:
+    errors = {rank: r for rank, r in results.items() if isinstance(r, BaseException)}
+    assert not errors, errors
+    return results
+
+
+def _inner_step(model: torch.nn.Module, generator: torch.Generator) -> int:
+    """The backward pass of one batch of the regression the in-process tests train; its size."""
+    x = torch.randn(32, 16, generator=generator)
+    torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
+    return len(x)
+
+
+def _moved(address: str, quantize: str | None) -> dict[int, tuple[int, int, dict[str, torch.Tensor]]]:
+    """Two ft replicas, 12 inner steps, an outer step every 4, on `address`'s coordinator: each
+    one's bytes sent and received and how far its global weights moved from the start."""
+
+    def run(job: ft.Replica, model: torch.nn.Module, inner: torch.optim.Optimizer) -> Any:
+        begun = {name: p.detach().clone() for name, p in model.named_parameters()}
+        generator = torch.Generator().manual_seed(job.client.worker_id + 1)
+        with job.diloco(sync_every=4, quantize=quantize) as outer:
+            for _ in outer.steps(12):
+                _inner_step(model, generator)
+                inner.step()
+                inner.zero_grad()
+        moved = {name: g - begun[name] for name, g in outer.global_tensors().items()}
+        return outer.sent_bytes, outer.received_bytes, moved
+
+    return _succeeded(_ft_replicas(address, run))
 
 
 @pytest.mark.timeout(120)
@@ -329,8 +359,8 @@ def test_quantized_exchanges_are_summed_by_the_coordinator_one_payload_each_way(
     from gradserver.common import quantized_wire
     from gradserver.common.messages import DType
 
-    results = _two_replicas(coordinator(world_size=2, on_worker_loss="continue").address, quantize)
-    exact = _two_replicas(coordinator(world_size=2, on_worker_loss="continue").address, None)[0][2]
+    results = _moved(coordinator(world_size=2, on_worker_loss="continue").address, quantize)
+    exact = _moved(coordinator(world_size=2, on_worker_loss="continue").address, None)[0][2]
     numel = 16 * 64 + 64 + 64 + 1
     if quantize == "bf16":
         values = 2 * numel  # half of float32's, where it used to travel as float32
@@ -357,54 +387,38 @@ def test_an_exchange_runs_while_the_next_inner_steps_do(coordinator) -> None:
     part only once rank 0 has taken two more inner steps. Were the exchange not overlapped, rank
     0 would wait in it for rank 1's part, and rank 1 for rank 0's steps. Both end with the same
     global weights, every exchange applied."""
-    import copy
     import threading
 
-    server = coordinator(world_size=2, on_worker_loss="continue")
-    torch.manual_seed(0)
-    start = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     went_on = threading.Event()  # rank 0 took inner step 6 while its exchange of step 4 was out
-    results: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
-    errors: list[BaseException] = []
 
-    def replica() -> None:
+    def run(job: ft.Replica, model: torch.nn.Module, inner: torch.optim.Optimizer) -> Any:
+        rank = job.client.worker_id
+        generator = torch.Generator().manual_seed(rank + 1)
         try:
-            model = copy.deepcopy(start)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            job = ft.Replica(model, optimizer, coordinator=server.address, timeout=30.0)
-            rank = job.client.worker_id
-            generator = torch.Generator().manual_seed(rank + 1)
             with job.diloco(sync_every=8, fragments=2, delay=3) as outer:
                 for step in outer.steps(16):
                     if rank == 0 and step == 6:
                         went_on.set()
                     if rank == 1 and step == 3:  # its step 4 (index 3) ends with its send
                         assert went_on.wait(30), "rank 0 did not go on while its exchange was out"
-                    x = torch.randn(32, 16, generator=generator)
-                    torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-            results[rank] = (outer.outer_steps, outer.global_tensors())
-            job.close()
-        except BaseException as exc:
-            errors.append(exc)
+                    _inner_step(model, generator)
+                    inner.step()
+                    inner.zero_grad()
+        except BaseException:
             went_on.set()  # let the other one fail fast, not time out
+            raise
+        return outer.outer_steps, outer.global_tensors()
 
-    threads = [threading.Thread(target=replica) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(100)
-    assert not errors, errors
-    assert sorted(results) == [0, 1]
+    address = coordinator(world_size=2, on_worker_loss="continue").address
+    results = _succeeded(_ft_replicas(address, run))
     # 2 periods of 2 fragments, and the flush's outer step of fragment 0 (sent at inner step 12).
     assert results[0][0] == results[1][0] == 5, results
     for name, value in results[0][1].items():
         assert torch.equal(results[1][1][name], value), name
 
 
-class _Gone(BaseException):
-    """Ends a replica's thread as if its process had died (its client closed first)."""
+class _Gone(Exception):
+    """Ends a replica's run as if its process had died (its client closed first)."""
 
 
 @pytest.mark.timeout(120)
@@ -416,91 +430,35 @@ def test_a_replica_lost_between_the_parts_of_a_quantized_sum_makes_every_replica
     records stay counted (3 contributors) and the weights are summed over 2, so Σ wᵢΔᵢ / Σ wᵢ
     would be half as large again as the average. Both others discard the exchange (what it
     carried goes with their next one) and end with the same global weights."""
-    import copy
-    import threading
 
-    server = coordinator(world_size=3, on_worker_loss="continue")
-    torch.manual_seed(0)
-    start = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    results: dict[int, tuple[int, int, dict[str, torch.Tensor]]] = {}
-    errors: list[BaseException] = []
+    def run(job: ft.Replica, model: torch.nn.Module, inner: torch.optim.Optimizer) -> Any:
+        rank = job.client.worker_id
+        if rank == 2:
+            client, send = job.client, job.client.send
 
-    def replica() -> None:
-        try:
-            model = copy.deepcopy(start)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            job = ft.Replica(model, optimizer, coordinator=server.address, timeout=30.0)
-            rank = job.client.worker_id
-            if rank == 2:
-                client, send = job.client, job.client.send
+            def send_then_leave(key: Any, array: Any, **options: Any) -> None:
+                send(key, array, **options)
+                if key.step == 2 and options.get("wire") == "int8":  # step 0 checked the start
+                    client.close()  # after its records: they are complete, and counted
+                    raise _Gone
 
-                def send_then_leave(key: Any, array: Any, **options: Any) -> None:
-                    send(key, array, **options)
-                    if key.step == 1 and options.get("wire") == "int8":
-                        client.close()  # after its records: they are complete, and counted
-                        raise _Gone
+            client.send = send_then_leave  # type: ignore[method-assign]
+        generator = torch.Generator().manual_seed(rank + 1)
+        with job.diloco(sync_every=4, quantize="int8") as outer:
+            for _ in outer.steps(12):
+                outer.count(_inner_step(model, generator))
+                inner.step()
+                inner.zero_grad()
+        return outer.outer_steps, outer.discarded, outer.global_tensors()
 
-                client.send = send_then_leave  # type: ignore[method-assign]
-            generator = torch.Generator().manual_seed(rank + 1)
-            outer = job.diloco(sync_every=4, quantize="int8")
-            with outer:
-                for _ in outer.steps(12):
-                    x = torch.randn(32, 16, generator=generator)
-                    torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True)).backward()
-                    outer.count(len(x))
-                    optimizer.step()
-                    optimizer.zero_grad()
-            results[rank] = (outer.outer_steps, outer.discarded, outer.global_tensors())
-            job.close()
-        except _Gone:
-            job.close()  # its receiver thread, and what its closed client left mapped
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=replica) for _ in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(100)
-    assert not errors, errors
-    assert sorted(results) == [0, 1]
+    address = coordinator(world_size=3, on_worker_loss="continue").address
+    results = _ft_replicas(address, run, replicas=3)
+    assert isinstance(results.pop(2), _Gone), results
+    _succeeded(results)
     # Exchanges 0 and 2 applied, exchange 1 discarded on both.
     assert results[0][:2] == results[1][:2] == (2, 1), results
     for name, value in results[0][2].items():
         assert torch.equal(results[1][2][name], value), name
-
-
-Run = Callable[[ft.Replica, torch.nn.Module, torch.optim.Optimizer], Any]
-
-
-def _ft_replicas(address: str, run: Run) -> dict[int, Any]:
-    """`run(job, model, inner)` on two ft replicas (threads) of one MLP joined to `address`: what
-    each returned (or the error it raised), by worker id."""
-    import copy
-    import threading
-
-    torch.manual_seed(0)
-    start = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    results: dict[int, Any] = {}
-
-    def replica() -> None:
-        model = copy.deepcopy(start)
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        job = ft.Replica(model, inner, coordinator=address, timeout=30.0)
-        try:
-            results[job.client.worker_id] = run(job, model, inner)
-        except Exception as exc:
-            results[job.client.worker_id] = exc
-        finally:
-            job.close()
-
-    threads = [threading.Thread(target=replica) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(100)
-    assert sorted(results) == [0, 1], results
-    return results
 
 
 def test_replicas_that_start_from_different_weights_are_refused_by_name(coordinator) -> None:
