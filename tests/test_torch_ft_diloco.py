@@ -411,6 +411,8 @@ def test_an_exchange_runs_while_the_next_inner_steps_do(coordinator) -> None:
 
     address = coordinator(world_size=2, on_worker_loss="continue").address
     results = _succeeded(_ft_replicas(address, run))
+    # Every exchange's thread was waited for: none is left behind.
+    assert not [t for t in threading.enumerate() if t.name == "gradserver-outer-exchange"]
     # 2 periods of 2 fragments, and the flush's outer step of fragment 0 (sent at inner step 12).
     assert results[0][0] == results[1][0] == 5, results
     for name, value in results[0][1].items():
