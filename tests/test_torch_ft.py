@@ -28,6 +28,7 @@ from gradserver.worker import Timeouts, WorkerClient
 
 from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
 from .helpers.proxy import FaultProxy
+from .helpers.ranks import rank_errors, spawn_and_join
 from .helpers.server import TEST_TIMEOUTS, connect_all
 
 STEPS = 2500
@@ -516,3 +517,74 @@ def test_hsdp_a_step_another_shard_failed_is_discarded_and_a_lost_one_ends_the_r
         ):
             job.commit()
         assert all(torch.equal(a, p) for a, p in zip(changed, model.parameters(), strict=True))
+
+
+def _serve_mid_backward(rank: int, store: str, address: str, out: str) -> None:
+    """One rank of a replica group of 2 FSDP2 shards: in every step's backward, after FSDP2
+    gathered a layer's parameters for it and before the layer's gradient is computed, what the
+    state server serves (`Replica._snapshot`, on a thread of its own as the server calls it) is
+    read. It must neither disturb the backward nor serve anything but this rank's shards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        nn = torch.nn
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        job = ft.Replica(model, optimizer, coordinator=address, timeout=20.0, replica_group=dist.group.WORLD)
+        served: list[dict[str, torch.Tensor]] = []
+
+        def serve(grad: torch.Tensor) -> None:
+            def read() -> None:  # its tensors are the live ones: copied as they are now
+                served.append({k: v.clone() for k, v in job._snapshot().tensors.items()})
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            reader.join(30.0)
+
+        # Registered after FSDP2's own forward hook: in backward, this tensor hook runs after
+        # FSDP2's (which gathers the layer's parameters) and before the layer's backward.
+        model[2].register_forward_hook(lambda module, args, output: output.register_hook(serve) and None)
+        with job:
+            for step in job.steps(3):
+                before = {k: v.clone() for k, v in ft.state_tensors(model, optimizer).items()}
+                optimizer.zero_grad()
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+                model(x).sum().backward()
+                assert job.commit()
+                assert len(served) == step + 1
+                assert served[-1].keys() == before.keys()
+                for name, value in before.items():
+                    torch.testing.assert_close(served[-1][name], value, rtol=0, atol=0, msg=name)
+    except BaseException as exc:
+        Path(out, f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_hsdp_state_served_in_the_middle_of_a_backward_leaves_it_intact(coordinator, tmp_path) -> None:
+    """A donor serves its state on the state server's thread, whenever a replacement asks, in
+    the middle of a step. Reading an FSDP2 model's state there must not reshard it: backward
+    then read parameters whose gathered storage was freed ("setStorage: ... storage of size
+    0"), which ended the live replica group as another joined."""
+    shards = [coordinator(world_size=1, on_worker_loss="continue") for _ in range(2)]
+    ranks = spawn_and_join(
+        _serve_mid_backward,
+        [(rank, str(tmp_path / "store"), shards[rank].address, str(tmp_path)) for rank in range(2)],
+        timeout_s=240,
+        check_exits=False,
+    )
+    assert not rank_errors(tmp_path)
+    assert [rank.exitcode for rank in ranks] == [0, 0]

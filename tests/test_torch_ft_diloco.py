@@ -17,15 +17,18 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from gradserver.common.errors import FailedPreconditionError, InvalidArgumentError
-from gradserver.torch import ft
+from gradserver.common.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
+from gradserver.common.timeouts import Timeouts
+from gradserver.torch import _ft_exchange, ft
 from gradserver.torch.diloco import DiLoCo
 
 from .helpers.processes import ROOT, ManagedProcess, ProcessGroup, pid_alive
@@ -553,3 +556,25 @@ def test_a_whole_ft_job_resumed_from_checkpoints_ends_as_the_job_that_never_stop
     for rank in (0, 1):
         assert isinstance(mixed[rank], FailedPreconditionError), mixed[rank]
         assert f"replica {rank}: parameter 'outer/position' differs" in str(mixed[rank]), mixed[rank]
+
+
+def test_an_exchange_that_outlives_its_deadlines_raises_naming_its_step(monkeypatch) -> None:
+    """The training thread waits for an overlapped exchange no longer than the sum of its calls'
+    deadlines: a step stuck in a wait none of them covers raises, naming it, instead of hanging."""
+    release = threading.Event()
+
+    class Stuck:
+        replica = SimpleNamespace(step=7, client=SimpleNamespace(timeouts=Timeouts.of(0.05)))
+
+        def _attempt(self, step: int, parts: object) -> None:
+            release.wait(30.0)
+
+    monkeypatch.setattr(_ft_exchange, "_JOIN_SLACK_S", 0.1)
+    flight = _ft_exchange._InFlight(Stuck(), [(torch.zeros(1), None)])  # type: ignore[arg-type]
+    try:
+        with pytest.raises(
+            DeadlineExceededError, match=r"outer step 7: its exchange did not end within 0\.25 s"
+        ):
+            flight.wait()
+    finally:
+        release.set()

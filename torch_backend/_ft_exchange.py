@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from gradserver.common.errors import (
+    DeadlineExceededError,
     FailedPreconditionError,
     GradServerError,
     InternalError,
@@ -83,6 +84,9 @@ class _Attempt:
     error: GradServerError | None
 
 
+_JOIN_SLACK_S = 10.0
+
+
 class _InFlight:
     """An exchange whose step runs on a thread of its own (`at_boundary(overlap=True)`); the
     training thread resolves it in `wait` (a rejoin or a heal changes the model, so only that
@@ -103,7 +107,15 @@ class _InFlight:
 
     def wait(self) -> torch.Tensor | None:
         if self._outcome is None:
-            self._thread.join()
+            # The step's own deadlines end the thread; this one is for a wait they do not cover.
+            timeouts = self._exchange.replica.client.timeouts
+            bound = len(self._parts) * (timeouts.send + timeouts.receive) + timeouts.receive + _JOIN_SLACK_S
+            self._thread.join(bound)
+            if self._thread.is_alive():
+                raise DeadlineExceededError(
+                    f"outer step {self._step}: its exchange did not end within {bound:g} s (the sum "
+                    "of its sends', sums' and commit's deadlines)"
+                )
             assert self._attempt is not None  # _attempt returns its errors: it does not raise
             self._outcome = _Landed(self._exchange._resolve(self._parts, self._attempt))
         return self._outcome.result

@@ -40,7 +40,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -93,13 +93,22 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The replicated state by name, no copies: the model's (`model/NAME`) and the optimizer's
-    tensors (`optimizer/PARAM/NAME`); of a sharded model (FSDP2), this rank's shards."""
-    tensors = {f"model/{k}": _local(v) for k, v in model.state_dict().items()}
-    for index, state in optimizer.state_dict()["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optimizer/{index}/{name}"] = _local(value)
-    return tensors
+    tensors (`optimizer/PARAM/NAME`); of a sharded model (FSDP2), this rank's shards. Call it on
+    the training thread: `model.state_dict()` reshards an FSDP2 model."""
+    return _model_tensors(model.state_dict()) | _optimizer_tensors(optimizer)
+
+
+def _model_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"model/{k}": _local(v.detach()) for k, v in state.items()}
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return {
+        f"optimizer/{index}/{name}": _local(value)
+        for index, state in optimizer.state_dict()["state"].items()
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def _optimizer_extra(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -214,6 +223,13 @@ class Replica:
         self.optimizer = optimizer
         self.replica_group = replica_group
         self._hooked = False  # ddp(): DDP's hook averages; otherwise commit() does
+        # The model's parameters and buffers themselves, taken here on the training thread: the
+        # state server reads them on its own thread, at any point of a step, and there
+        # `model.state_dict()` would reshard an FSDP2 model under its running forward or backward
+        # (freeing the gathered parameters that backward then reads). Like the gradient places
+        # below, this holds while the model keeps its parameter objects (FSDP2 keeps its sharded
+        # ones; its lazy init swaps only their local tensors, which are read at each use).
+        self._model_state = model.state_dict(keep_vars=True)
         self.min_replicas = min_replicas
         self.step = 0
         self.committed = 0  # steps applied
@@ -552,7 +568,11 @@ class Replica:
             captured = self._outer.captured()
             return captured if captured is not None else self._outer_snapshot(copy=False)
         extra = {"step": self.step, "optimizer": _optimizer_extra(self.optimizer)}
-        return StateSnapshot(self.step, state_tensors(self.model, self.optimizer), encode_extra(extra))
+        return StateSnapshot(self.step, self._state_tensors(), encode_extra(extra))
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        """`state_tensors(model, optimizer)`, safe on any thread (see `_model_state`)."""
+        return _model_tensors(self._model_state) | _optimizer_tensors(self.optimizer)
 
     def _outer_snapshot(self, *, copy: bool) -> StateSnapshot:
         """The state at the exchange this replica is at (model, inner optimizer, outer state);
@@ -563,7 +583,7 @@ class Replica:
             "optimizer": _optimizer_extra(self.optimizer),
             "outer": self._outer.extra(),
         }
-        tensors = state_tensors(self.model, self.optimizer) | self._outer.tensors()
+        tensors = self._state_tensors() | self._outer.tensors()
         if copy:
             tensors = {name: tensor.detach().clone() for name, tensor in tensors.items()}
         return StateSnapshot(self.step, tensors, encode_extra(extra))
@@ -597,7 +617,7 @@ class Replica:
 
     def _check_healed(self, got: RecoveredState) -> None:
         """The state loaded is the donor's, byte for byte (its digest covers every tensor)."""
-        tensors = state_tensors(self.model, self.optimizer)
+        tensors = self._state_tensors()
         if self._outer is not None:
             tensors |= self._outer.tensors()
         loaded = state_digest(tensors)
