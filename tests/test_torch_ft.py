@@ -480,18 +480,31 @@ def test_hsdp_a_replica_group_half_new_is_refused(coordinator, monkeypatch) -> N
         staying.close()
 
 
+@pytest.mark.parametrize(
+    ("last", "error"),
+    [
+        ((2, None), "step 2: another shard of this replica group lost its coordinator"),
+        ((0, 0), "step 2 was averaged over 0 replicas, fewer than min_replicas 1"),
+    ],
+    ids=["lost", "fewest"],
+)
 def test_hsdp_a_step_another_shard_failed_is_discarded_and_a_lost_one_ends_the_rank(
-    coordinator, monkeypatch
+    coordinator, monkeypatch, last: tuple[int, int | None], error: str
 ) -> None:
     """The group's agreement (row FT9): this shard committed its step, the patched collective
     plays the other shard's answer. "Failed" there: this rank discards the step too. "Lost its
-    coordinator" there: this rank stops with an error saying so."""
+    coordinator" there: this rank stops with an error saying so; and so it does when the other
+    shard's step was averaged over fewer replicas than `min_replicas` (each shard's job counts
+    its own), though this one's was not."""
     server = coordinator(world_size=1, on_worker_loss="continue")
-    answers: list[int] = []
+    answers: list[tuple[int, int | None]] = []
 
     def other_shard(tensor: torch.Tensor, op: object = None, group: object = None) -> None:
-        if answers and tensor.dtype == torch.int64 and tensor.numel() == 1:
-            tensor.fill_(max(int(tensor), answers.pop(0)))
+        if answers and tensor.dtype == torch.int64 and tensor.numel() == 2:  # [outcome, -contributors]
+            outcome, contributors = answers.pop(0)
+            tensor[0] = max(int(tensor[0]), outcome)
+            if contributors is not None:
+                tensor[1] = max(int(tensor[1]), -contributors)
 
     monkeypatch.setattr(ft.dist, "all_reduce", other_shard)
     monkeypatch.setattr(ft.dist, "get_world_size", lambda group=None: 2)
@@ -502,19 +515,17 @@ def test_hsdp_a_step_another_shard_failed_is_discarded_and_a_lost_one_ends_the_r
     with ft.Replica(model, optimizer, coordinator=server.address, timeout=20.0, replica_group=group) as job:  # type: ignore[arg-type]
         before = [p.detach().clone() for p in model.parameters()]
         for answer in (0, 1):
-            answers.append(answer)
+            answers.append((answer, None))
             optimizer.zero_grad()
             model(torch.ones(2, 4)).sum().backward()
             assert job.commit() is (answer == 0)
         assert job.committed == 1 and job.step == 2
         changed = [p.detach().clone() for p in model.parameters()]
         assert not all(torch.equal(a, b) for a, b in zip(before, changed, strict=True))
-        answers.append(2)
+        answers.append(last)
         optimizer.zero_grad()
         model(torch.ones(2, 4)).sum().backward()
-        with pytest.raises(
-            FailedPreconditionError, match="step 2: another shard of this replica group lost its coordinator"
-        ):
+        with pytest.raises(FailedPreconditionError, match=re.escape(error)):
             job.commit()
         assert all(torch.equal(a, p) for a, p in zip(changed, model.parameters(), strict=True))
 

@@ -45,13 +45,16 @@ JOINED = re.compile(
 
 
 @contextlib.contextmanager
-def _run(processes: ProcessGroup, name: str, *command: str, workers: int = 3) -> Iterator[ManagedProcess]:
+def _run(
+    processes: ProcessGroup, name: str, *command: str, workers: int = 3, run_flags: tuple[str, ...] = ()
+) -> Iterator[ManagedProcess]:
     run = processes.gradserver(
         "run",
         "--workers",
         str(workers),
         "--restart-lost",
         "1",
+        *run_flags,
         "--",
         *command,
         name=name,
@@ -154,6 +157,59 @@ def test_a_rank_killed_mid_inner_phase_rejoins_at_the_next_exchange_at_the_fault
     _, fault_free_loss = _one_state(fault_free, 600)
     print(f"held-out loss: {loss:.6f} with the fault, {fault_free_loss:.6f} without")
     assert abs(loss - fault_free_loss) <= 0.01 * fault_free_loss
+
+
+HSDP_JOINED = re.compile(
+    r"replica group (\d) shard (\d): joined the running job at step (\d+) \(inner step (\d+)\), "
+    r"state from group (\d)"
+)
+HSDP_FINAL = re.compile(
+    r"replica group (\d) shard (\d): (\d+) steps \((\d+) applied here\), digest (0x[0-9a-f]+)"
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "streaming",
+    [(), ("--fragments", "2", "--delay", "3", "--quantize", "int8")],
+    ids=["diloco", "streaming-int8"],
+)
+def test_hsdp_replica_groups_take_outer_steps_and_a_restarted_group_heals_at_an_exchange(
+    processes: ProcessGroup, tmp_path: Path, streaming: tuple[str, ...]
+) -> None:
+    """HSDP over ft with outer steps: 4 ranks, 2 replica groups x 2 FSDP2 shards
+    (examples/ft_hsdp.py --outer-steps 10), each shard's exchange a step of its own job. Rank 3
+    dies in inner step 35; ranks 0 and 1 (the other group) hold at inner step 60 until a
+    replacement asks for their state. run restarts group 1 whole; its two ranks line up on one
+    exchange and take each shard's state (global weights and outer state included) from group 0
+    there; every shard's global weights end identical in both groups. Streaming: 2 fragments
+    (an exchange every 5 inner steps), each overlapping the next 3 inner steps, int8 payloads."""
+    flags = ("--example", "ft_hsdp.py", "--steps", "200", "--outer-steps", "10", *streaming)
+    faults = ("--die", "3:35:inner", "--hold", f"0,1:60:{tmp_path / 'joined'}")
+    groups = ("--replica-group-size", "2")
+    with _run(processes, "hsdp", *_faulty(*faults, *flags), workers=4, run_flags=groups) as run:
+        run.wait_for(r"rank 3: dying in inner step 35", timeout=120)
+        run.wait_for(r"^run: rank 3 was killed by SIGKILL; starting it again with its replica group", 60)
+        first = run.wait_for(HSDP_JOINED.pattern, 120)
+        shard = 1 - int(first[2])
+        second = run.wait_for(
+            rf"replica group 1 shard {shard}: joined the running job at step (\d+) \(inner step (\d+)\)", 60
+        )
+        # Both shards at one exchange, past the hold: exchange k is the job's step k + 1.
+        assert first[1] == "1" and first[5] == "0", first[0]
+        assert (first[3], first[4]) == (second[1], second[2]), (first[0], second[0])
+        every = 5 if streaming else 10  # inner steps from one exchange to the next
+        assert int(first[3]) * every >= 60 and int(first[4]) == every * int(first[3]), first[0]
+        assert run.wait(180) == 0, run.output
+    finals = [m for m in map(HSDP_FINAL.search, run.lines) if m and int(m[3]) == 200]
+    assert sorted((int(m[1]), int(m[2])) for m in finals) == [(0, 0), (0, 1), (1, 0), (1, 1)], run.output
+    for shard in (0, 1):
+        assert len({m[5] for m in finals if int(m[2]) == shard}) == 1, finals
+    applied = {(int(m[1]), int(m[2])): int(m[4]) for m in finals}
+    # Each group applied its exchanges on both its shards alike (one discarded where the lost
+    # group's rank died while an overlapped exchange was on its way, on both; the flush of
+    # streaming adds one); the restarted group only those from its join on.
+    assert applied[(0, 0)] == applied[(0, 1)] > applied[(1, 0)] == applied[(1, 1)], applied
 
 
 @pytest.mark.timeout(240)

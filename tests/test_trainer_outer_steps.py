@@ -117,20 +117,89 @@ def test_one_inner_step_per_outer_step_at_lr_1_without_momentum_averages_the_wei
     assert apart > 1e-4, apart
 
 
+def test_with_a_delay_the_exchange_is_sent_before_the_last_inner_steps_and_mixed_in_after(
+    tmp_path: Path,
+) -> None:
+    """H = 3, τ = 1, keep_local 0.5, outer lr 1 without momentum: each step runs 2 inner steps, sends
+    Δ = global - local, runs its third inner step while Δ travels, then global ← global - mean Δ
+    (the mean of the locals as they were sent) and local ← 0.5·local + 0.5·global; the last step
+    ends on the global weights. Computed here without the trainer."""
+    world, steps, batch, per, tau, keep = 2, 6, 2, 3, 1, 0.5
+    config = TrainConfig(
+        model="tiny",
+        steps=steps,
+        batch_size=batch,
+        lr=1e-2,
+        max_grad_norm=1.0,
+        out=str(tmp_path),
+        outer_steps=per,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        outer_delay=tau,
+        outer_keep_local=keep,
+    )
+    _train_threads(world, config)
+    got = load_checkpoint(tmp_path / "checkpoint-rank0.pt")
+
+    cfg = model_config("tiny")
+    data = TokenWindows(corpus_bytes(), cfg.max_seq_len)
+    models = [TransformerLM(cfg, seed=0) for _ in range(world)]
+    optimizers = [
+        torch.optim.AdamW(m.parameters(), lr=1e-2, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0)
+        for m in models
+    ]
+    global_weights = [p.detach().clone() for p in models[0].parameters()]
+
+    def inner(rank: int, step: int, which: range) -> None:
+        ranges = step_sample_ranges(step, rank, world, data.num_samples, per * batch)
+        indices = [i for r in ranges for i in r.indices()]
+        for k in which:
+            model, optimizer = models[rank], optimizers[rank]
+            model.loss(*data.batch(indices[k * batch : (k + 1) * batch])).backward()
+            clip_by_global_norm_([p.grad for p in model.parameters()], 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    for step in range(steps // per):
+        sent = []
+        for rank in range(world):
+            inner(rank, step, range(per - tau))
+            sent.append([p.detach().clone() for p in models[rank].parameters()])
+            inner(rank, step, range(per - tau, per))
+        last = step == steps // per - 1
+        with torch.no_grad():
+            for i, g in enumerate(global_weights):
+                deltas = [g - sent[rank][i] for rank in range(world)]
+                g.sub_((sum(d.double() for d in deltas) / world).float())
+                for model in models:
+                    p = list(model.parameters())[i]
+                    p.copy_(g) if last else p.mul_(keep).add_(g, alpha=1.0 - keep)
+    names = [name for name, _ in models[0].named_parameters()]
+    for name, g in zip(names, global_weights, strict=True):
+        close = {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(
+            got.outer_state["global"][name], g, **close, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        torch.testing.assert_close(got.model_state[name], g, **close, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _batches(data: TokenWindows, engine: LocalEngine, step: int, per: int, batch: int) -> list:
     indices = engine.sample_indices(step, data.num_samples, per * batch)
     return [data.batch(indices[i * batch : (i + 1) * batch]) for i in range(per)]
 
 
-@pytest.mark.parametrize(("outer_steps", "fragments"), [(2, 1), (4, 2)])
+@pytest.mark.parametrize(
+    ("outer_steps", "fragments", "delay", "keep_local"), [(2, 1, 0, 0.0), (4, 2, 0, 0.0), (6, 2, 2, 0.5)]
+)
 def test_replicas_hold_bit_identical_global_state_after_every_exchange(
-    outer_steps: int, fragments: int
+    outer_steps: int, fragments: int, delay: int, keep_local: float
 ) -> None:
     """Digests of the replicated state (global weights, outer momentum) after every exchange, on
     3 workers: equal across workers, and changing from one exchange to the next. With one fragment
-    the local weights are the global ones after every exchange too."""
+    (and no keep_local) the local weights are the global ones after every exchange too. Also with
+    each exchange overlapping the step's last 2 inner steps and mixed in at keep_local 0.5."""
     world, exchanges = 3, 6
-    settings = OuterSettings(outer_steps, fragments)
+    settings = OuterSettings(outer_steps, fragments, delay=delay, keep_local=keep_local)
     cfg = model_config("tiny")
     data = TokenWindows(corpus_bytes(), cfg.max_seq_len)
 
@@ -148,7 +217,7 @@ def test_replicas_hold_bit_identical_global_state_after_every_exchange(
     assert replicated[1] == replicated[0] and replicated[2] == replicated[0], replicated
     assert len(set(replicated[0])) == exchanges, replicated[0]
     local = [[m for _, m in rank] for rank in per_rank]
-    if fragments == 1:
+    if fragments == 1 and not keep_local:
         assert local[1] == local[0] and local[2] == local[0], local
     else:  # the fragments not exchanged yet hold each worker's own progress
         assert local[1] != local[0], local
@@ -247,6 +316,11 @@ def test_the_fingerprint_records_the_outer_settings_and_only_with_them() -> None
     )
     assert differences(four, two) == ["fragments 2 != 1"]
     assert "outer_steps <unset> != 4" in differences(four, plain)
+    overlapped = training_fingerprint(
+        TrainConfig(model="tiny", steps=8, outer_steps=4, outer_delay=1, outer_keep_local=0.5),
+        engine="remote",
+    )
+    assert differences(four, overlapped) == ["outer_delay 1 != <unset>", "outer_keep_local 0.5 != <unset>"]
 
 
 @pytest.mark.parametrize(
@@ -260,6 +334,13 @@ def test_the_fingerprint_records_the_outer_settings_and_only_with_them() -> None
         ({"outer_steps": 4, "fragments": 2, "steps": 9}, "multiple of the 2 inner steps"),
         ({"outer_steps": 4, "outer_lr": 0.0}, "--outer-lr must be positive"),
         ({"outer_steps": 4, "outer_momentum": 1.0}, "--outer-momentum must be in [0, 1)"),
+        (
+            {"outer_steps": 4, "fragments": 2, "outer_delay": 2},
+            "--outer-delay 2 must be at least 0 and below the 2",
+        ),
+        ({"outer_steps": 4, "outer_delay": -1}, "--outer-delay -1 must be at least 0"),
+        ({"outer_steps": 4, "outer_keep_local": 1.5}, "--outer-keep-local must be in [0, 1], got 1.5"),
+        ({"outer_delay": 1}, "--outer-delay 1 needs --outer-steps"),
         ({"fragments": 2}, "--fragments 2 needs --outer-steps"),
         ({"outer_lr": 0.5}, "--outer-lr 0.5 needs --outer-steps"),
     ],
@@ -569,14 +650,17 @@ def _train_on_a_coordinator(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("outer_steps", "fragments", "steps"), [(4, 2, 8), (6, 3, 10)])
+@pytest.mark.parametrize(
+    ("outer_steps", "fragments", "steps", "delay"), [(4, 2, 8, 0), (6, 3, 10, 0), (6, 2, 12, 1)]
+)
 def test_a_job_with_fragments_ends_with_the_flush_and_every_model_is_the_global_weights(
-    coordinator, tmp_path: Path, outer_steps: int, fragments: int, steps: int
+    coordinator, tmp_path: Path, outer_steps: int, fragments: int, steps: int, delay: int
 ) -> None:
     """Through a real coordinator (--max-steps = the job's engine steps): F - 1 flush steps
     follow the trainer steps, each exchanging a fragment not exchanged at the last one, with no
     tokens; their metrics lines say so and leave the loss out; the final checkpoints hold models
-    that are their global weights, the same on both workers."""
+    that are their global weights, the same on both workers. Also with each exchange overlapping
+    the step's last inner step, mixed in at keep_local 0.5 (the last step's and the flush's are not)."""
     config = TrainConfig(
         model="tiny",
         steps=steps,
@@ -585,6 +669,8 @@ def test_a_job_with_fragments_ends_with_the_flush_and_every_model_is_the_global_
         out=str(tmp_path),
         outer_steps=outer_steps,
         fragments=fragments,
+        outer_delay=delay,
+        outer_keep_local=0.5 if delay else 0.0,
     )
     trainer_steps, total = config.trainer_steps, config.total_steps
     assert (config.flush_steps, total) == (fragments - 1, trainer_steps + fragments - 1)

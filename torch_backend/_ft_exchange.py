@@ -44,7 +44,6 @@ from gradserver.common.errors import (
     FailedPreconditionError,
     GradServerError,
     InternalError,
-    InvalidArgumentError,
     StepFailed,
 )
 from gradserver.common.messages import KeyKind, ReduceOp, TensorKey
@@ -129,11 +128,6 @@ class FtExchange:
     summed_formats = frozenset({"bf16", "int8", "int4"})
 
     def __init__(self, replica: Replica) -> None:
-        if replica.replica_group is not None:
-            raise InvalidArgumentError(
-                "ft.Replica.diloco: not with replica_group (outer steps between HSDP replica groups "
-                "are not fault tolerant yet)"
-            )
         self.replica = replica
         self.replicas = replica.client.total_workers
         self.rank = replica.client.worker_id
@@ -244,20 +238,23 @@ class FtExchange:
                     # Every replica is at this exchange again, in the new coordinator's job.
                     attempt = self._attempt(replica.step, parts)
                     continue
+                # A replica lost between the parts of a quantized sum counts in the first (a
+                # complete contribution stays counted) and not in [w, counts]: Σ wᵢΔᵢ / Σ wᵢ
+                # would mix them. Every replica gets the same counts, so every one discards it.
+                if error is None and len(set(attempt.contributors)) > 1:
+                    counts = " and ".join(map(str, attempt.contributors))
+                    error = StepFailed(
+                        f"its parts were summed over {counts} replicas (one was lost between them)", step=step
+                    )
+                counted = attempt.contributors[0] if error is None else None
+                # HSDP: each shard's job sums its own; the replica group goes on alike.
+                error, fewest = replica._agree(step, error, counted)
                 if error is not None and not isinstance(error, StepFailed):
                     raise error  # the coordinator is gone, or this replica was refused
-                # Why every replica discards the step (None: it is applied). A replica lost
-                # between the parts of a quantized sum counts in the first (a complete
-                # contribution stays counted) and not in [w, counts]: Σ wᵢΔᵢ / Σ wᵢ would mix
-                # them. Every replica gets the same counts, so every one discards it.
-                discarded = error.message if error is not None else None
-                if discarded is None and len(set(attempt.contributors)) > 1:
-                    counts = " and ".join(map(str, attempt.contributors))
-                    discarded = f"its parts were summed over {counts} replicas (one was lost between them)"
-                contributors = attempt.contributors[0] if attempt.contributors else 0
-                if discarded is None and contributors < replica.min_replicas:
+                discarded = error.message if error is not None else None  # None: it is applied
+                if discarded is None and (fewest or 0) < replica.min_replicas:
                     raise FailedPreconditionError(
-                        f"outer step {step} was averaged over {contributors} replicas, fewer "
+                        f"outer step {step} was averaged over {fewest} replicas, fewer "
                         f"than min_replicas {replica.min_replicas}: the job stops"
                     )
                 # The step number and the boundary change together: a joining replica reads them as one.
@@ -266,7 +263,7 @@ class FtExchange:
                     self._release()
                     if discarded is None:
                         replica.committed += 1
-                        replica.contributors = contributors
+                        replica.contributors = counted  # this shard's own (the start check's n)
                 if discarded is not None:
                     log.warning("outer step %d discarded on every replica: %s", step, discarded)
                     return None

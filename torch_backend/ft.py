@@ -83,6 +83,7 @@ log = logging.getLogger("gradserver.torch.ft")
 _GRADIENTS_GROUP = 1  # the collective group of the steps' gradients
 _POSITIONS_GROUP = 2  # the collective of where each rank is, when a restarted coordinator's job begins
 _POSITION_SPLIT = 2**20  # a position as two float32 values, each exact
+_NO_COUNT = 2**31  # `_agree`: no step was averaged (it failed), so no count to agree on
 _BACKOFF_S = (0.2, 5.0)  # first and longest wait between tries to rejoin a lost coordinator
 
 
@@ -331,15 +332,15 @@ class Replica:
                 self.client.barrier(step, "commit")
             except GradServerError as exc:
                 error = exc
-        error = self._agree(step, error)
+        error, contributors = self._agree(step, error, self.contributors if error is None else None)
         if error is not None and self._rejoins(error):
             self._rejoin(step, error)
             return False
         if error is not None and not isinstance(error, StepFailed):
             raise error  # the coordinator is gone, or this rank was refused: nothing to go on with
-        if error is None and self.contributors is not None and self.contributors < self.min_replicas:
+        if error is None and contributors is not None and contributors < self.min_replicas:
             raise FailedPreconditionError(
-                f"step {step} was averaged over {self.contributors} replicas, fewer than "
+                f"step {step} was averaged over {contributors} replicas, fewer than "
                 f"min_replicas {self.min_replicas}: the job stops"
             )
         # The step number and the state change together: a rank joining reads them as one.
@@ -401,21 +402,30 @@ class Replica:
                 _local(param.grad).copy_(flat[start : start + size].view_as(_local(param.grad)))
         return None
 
-    def _agree(self, step: int, error: GradServerError | None) -> GradServerError | None:
+    def _agree(
+        self, step: int, error: GradServerError | None, contributors: int | None
+    ) -> tuple[GradServerError | None, int | None]:
         """With a replica group: the group applies the step only if every shard committed it, and
-        goes on only if none lost its coordinator (all ranks of the group decide alike)."""
+        goes on only if none lost its coordinator (all ranks of the group decide alike); the
+        contributors are the fewest any shard's step was averaged over (each shard's job counts
+        its own: a group lost between two shards' sums counts in one only), so `min_replicas`
+        stops every rank of the group or none."""
         if self.replica_group is None:
-            return error
+            return error, contributors
         mine = 0 if error is None else 1 if isinstance(error, StepFailed) else 2
-        worst = torch.tensor([mine], dtype=torch.int64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.replica_group)
-        if int(worst) == mine:
-            return error
-        if int(worst) == 1:
-            return StepFailed(f"step {step} failed on another shard of this replica group", step=step)
+        votes = torch.tensor(
+            [mine, -(_NO_COUNT if contributors is None else contributors)], dtype=torch.int64
+        )
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.replica_group)
+        worst, fewest = int(votes[0]), -int(votes[1])
+        agreed = None if fewest == _NO_COUNT else fewest
+        if worst == mine:
+            return error, agreed
+        if worst == 1:
+            return StepFailed(f"step {step} failed on another shard of this replica group", step=step), agreed
         return FailedPreconditionError(
             f"step {step}: another shard of this replica group lost its coordinator", step=step
-        )
+        ), agreed
 
     def _line_up(self) -> int | None:
         """The step this rank takes part from when it joined a running job (None: it began the

@@ -173,6 +173,20 @@ class WorkerConfig:
         default=0.9,
         metadata={"help": "train, --outer-steps: momentum of the outer Nesterov SGD (0: plain SGD)"},
     )
+    outer_delay: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "train, --outer-steps: inner steps that run while each exchange travels (Streaming "
+            "DiLoCo's tau; below H/F)"
+        },
+    )
+    outer_keep_local: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            "help": "train, --outer-steps: share of its local weights a fragment keeps when its average "
+            "lands (alpha; 0: they become the global ones)"
+        },
+    )
     reconnect_timeout: float = dataclasses.field(
         default=0.0,
         metadata={
@@ -294,6 +308,8 @@ class WorkerConfig:
             fragments=self.fragments,
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
+            outer_delay=self.outer_delay,
+            outer_keep_local=self.outer_keep_local,
         )
 
     def non_block_components(self) -> tuple[NonBlockComponent, ...]:

@@ -101,6 +101,11 @@ def training_fingerprint(config: TrainConfig, *, engine: str) -> dict[str, str]:
                 "outer_momentum": _text(config.outer_momentum),
             }
         )
+        # Only when set, so that the jobs from before they existed keep their fingerprints.
+        if config.outer_delay:
+            fingerprint["outer_delay"] = _text(config.outer_delay)
+        if config.outer_keep_local:
+            fingerprint["outer_keep_local"] = _text(config.outer_keep_local)
     return fingerprint
 
 

@@ -346,6 +346,8 @@ def _run_in_process(job: _Job) -> int:
         fragments=worker.fragments,
         outer_lr=worker.outer_lr,
         outer_momentum=worker.outer_momentum,
+        outer_delay=worker.outer_delay,
+        outer_keep_local=worker.outer_keep_local,
     )
     errors: list[BaseException] = []
 

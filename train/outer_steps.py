@@ -6,8 +6,17 @@ of one fragment's parameters goes through the engine under the same block / non-
 step's gradients use, the average Δ̄ comes back, the fragment's outer optimizer (SGD, Nesterov
 momentum) steps its global weights with Δ̄ as their gradient, and the local weights of that
 fragment become the global ones. Fragment k is exchanged at trainer steps ≡ k (mod F), so every
-H inner steps each fragment has had one outer step. The exchange does not overlap the next
-inner steps (the Streaming DiLoCo delay τ is 0 here).
+H inner steps each fragment has had one outer step.
+
+With `--outer-delay τ` (Streaming DiLoCo's overlap) the exchange is sent τ inner steps before
+the step's last: the step runs H/F - τ inner steps, sends Δ, runs its last τ inner steps while
+the average travels, then waits for it and applies it, and the fragment's local weights are
+mixed with its new global ones, local ← a·local + (1 - a)·global (`--outer-keep-local a`, 0:
+they become the global ones, dropping what the τ inner steps did to that fragment; the paper's
+alpha, 0.5; the last step with inner steps and the flush's take the global ones, so the job ends
+on them). The step still ends with its exchange applied, so nothing is on its way at a step's
+boundary (a replacement, a checkpoint, a step run again after a rejoined coordinator see what
+they see without it); the sends are τ inner steps earlier in every period than without it.
 
 At the end, with F > 1, the fragments exchanged earlier in the last period would leave out the
 inner steps taken since, and the model would be a mix of global and local weights. So F - 1 flush
@@ -26,7 +35,7 @@ rest of the flush).
 
 Replicated state (equal on every worker, what the state digest covers): the global weights and
 each fragment's outer optimizer state. Per worker (served to a replacement, not compared): the
-inner AdamW state, and with F > 1 the local weights of the fragments not exchanged yet. This
+inner AdamW state, and with F > 1 or a keep_local above 0 the local weights. This
 module does not import gradserver.torch (tests/test_layering.py): the little it needs of
 gradserver.torch.diloco is written again here.
 """
@@ -60,12 +69,15 @@ OUTER_OPTIMIZER = "SGD-Nesterov"
 @dataclasses.dataclass(frozen=True)
 class OuterSettings:
     """`outer_steps` (H) inner steps per outer step of every fragment, `fragments` (F) parts of
-    the model exchanged in turn, the outer optimizer's learning rate and momentum."""
+    the model exchanged in turn, the outer optimizer's learning rate and momentum, the overlap
+    (`delay`, τ) and the mixing (`keep_local`, the paper's alpha)."""
 
     outer_steps: int
     fragments: int = 1
     outer_lr: float = DEFAULT_OUTER_LR
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    delay: int = 0  # τ: the inner steps that run while an exchange travels
+    keep_local: float = 0.0  # how much of its local weights a fragment keeps when its average lands
 
     @property
     def inner_per_exchange(self) -> int:
@@ -79,7 +91,15 @@ class OuterSettings:
 
 
 def check_outer_settings(
-    outer_steps: int, fragments: int, outer_lr: float, outer_momentum: float, *, steps: int, model: str
+    outer_steps: int,
+    fragments: int,
+    outer_lr: float,
+    outer_momentum: float,
+    *,
+    steps: int,
+    model: str,
+    delay: int = 0,
+    keep_local: float = 0.0,
 ) -> None:
     """Raises naming the flag when the outer-step settings (0 outer steps: off) do not fit
     together or with `steps` (inner steps) and the model."""
@@ -90,6 +110,8 @@ def check_outer_settings(
             ("--fragments", fragments, 1),
             ("--outer-lr", outer_lr, DEFAULT_OUTER_LR),
             ("--outer-momentum", outer_momentum, DEFAULT_OUTER_MOMENTUM),
+            ("--outer-delay", delay, 0),
+            ("--outer-keep-local", keep_local, 0.0),
         ):
             if value != default:
                 raise InvalidArgumentError(f"{flag} {value} needs --outer-steps")
@@ -110,6 +132,14 @@ def check_outer_settings(
     if not 0 <= outer_momentum < 1:
         raise InvalidArgumentError(f"--outer-momentum must be in [0, 1), got {outer_momentum}")
     per = outer_steps // fragments
+    if not 0 <= delay < per:
+        raise InvalidArgumentError(
+            f"--outer-delay {delay} must be at least 0 and below the {per} inner steps of each "
+            f"exchange (--outer-steps {outer_steps} / --fragments {fragments}): the exchange is sent "
+            "that many inner steps before the step ends"
+        )
+    if not 0.0 <= keep_local <= 1.0:
+        raise InvalidArgumentError(f"--outer-keep-local must be in [0, 1], got {keep_local}")
     if steps % per:
         raise InvalidArgumentError(
             f"--steps {steps} counts inner steps: it must be a multiple of the {per} inner steps "
@@ -296,16 +326,24 @@ class OuterTrainer:
         self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], started: float
     ) -> StepResult:
         flush = not micro_batches
+        fragment = self.fragments[self.fragment_at(self.step)]
         if flush:
             # Nothing was trained, so there is no loss to report (NaN); the engines want a finite
             # one (the coordinator refuses NaN), and 0 over 0 tokens weighs nothing in the average.
             loss_value, sent_loss, tokens, norm = math.nan, 0.0, 0, None
+            self._send(fragment)
         else:
-            loss_value, tokens, norm = self._inner_steps(micro_batches)
-            sent_loss = loss_value
+            # The last τ inner steps run while the exchange travels (`--outer-delay`).
+            micro_per_inner = len(micro_batches) // self.inner_per_step
+            split = (self.inner_per_step - self.settings.delay) * micro_per_inner
+            loss_sum, tokens, norm = self._inner_steps(micro_batches[:split], micro_per_inner)
+            self._send(fragment)
+            if split < len(micro_batches):
+                overlapped = self._inner_steps(micro_batches[split:], micro_per_inner)
+                loss_sum, tokens, norm = loss_sum + overlapped[0], tokens + overlapped[1], overlapped[2]
+            loss_value = sent_loss = loss_sum / len(micro_batches)  # the mean over the whole inner phase
         compute_done = time.perf_counter()
-        fragment = self.fragments[self.fragment_at(self.step)]
-        averages = self._exchange(fragment, sent_loss, tokens)
+        averages = self._land(fragment, sent_loss, tokens)
         if self.keep_snapshot:
             self.engine.commit(self.step)
         comm_done = time.perf_counter()
@@ -331,12 +369,11 @@ class OuterTrainer:
         )
 
     def _inner_steps(
-        self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+        self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], micro_per_inner: int
     ) -> tuple[float, int, float | None]:
-        """Runs the step's inner steps; returns the mean loss, the tokens and the last gradient
-        norm (None without clipping)."""
-        per = self.inner_per_step
-        micro_per_inner = len(micro_batches) // per
+        """Runs inner steps of `micro_per_inner` micro-batches each; returns the sum of their
+        losses, the tokens and the last gradient norm (None without clipping)."""
+        per = len(micro_batches) // micro_per_inner
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         norm: torch.Tensor | None = None
@@ -353,11 +390,11 @@ class OuterTrainer:
             with self.engine.updating_state():
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss_sum) / len(micro_batches)  # the mean over the whole inner phase
-        return loss_value, tokens, float(norm) if norm is not None else None
+        return float(loss_sum), tokens, float(norm) if norm is not None else None
 
-    def _exchange(self, fragment: _Fragment, loss: float, tokens: int) -> list[torch.Tensor]:
-        """Sends the fragment's pseudo-gradients global - local; returns their averages in unit order."""
+    def _send(self, fragment: _Fragment) -> None:
+        """Starts the exchange of the fragment's pseudo-gradients global - local (`_land` waits
+        for it); the averages land in the units' buffers, which nothing else touches meanwhile."""
         engine = self.engine
         engine.start_step(self.step)
         with torch.no_grad():
@@ -371,6 +408,11 @@ class OuterTrainer:
                     engine.submit_block(index, self._num_blocks, unit.buffer, unit.sizes)
                 else:
                     engine.submit_non_block(NonBlockComponent(index), unit.buffer)
+
+    def _land(self, fragment: _Fragment, loss: float, tokens: int) -> list[torch.Tensor]:
+        """Hands in the step's loss and waits for the exchange `_send` started: its averages
+        in unit order."""
+        engine = self.engine
         engine.submit_loss(loss, tokens)
         averages = engine.finish()
         if [key for key, _ in averages] != [unit.key for unit in fragment.units]:
@@ -402,9 +444,15 @@ class OuterTrainer:
             if not flush:
                 fragment.optimizer.step()
                 fragment.optimizer.zero_grad(set_to_none=True)
+            # The job ends on the global weights: the flush's fragments and the last step's.
+            last = self.trainer_steps is not None and self.step + 1 >= self.trainer_steps
+            keep = 0.0 if flush or last else self.settings.keep_local
             for unit in fragment.units:
                 for g, p in zip(unit.globals, unit.params, strict=True):
-                    p.copy_(g)
+                    if keep:
+                        p.mul_(keep).add_(g, alpha=1.0 - keep)
+                    else:
+                        p.copy_(g)
 
     # --- the state: served to replacements, compared, checkpointed ---------------------------------
 
@@ -429,13 +477,14 @@ class OuterTrainer:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The replicated tensors, this worker's inner optimizer state (`inner/PARAM/NAME`) and,
-        with fragments, its local weights (`local/NAME`). No copies: read them before the next step."""
+        with fragments or `keep_local`, its local weights (`local/NAME`). No copies: read them
+        before the next step."""
         tensors = self.replicated_tensors()
         for index, state in self.optimizer.state_dict()["state"].items():
             for name, value in state.items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"inner/{index}/{name}"] = value
-        if len(self.fragments) > 1:
+        if len(self.fragments) > 1 or self.settings.keep_local:
             tensors.update({f"local/{name}": p for name, p in self.model.named_parameters()})
         return tensors
 
@@ -444,8 +493,8 @@ class OuterTrainer:
 
     def load_state(self, step: int, tensors: dict[str, Any], extra: dict[str, Any]) -> None:
         """Takes another worker's state (`state_tensors`, `state_extra` there) at `step`. With one
-        fragment the local weights become the global ones: at a step's boundary they are equal,
-        whatever inner step the donor was at while it served."""
+        fragment and no `keep_local` the local weights become the global ones: at a step's
+        boundary they are equal, whatever inner step the donor was at while it served."""
         inner: dict[int, dict[str, Any]] = {}
         outer: list[dict[int, dict[str, Any]]] = [{} for _ in self.fragments]
         globals_: dict[str, torch.Tensor] = {}

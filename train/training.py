@@ -78,6 +78,8 @@ class TrainConfig:
     fragments: int = 1
     outer_lr: float = DEFAULT_OUTER_LR
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    outer_delay: int = 0
+    outer_keep_local: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accumulation_steps"):
@@ -109,13 +111,22 @@ class TrainConfig:
             self.outer_momentum,
             steps=self.steps,
             model=self.model,
+            delay=self.outer_delay,
+            keep_local=self.outer_keep_local,
         )
 
     @property
     def outer(self) -> OuterSettings | None:
         if not self.outer_steps:
             return None
-        return OuterSettings(self.outer_steps, self.fragments, self.outer_lr, self.outer_momentum)
+        return OuterSettings(
+            self.outer_steps,
+            self.fragments,
+            self.outer_lr,
+            self.outer_momentum,
+            self.outer_delay,
+            self.outer_keep_local,
+        )
 
     @property
     def inner_per_step(self) -> int:

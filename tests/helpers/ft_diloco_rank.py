@@ -1,9 +1,11 @@
-"""examples/diloco_ft.py with a fault: a rank kills itself at an inner step, keyed by rank and
-step (fault injection for tests/test_torch_ft_diloco.py).
+"""examples/diloco_ft.py (or examples/ft_hsdp.py with --outer-steps) with a fault: a rank kills
+itself at an inner step, keyed by rank and step (fault injection for tests/test_torch_ft_diloco.py).
 
     python -m tests.helpers.ft_diloco_rank --die RANK:STEP:PHASE --steps 200 --sync-every 20
+    python -m tests.helpers.ft_diloco_rank --example ft_hsdp.py --die RANK:STEP:inner --outer-steps 10
 
-RANK is the rank `gradserver run` started (LOCAL_RANK). PHASE is where it gets SIGKILL: `inner`
+RANK is the rank `gradserver run` started (LOCAL_RANK: the global rank, also under replica
+groups). PHASE is where it gets SIGKILL: `inner`
 (in the forward pass of inner step STEP: mid-inner-phase, its progress since its last exchange
 lost) or `exchange` (its payload of the first exchange at or after inner step STEP queued, the
 sum not back: a small payload has reached the coordinator by then, so the exchange completes
@@ -112,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--die", default="", help="RANK:STEP:PHASE")
     parser.add_argument("--hold", default="", help="RANK[,RANK...]:STEP:FLAG")
+    parser.add_argument("--example", default="diloco_ft.py", choices=("diloco_ft.py", "ft_hsdp.py"))
     args, rest = parser.parse_known_args()
     held: set[int] = set()
     hold_step, flag = -1, None
@@ -124,7 +127,7 @@ def main() -> None:
         if phase not in PHASES:
             parser.error(f"--die RANK:STEP:PHASE, PHASE one of {', '.join(PHASES)}")
         ft.Replica = _dying_replica(int(rank), int(step), phase, held, hold_step, flag)  # type: ignore[misc]
-    script = ROOT / "examples" / "diloco_ft.py"
+    script = ROOT / "examples" / args.example
     sys.path.insert(0, str(script.parent))  # its `_result` import, as when it runs as a script
     sys.argv = [str(script), *rest]
     runpy.run_path(str(script), run_name="__main__")
