@@ -25,6 +25,11 @@ steps are changing. The coordinator's gather needs every rank, so int8 and int4 
 summed by the coordinator instead (`quantized_sum`): the replica sends its compensated wΔ as
 block-quantized records (bf16: bfloat16 values) and [w, counts] as an exact float32 SUM, two keys
 of the same step, and gets one quantized sum back (one payload up, one down).
+
+With HSDP replica groups (`ft.Replica(replica_group=)`) each rank exchanges its own shards in its
+shard's job, and the ranks of a group agree on every exchange's outcome (`Replica._agree`, on the
+training thread) before any applies it: each shard's job decides alike for all its members, so
+every group applies the same exchanges of every shard.
 """
 
 from __future__ import annotations
