@@ -42,10 +42,10 @@ def _join(address: str, node: str, fingerprint: Mapping[str, str], timeout: floa
 )
 def test_a_joiner_that_differs_from_the_job_is_refused(coordinator, fingerprint, differences) -> None:
     server = coordinator(world_size=2, heartbeat_timeout=60.0)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    # The waiter listens before the Join goes: a line logged before it was attached is not seen.
+    with log_waiter() as logs, concurrent.futures.ThreadPoolExecutor(2) as pool:
         first = pool.submit(_join, server.address, "a", JOB)
-        with log_waiter() as logs:
-            logs.wait_for(r"worker 0 joined: node 'a'")
+        logs.wait_for(r"worker 0 joined: node 'a'")
         with pytest.raises(grpc.RpcError) as refused:
             _join(server.address, "b", fingerprint)
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

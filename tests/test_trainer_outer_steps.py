@@ -476,19 +476,7 @@ def test_workers_rejoin_a_restarted_coordinator_and_end_bit_identical(
     ]
     for w in workers:
         w.wait_for(r"worker \d step 4:", timeout=120)
-    first.kill()
-    first.wait(30)
-    port = address.rsplit(":", 1)[1]
-    processes.gradserver(
-        "coordinator",
-        "--bind",
-        f"127.0.0.1:{port}",
-        "--world-size",
-        "2",
-        "--heartbeat-timeout",
-        "5",
-        name="second",
-    )
+    processes.restart_coordinator(first, address, "--world-size", "2", "--heartbeat-timeout", "5")
     for w in workers:
         assert w.wait(240) == 0, w.output
         assert "rejoining" in w.output, w.output

@@ -133,6 +133,14 @@ class ProcessGroup:
             raise AssertionError(f"coordinator did not start:\n{proc.output}")
         return proc, f"127.0.0.1:{port}"
 
+    def restart_coordinator(self, killed: ManagedProcess, address: str, *args: str) -> ManagedProcess:
+        """SIGKILLs the coordinator `killed` and starts `gradserver coordinator *args` again on
+        its port (`address`), as a supervisor that restarts it in place does."""
+        killed.kill()
+        killed.wait(30)
+        port = address.rsplit(":", 1)[1]
+        return self.gradserver("coordinator", "--bind", f"127.0.0.1:{port}", *args, name="restarted")
+
     def scripted_worker(
         self, address: str, *args: str, name: str, env: dict[str, str | None] | None = None
     ) -> ManagedProcess:
