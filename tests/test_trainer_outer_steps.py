@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -68,32 +68,46 @@ def _train_threads(world: int, config: TrainConfig) -> list[list[StepResult]]:
     return _in_threads(world, lambda engine: train(engine, config))
 
 
-def test_one_inner_step_per_outer_step_at_lr_1_without_momentum_averages_the_weights(tmp_path: Path) -> None:
-    """H = 1, outer lr 1, momentum 0: global - (global - mean of the locals) = the mean of the
-    locals, so the job must be local AdamW steps (each worker its own optimizer state) with the
-    weights averaged after each one, as computed here without the trainer."""
-    world, steps, batch = 2, 3, 2
-    config = TrainConfig(
+def _plain_outer_sgd(tmp_path: Path, steps: int, batch: int, **outer: Any) -> TrainConfig:
+    """The tiny model's job with an outer SGD of lr 1 and no momentum (the outer step is then
+    global - mean Δ, computable by hand), clipping at 1, checkpoints in `tmp_path`."""
+    return TrainConfig(
         model="tiny",
         steps=steps,
         batch_size=batch,
         lr=1e-2,
         max_grad_norm=1.0,
         out=str(tmp_path),
-        outer_steps=1,
         outer_lr=1.0,
         outer_momentum=0.0,
+        **outer,
     )
-    _train_threads(world, config)
-    got = load_checkpoint(tmp_path / "checkpoint-rank0.pt").model_state
 
+
+def _reference_replicas(
+    world: int,
+) -> tuple[TokenWindows, list[TransformerLM], list[torch.optim.Optimizer]]:
+    """The shipped corpus and `world` tiny models with the trainer's inner AdamW, built as the
+    trainer builds them, for computing a job's result without it."""
     cfg = model_config("tiny")
-    data = TokenWindows(corpus_bytes(), cfg.max_seq_len)
     models = [TransformerLM(cfg, seed=0) for _ in range(world)]
-    optimizers = [
+    optimizers: list[torch.optim.Optimizer] = [
         torch.optim.AdamW(m.parameters(), lr=1e-2, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0)
         for m in models
     ]
+    return TokenWindows(corpus_bytes(), cfg.max_seq_len), models, optimizers
+
+
+def test_one_inner_step_per_outer_step_at_lr_1_without_momentum_averages_the_weights(tmp_path: Path) -> None:
+    """H = 1, outer lr 1, momentum 0: global - (global - mean of the locals) = the mean of the
+    locals, so the job must be local AdamW steps (each worker its own optimizer state) with the
+    weights averaged after each one, as computed here without the trainer."""
+    world, steps, batch = 2, 3, 2
+    _train_threads(world, _plain_outer_sgd(tmp_path, steps, batch, outer_steps=1))
+    got = load_checkpoint(tmp_path / "checkpoint-rank0.pt").model_state
+
+    cfg = model_config("tiny")
+    data, models, optimizers = _reference_replicas(world)
     local_only = TransformerLM(cfg, seed=0)  # rank 0 without averaging: the test must tell them apart
     local_optimizer = torch.optim.AdamW(local_only.parameters(), lr=1e-2, betas=ADAMW_BETAS, eps=ADAMW_EPS)
     for step in range(steps):
@@ -125,29 +139,11 @@ def test_with_a_delay_the_exchange_is_sent_before_the_last_inner_steps_and_mixed
     (the mean of the locals as they were sent) and local ← 0.5·local + 0.5·global; the last step
     ends on the global weights. Computed here without the trainer."""
     world, steps, batch, per, tau, keep = 2, 6, 2, 3, 1, 0.5
-    config = TrainConfig(
-        model="tiny",
-        steps=steps,
-        batch_size=batch,
-        lr=1e-2,
-        max_grad_norm=1.0,
-        out=str(tmp_path),
-        outer_steps=per,
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        outer_delay=tau,
-        outer_keep_local=keep,
-    )
+    config = _plain_outer_sgd(tmp_path, steps, batch, outer_steps=per, outer_delay=tau, outer_keep_local=keep)
     _train_threads(world, config)
     got = load_checkpoint(tmp_path / "checkpoint-rank0.pt")
 
-    cfg = model_config("tiny")
-    data = TokenWindows(corpus_bytes(), cfg.max_seq_len)
-    models = [TransformerLM(cfg, seed=0) for _ in range(world)]
-    optimizers = [
-        torch.optim.AdamW(m.parameters(), lr=1e-2, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0)
-        for m in models
-    ]
+    data, models, optimizers = _reference_replicas(world)
     global_weights = [p.detach().clone() for p in models[0].parameters()]
 
     def inner(rank: int, step: int, which: range) -> None:

@@ -256,8 +256,7 @@ class FtExchange:
                 error, fewest = replica._agree(step, error, counted)
                 if error is not None and not isinstance(error, StepFailed):
                     raise error  # the coordinator is gone, or this replica was refused
-                discarded = error.message if error is not None else None  # None: it is applied
-                if discarded is None and (fewest or 0) < replica.min_replicas:
+                if error is None and (fewest or 0) < replica.min_replicas:
                     raise FailedPreconditionError(
                         f"outer step {step} was averaged over {fewest} replicas, fewer "
                         f"than min_replicas {replica.min_replicas}: the job stops"
@@ -266,11 +265,11 @@ class FtExchange:
                 with replica.client.updating_state():
                     replica.step = step + 1
                     self._release()
-                    if discarded is None:
+                    if error is None:  # applied; a StepFailed one is discarded
                         replica.committed += 1
                         replica.contributors = counted  # this shard's own (the start check's n)
-                if discarded is not None:
-                    log.warning("outer step %d discarded on every replica: %s", step, discarded)
+                if error is not None:
+                    log.warning("outer step %d discarded on every replica: %s", step, error.message)
                     return None
                 device = parts[0][0].device
                 return torch.from_numpy(np.concatenate(attempt.arrays)).to(device)
