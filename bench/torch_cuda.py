@@ -28,7 +28,7 @@ and host time inside cudaMemcpyAsync and the synchronising calls.
 
 Rank 0 prints one JSON line per result, each with a one-line "summary"; a rank exits 1 when a
 check failed. `--device cpu` runs every part on the host (a trial of the plumbing on a machine
-without a GPU: gloo is exact there, and the profiler sees no copies).
+without a GPU: gloo is exact there; the profiler runs on a GPU only, there being no copies to see).
 """
 
 from __future__ import annotations
@@ -503,8 +503,8 @@ SIZES = {  # vocab, width, layers, batch, seq
 
 
 def _ddp_run(backend: str | None, device: torch.device, size: str, warmup: int, steps: int) -> dict[str, Any]:
-    """Trains with DDP over `backend` (None: each rank alone): step times, parameters, and the
-    profiler's view of two more steps."""
+    """Trains with DDP over `backend` (None: each rank alone): step times, parameters, the
+    profiler's view of two more steps (on a GPU), and the model."""
     from torch.nn.parallel import DistributedDataParallel
 
     vocab, width, layers, batch, seq = SIZES[size]
@@ -537,17 +537,26 @@ def _ddp_run(backend: str | None, device: torch.device, size: str, warmup: int, 
             _sync(device)
             if i >= warmup:
                 seconds.append(time.perf_counter() - started)
-        with _profiler(device) as prof:
-            for i in range(2):
-                step(warmup + steps + i)
-            _sync(device)
+        copies: dict[str, dict[str, float]] = {}
+        host_ms: dict[str, float] = {}
+        # Only on a GPU: on the host there are no copies to see, and the profiler's stop while
+        # DDP's callbacks still ran on the backend's threads is the likely end of a CPU trial
+        # that died once in CI (glibc heap corruption right after profiler_stop; 600 profiled
+        # rounds here did not repeat it).
+        if device.type == "cuda":
+            with _profiler(device) as prof:
+                for i in range(2):
+                    step(warmup + steps + i)
+                _sync(device)
+            copies, host_ms = _copy_kinds(prof), _host_calls(prof)
         module = model.module if isinstance(model, DistributedDataParallel) else model
         params = {name: p.detach().cpu() for name, p in module.named_parameters()}
         return {
+            "model": model,
             "seconds": seconds,
             "params": params,
-            "copies": _copy_kinds(prof),
-            "host_ms": _host_calls(prof),
+            "copies": copies,
+            "host_ms": host_ms,
             "parameters": sum(p.numel() for p in params.values()),
         }
     finally:
@@ -559,6 +568,11 @@ def part_ddp(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
     device = _device(args.device)
     size = args.size or ("27m" if device.type == "cuda" else "tiny")
     vocab, width, layers, batch, seq = SIZES[size]
+    # Each run's model (and with it its DDP reducer's process group) is kept until the end. In
+    # torch 2.13 a Work that gloo issues during backward holds the backward's Python context in
+    # its thread state, and gloo's worker thread takes the GIL to release it after the Work ran;
+    # a gloo group freed right after the last step (its reducer dropped, the GIL held) joins that
+    # thread and both wait for ever (seen here in 4 of 15 CPU trials).
     runs: dict[str, dict[str, Any]] = {}
     # gradserver first, each variant's line as soon as it ran: a later one that hangs (gloo on
     # CUDA tensors) leaves this one's figures in the log.
