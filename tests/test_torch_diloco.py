@@ -11,10 +11,13 @@
 - The weighting: with outer SGD lr 1 without momentum the new global weights are the weighted
   mean of the replicas' local weights, Σ wᵢθᵢ / Σ wᵢ, a replica that counted 0 left out.
 - `flush` after a mid-period stop, called or by leaving the `with` block: every fragment's global
-  weights hold the last inner step, the model takes them, a second flush sends nothing.
+  weights hold the last inner step, the model takes them, a second flush sends nothing; its rule
+  (flush="mean": the replicas' mean weights, the outer optimizer untouched; "outer": an outer step).
 - A checkpoint (`state_dict`, `load_state_dict`) taken mid-period and loaded by new objects: the
-  run ends as the one that never stopped, bit for bit; a checkpoint that does not fit is refused.
-- Refusals with clear messages, and an example run under `gradserver run`.
+  run ends as the one that never stopped, bit for bit (also one saved before the flush rule
+  existed); a checkpoint that does not fit is refused.
+- Refusals with clear messages (replicas with different settings among them), and an example run
+  under `gradserver run`.
 """
 
 from __future__ import annotations
@@ -199,13 +202,17 @@ def _weighted(rank: int, quantize: str | None) -> dict[str, Any]:
     return {"locals": locals_gathered, "weights": weights, "globals": globals_after}
 
 
-def _flushed(rank: int, quantize: str | None, leave_block: bool = False) -> dict[str, Any]:
+def _flushed(
+    rank: int, quantize: str | None, leave_block: bool = False, flush: str | None = None
+) -> dict[str, Any]:
     """Streaming (H = 4, 2 fragments exchanged at inner steps 2 and 4 of each period, delay 1,
     keep_local 0.5), outer SGD lr 1 momentum 0, stopped after inner step 6, mid-period: fragment 0
     was sent at step 6 and is on its way, fragment 1 was last sent at step 4. The local weights of
     every replica gathered just before `flush` (`leave_block`: before leaving the `with` block,
-    which flushes); what it sent and applied; a second flush."""
-    from gradserver.torch.diloco import DiLoCo
+    which flushes); what it sent and applied; a second flush. With a `flush` rule given: the
+    default outer optimizer (Nesterov, lr 0.7, momentum 0.9) and that rule, and whether fragment
+    1's outer optimizer state (its momentum) is what it was before the flush."""
+    from gradserver.torch.diloco import DiLoCo, nesterov_outer_optimizer
 
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -214,12 +221,17 @@ def _flushed(rank: int, quantize: str | None, leave_block: bool = False) -> dict
         model,
         inner,
         sync_every=4,
-        outer_optimizer=sgd,
+        outer_optimizer=sgd if flush is None else nesterov_outer_optimizer,
         fragments=2,
         delay=1,
         keep_local=0.5,
         quantize=quantize,
+        flush=flush or "outer",
     )
+
+    def momentum() -> list[torch.Tensor]:
+        state = outer._fragments[1].outer.state_dict()["state"]
+        return [state[i]["momentum_buffer"].clone() for i in sorted(state)]
 
     def train() -> None:
         for step in range(6):
@@ -245,7 +257,11 @@ def _flushed(rank: int, quantize: str | None, leave_block: bool = False) -> dict
         train()
         local_weights = gathered()
         before = (outer.outer_steps, outer.sent_bytes)
+        momentum_before = momentum() if flush is not None else []
         outer.flush()
+    momentum_kept = flush is not None and all(
+        torch.equal(a, b) for a, b in zip(momentum_before, momentum(), strict=True)
+    )
     after = (outer.outer_steps, outer.sent_bytes)
     outer.flush()
     again = (outer.outer_steps, outer.sent_bytes)
@@ -257,6 +273,7 @@ def _flushed(rank: int, quantize: str | None, leave_block: bool = False) -> dict
         "model_is_global": all(torch.equal(p, weights[n]) for n, p in model.named_parameters()),
         "fragment_numel": [sum(p.numel() for p in f.params) for f in outer._fragments],
         "counts": [before, after, again],
+        "momentum_kept": momentum_kept,
     }
 
 
@@ -268,11 +285,20 @@ def _resumed(rank: int) -> dict[str, Any]:
     loaded another step's state, a load after the first inner step."""
     from gradserver.torch.diloco import DiLoCo
 
-    def build(fragments: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
+    def build(
+        fragments: int = 2, flush: str = "outer"
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         outer = DiLoCo(
-            model, inner, sync_every=4, fragments=fragments, delay=1, keep_local=0.5, quantize="int8"
+            model,
+            inner,
+            sync_every=4,
+            fragments=fragments,
+            delay=1,
+            keep_local=0.5,
+            quantize="int8",
+            flush=flush,
         )
         return model, inner, outer
 
@@ -307,25 +333,30 @@ def _resumed(rank: int) -> dict[str, Any]:
     del model, inner, outer  # the process that saved them is gone
 
     def resume(
-        checkpoint: bytes, fragments: int = 2
+        checkpoint: bytes, fragments: int = 2, flush: str = "outer", before_flush: bool = False
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCo]:
-        model, inner, outer = build(fragments)
+        model, inner, outer = build(fragments, flush)
         state = torch.load(io.BytesIO(checkpoint), weights_only=True)
+        if before_flush:  # a state saved before DiLoCo had a flush rule
+            del state["outer"]["settings"]["flush"], state["outer"]["extra"]["settings"]
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
         outer.load_state_dict(state["outer"])
         return model, inner, outer
 
-    model, inner, outer = resume(at_6)
-    at = outer.inner_step
-    train(model, inner, outer, 10)
-    outer.flush()
-    resumed = (flat(outer.global_tensors().values()), flat(model.parameters()), outer.outer_steps)
+    resumed: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+    for name, before_flush in (("resumed", False), ("resumed_older", True)):
+        model, inner, outer = resume(at_6, before_flush=before_flush)
+        at = outer.inner_step
+        train(model, inner, outer, 10)
+        outer.flush()
+        resumed[name] = (flat(outer.global_tensors().values()), flat(model.parameters()), outer.outer_steps)
     return {
         "straight": straight,
-        "resumed": resumed,
+        **resumed,
         "at": at,
         "other_settings": _error_of(lambda: resume(at_6, fragments=1)),
+        "other_flush": _error_of(lambda: resume(at_6, flush="mean")),
         "other_step": _error_of(lambda: resume(at_5 if rank == 2 else at_6)),
         "late": _error_of(
             lambda: outer.load_state_dict(torch.load(io.BytesIO(at_6), weights_only=True)["outer"])
@@ -351,6 +382,12 @@ def _refusals(rank: int) -> dict[str, str]:
         "format": _error_of(lambda: DiLoCo(model, inner, sync_every=5, quantize="int3")),
         "fragments": _error_of(lambda: DiLoCo(model, inner, sync_every=2, fragments=3)),
         "delay": _error_of(lambda: DiLoCo(model, inner, sync_every=4, delay=4)),
+        "flush": _error_of(lambda: DiLoCo(model, inner, sync_every=4, flush="last")),
+        # Collectives: every replica takes part in each of these.
+        "other_flush": _error_of(
+            lambda: DiLoCo(model, inner, sync_every=4, flush="mean" if rank == 1 else "outer")
+        ),
+        "other_delay": _error_of(lambda: DiLoCo(model, inner, sync_every=4, delay=rank % 2)),
     }
     different = _model()
     if rank == 1:
@@ -375,6 +412,8 @@ def _results(rank: int) -> dict[str, Any]:
     results["flushed"] = _flushed(rank, None)
     results["flushed_int8"] = _flushed(rank, "int8")
     results["flushed_on_leaving"] = _flushed(rank, None, leave_block=True)
+    results["flushed_mean"] = _flushed(rank, None, flush="mean")
+    results["flushed_outer"] = _flushed(rank, None, flush="outer")
     results["resumed"] = _resumed(rank)
     for name, options in RUNS.items():
         results[name] = _train(rank, options)
@@ -508,6 +547,30 @@ def test_flush_gives_every_fragment_its_last_inner_steps_and_the_model_the_globa
         assert torch.equal(replica[run]["globals"], seen["globals"])
 
 
+@pytest.mark.parametrize("rule", ["mean", "outer"])
+def test_the_flush_rule_decides_how_the_flush_applies_what_it_sends(
+    replicas: list[dict[str, Any]], rule: str
+) -> None:
+    """The fragment the flush sends (fragment 1): with flush="mean" its global weights become
+    the replicas' mean local weights and its outer optimizer's momentum stays as it was; with
+    "outer" (Nesterov, lr 0.7, momentum 0.9) it takes an outer step, which lands elsewhere and
+    moves the momentum. Either way every replica ends on the same global weights, in its model."""
+    seen = replicas[0][f"flushed_{rule}"]
+    start = seen["fragment_numel"][0]
+    mean, flushed = seen["locals"].mean(0)[start:], seen["globals"][start:]
+    if rule == "mean":
+        torch.testing.assert_close(flushed, mean, rtol=0, atol=1e-6)
+        assert seen["momentum_kept"]
+    else:
+        assert float((flushed - mean).abs().max()) > 1e-3
+        assert not seen["momentum_kept"]
+    before, after, _ = seen["counts"]
+    assert after[0] == before[0] + 2  # fragment 0's landing (an outer step either way), the flush's
+    for replica in replicas:
+        assert replica[f"flushed_{rule}"]["model_is_global"]
+        assert torch.equal(replica[f"flushed_{rule}"]["globals"], seen["globals"])
+
+
 def test_a_run_resumed_from_its_checkpoint_ends_as_the_run_that_never_stopped(
     replicas: list[dict[str, Any]],
 ) -> None:
@@ -522,6 +585,10 @@ def test_a_run_resumed_from_its_checkpoint_ends_as_the_run_that_never_stopped(
         assert torch.equal(model, seen["straight"][1])
         assert outer_steps == seen["straight"][2] == 6  # 5 exchanges, fragment 0's in flight, the flush
         assert torch.equal(globals_, replicas[0]["resumed"]["resumed"][0])
+        # A state saved before DiLoCo had a flush rule resumes with the rule it ran with.
+        assert all(
+            torch.equal(a, b) for a, b in zip(seen["resumed_older"][:2], seen["straight"][:2], strict=True)
+        )
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_on_every_replica(replicas: list[dict[str, Any]]) -> None:
@@ -535,6 +602,10 @@ def test_a_checkpoint_that_does_not_fit_is_refused_on_every_replica(replicas: li
             f"FailedPreconditionError: FAILED_PRECONDITION: replica {rank}: parameter 'outer/position' "
             "differs across replicas at the start (replicas [2] against replica 0)"
         ), seen["other_step"]
+        assert seen["other_flush"] == (
+            "FailedPreconditionError: FAILED_PRECONDITION: DiLoCo.load_state_dict: the state was saved "
+            "with flush='outer', this DiLoCo has flush='mean': resume with the settings it was saved with"
+        )
         assert seen["late"] == (
             "FailedPreconditionError: FAILED_PRECONDITION: DiLoCo.load_state_dict: this replica is at "
             "inner step 10; load a checkpoint before the first inner step"
@@ -554,9 +625,19 @@ def test_bad_input_is_refused_with_a_clear_message(replicas: list[dict[str, Any]
     assert "fragments must be between 1 and min(sync_every, parameters) = 2, got 3" in found["fragments"]
     assert "delay must be between 0 and sync_every - 1 = 3 inner steps, got 4" in found["delay"]
     assert (
+        found["flush"]
+        == "InvalidArgumentError: INVALID_ARGUMENT: flush must be 'outer' or 'mean', got 'last'"
+    )
+    assert (
         found["count"] == "InvalidArgumentError: INVALID_ARGUMENT: count takes a non-negative amount, got -1"
     )
     for rank, replica in enumerate(replicas):
+        for setting in ("other_flush", "other_delay"):
+            assert replica["refusals"][setting] == (
+                f"FailedPreconditionError: FAILED_PRECONDITION: replica {rank}: the DiLoCo settings differ "
+                "across replicas at the start (replicas [1] against replica 0): every replica must run "
+                "with the same sync_every, fragments, delay, keep_local, quantize, block and flush"
+            ), setting
         assert replica["refusals"]["different"] == (
             f"FailedPreconditionError: FAILED_PRECONDITION: replica {rank}: parameter '2.bias' differs "
             "across replicas at the start (replicas [1] against replica 0): every replica must start "

@@ -317,6 +317,14 @@ def test_the_fingerprint_records_the_outer_settings_and_only_with_them() -> None
         engine="remote",
     )
     assert differences(four, overlapped) == ["outer_delay 1 != <unset>", "outer_keep_local 0.5 != <unset>"]
+    assert "outer_flush" not in four and "outer_flush" not in two
+    flushed = training_fingerprint(
+        TrainConfig(model="tiny", steps=8, outer_steps=4, fragments=2, outer_flush="outer"), engine="remote"
+    )
+    assert flushed["outer_flush"] == "outer"
+    assert differences(two, flushed) == ["outer_flush outer != <unset>"]
+    mean = TrainConfig(model="tiny", steps=8, outer_steps=4, fragments=2, outer_flush="mean")
+    assert training_fingerprint(mean, engine="remote") == two
 
 
 @pytest.mark.parametrize(
@@ -339,6 +347,8 @@ def test_the_fingerprint_records_the_outer_settings_and_only_with_them() -> None
         ({"outer_delay": 1}, "--outer-delay 1 needs --outer-steps"),
         ({"fragments": 2}, "--fragments 2 needs --outer-steps"),
         ({"outer_lr": 0.5}, "--outer-lr 0.5 needs --outer-steps"),
+        ({"outer_steps": 4, "outer_flush": "sideways"}, "--outer-flush 'sideways' must be 'mean' or 'outer'"),
+        ({"outer_flush": "outer"}, "--outer-flush outer needs --outer-steps"),
     ],
 )
 def test_bad_outer_settings_are_refused(settings: dict, message: str) -> None:
@@ -548,14 +558,10 @@ def _assert_model_is_the_global_weights(states: list) -> None:
             assert torch.equal(other.model_state[name], value), name
 
 
-@pytest.mark.timeout(120)
-def test_the_flush_gives_each_other_fragment_the_workers_mean_weights_with_the_inner_steps_since() -> None:
-    """OuterTrainer alone (2 workers on a LocalHub, H = 6, F = 3, 4 trainer steps): the flush
-    exchanges the two fragments not exchanged at step 3, each global weight becoming the mean of
-    the workers' local weights (global - the averaged global - local computed here), the outer
-    momentum untouched; the fragment of step 3 is left alone; afterwards every worker's model is
-    its global weights, bit for bit the same on both."""
-    world, trainer_steps, settings = 2, 4, OuterSettings(6, 3, outer_lr=0.7, outer_momentum=0.9)
+def _run_through_the_flush(world: int, trainer_steps: int, settings: OuterSettings) -> list[dict]:
+    """OuterTrainer alone on `world` workers of a LocalHub: `trainer_steps` trainer steps, then the
+    flush's two steps (F = 3). Per rank: the global and local weights and each fragment's outer
+    momentum before and after the flush, the flush's results and each fragment's parameter names."""
     cfg = model_config("tiny")
     data = TokenWindows(corpus_bytes(), cfg.max_seq_len)
 
@@ -585,34 +591,92 @@ def test_the_flush_gives_each_other_fragment_the_workers_mean_weights_with_the_i
         names = [[trainer._names[id(p)] for u in f.units for p in u.params] for f in trainer.fragments]
         return {"before": before, "after": snapshot(), "results": flushed, "names": names}
 
-    runs = _in_threads(world, run)
+    return _in_threads(world, run)
+
+
+def _assert_every_model_is_the_same_global_weights(runs: list[dict]) -> None:
+    """After the flush every rank's local weights are its global weights, the same on all ranks."""
+    for rank, run in enumerate(runs):
+        after = run["after"]
+        for name, value in after["global"].items():
+            assert torch.equal(after["local"][name], value), (rank, name)
+            assert torch.equal(value, runs[0]["after"]["global"][name]), (rank, name)
+
+
+def _mean_delta(runs: list[dict], name: str) -> torch.Tensor:
+    """The average the flush gets for `name`: the mean over the workers of global - local before it."""
+    total = sum((run["before"]["global"][name] - run["before"]["local"][name]).double() for run in runs)
+    return (total / len(runs)).float()
+
+
+@pytest.mark.timeout(120)
+def test_the_flush_gives_each_other_fragment_the_workers_mean_weights_with_the_inner_steps_since() -> None:
+    """OuterTrainer alone (2 workers on a LocalHub, H = 6, F = 3, 4 trainer steps): the flush
+    exchanges the two fragments not exchanged at step 3, each global weight becoming the mean of
+    the workers' local weights (global - the averaged global - local computed here), the outer
+    momentum untouched; the fragment of step 3 is left alone; afterwards every worker's model is
+    its global weights, bit for bit the same on both."""
+    world, trainer_steps, settings = 2, 4, OuterSettings(6, 3, outer_lr=0.7, outer_momentum=0.9)
+    runs = _run_through_the_flush(world, trainer_steps, settings)
     names = runs[0]["names"]
     results = runs[0]["results"]
     assert [(r.step, r.fragment, r.flush, r.tokens) for r in results] == [(4, 1, True, 0), (5, 2, True, 0)]
     assert all(r.inner_steps == trainer_steps * 2 and r.outer_steps == r.step + 1 for r in results)
     assert all(r.grad_norm is None and r.loss != r.loss and r.global_loss != r.global_loss for r in results)
-    for rank in range(world):
-        after = runs[rank]["after"]
-        for name, value in after["global"].items():
-            assert torch.equal(after["local"][name], value), (rank, name)
-        for name in after["global"]:
-            assert torch.equal(after["global"][name], runs[0]["after"]["global"][name]), (rank, name)
+    _assert_every_model_is_the_same_global_weights(runs)
     before, after = runs[0]["before"], runs[0]["after"]
     for name in names[0]:  # exchanged at the last trainer step (3 % 3): nothing to add
         assert torch.equal(after["global"][name], before["global"][name]), name
     for k in (1, 2):
         for index, name in enumerate(names[k]):
-            mean = sum(
-                (run["before"]["global"][name] - run["before"]["local"][name]).double() for run in runs
-            )
-            delta = (mean / world).float()
             # The average as it is (the workers' mean weights), the outer optimizer left alone.
-            expected = before["global"][name] - delta
+            expected = before["global"][name] - _mean_delta(runs, name)
             torch.testing.assert_close(after["global"][name], expected, rtol=1e-5, atol=1e-6)
             assert torch.equal(after["momentum"][k][index], before["momentum"][k][index]), name
             assert not torch.equal(after["global"][name], before["global"][name]), name
             # The local weights held inner steps the global weights lacked before the flush.
             assert not torch.equal(before["local"][name], before["global"][name]), name
+
+
+@pytest.mark.timeout(120)
+def test_with_outer_flush_outer_each_flush_step_is_an_outer_optimizer_step() -> None:
+    """The same job with `flush="outer"`: each flushed fragment's global weights take one step of
+    its outer optimizer with the averaged Δ as the gradient, computed here with a Nesterov SGD of
+    the same lr and momentum started from the fragment's momentum before the flush; the momentum
+    moves, the result is not the mean rule's global - Δ, and every model still ends on the global
+    weights (no keep_local mixing in the flush)."""
+    world, trainer_steps = 2, 4
+    settings = OuterSettings(6, 3, outer_lr=0.7, outer_momentum=0.9, keep_local=0.5, flush="outer")
+    runs = _run_through_the_flush(world, trainer_steps, settings)
+    names = runs[0]["names"]
+    assert [(r.fragment, r.flush) for r in runs[0]["results"]] == [(1, True), (2, True)]
+    _assert_every_model_is_the_same_global_weights(runs)
+    before, after = runs[0]["before"], runs[0]["after"]
+    for name in names[0]:  # exchanged at the last trainer step (3 % 3): nothing to add
+        assert torch.equal(after["global"][name], before["global"][name]), name
+    for k in (1, 2):
+        for index, name in enumerate(names[k]):
+            delta = _mean_delta(runs, name)
+            weight = before["global"][name].clone()
+            reference = torch.optim.SGD([weight], lr=0.7, momentum=0.9, nesterov=True)
+            reference.load_state_dict(
+                {
+                    "state": {0: {"momentum_buffer": before["momentum"][k][index].clone()}},
+                    "param_groups": reference.state_dict()["param_groups"],
+                }
+            )
+            weight.grad = delta
+            reference.step()
+            close = {"rtol": 1e-5, "atol": 1e-6}
+            torch.testing.assert_close(
+                after["global"][name], weight, **close, msg=lambda m, n=name: f"{n}: {m}"
+            )
+            torch.testing.assert_close(
+                after["momentum"][k][index], reference.state[weight]["momentum_buffer"], **close
+            )
+            assert not torch.equal(after["momentum"][k][index], before["momentum"][k][index]), name
+            mean_rule = before["global"][name] - delta
+            assert not torch.allclose(after["global"][name], mean_rule, **close), name
 
 
 def _train_on_a_coordinator(

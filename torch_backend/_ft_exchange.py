@@ -54,7 +54,7 @@ from gradserver.common.errors import (
 from gradserver.common.messages import KeyKind, ReduceOp, TensorKey
 from gradserver.worker import StateSnapshot
 
-from ._outer_exchange import Landing, OuterState, Resumed, parameter_digests, structure_digest
+from ._outer_exchange import Landing, OuterState, Resumed, mismatch, parameter_digests, structure_digest
 
 if TYPE_CHECKING:
     from .ft import Replica
@@ -173,11 +173,8 @@ class FtExchange:
             )
         for (name, _), differ in zip(params, differs[2:], strict=True):
             if differ:
-                raise FailedPreconditionError(
-                    f"replica {self.rank}: parameter {name!r} differs across the {n} replicas that "
-                    "took part: every replica must start from the same weights (seed the model's "
-                    "initialisation, or load one checkpoint)"
-                )
+                among = f"across the {n} replicas that took part"
+                raise FailedPreconditionError(mismatch(self.rank, name, among))
 
     def gather(self, piece: torch.Tensor) -> Landing:
         raise FailedPreconditionError("an ft exchange has no gather: quantized payloads are summed")

@@ -102,20 +102,46 @@ class OuterExchange(Protocol):
 
 def structure_digest(params: list[tuple[str, torch.Tensor]]) -> int:
     """56 bits of the parameters' names, dtypes and (this rank's) shapes, in order."""
-    text = ";".join(f"{name}:{p.dtype}:{tuple(_local(p).shape)}" for name, p in params)
+    text = ";".join(f"{name}:{p.dtype}:{tuple(local_part(p).shape)}" for name, p in params)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
 def parameter_digests(params: list[tuple[str, torch.Tensor]]) -> list[int]:
     """The CRC-32 of each parameter's bytes (this rank's shard of a sharded one)."""
     return [
-        zlib.crc32(_local(p).detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        zlib.crc32(local_part(p).detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         for _, p in params
     ]
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
+def local_part(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's parameters), or the tensor itself."""
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+# The names of the two entries DiLoCo checks beside the parameters: its settings at the start,
+# and where a loaded checkpoint is.
+SETTINGS = "outer/settings"
+POSITION = "outer/position"
+
+
+def mismatch(rank: int, name: str, among: str) -> str:
+    """The message of a replica whose `name` (a parameter, or `SETTINGS` / `POSITION`) differs
+    from the others' (`among`: which replicas, as each exchange can tell)."""
+    if name == SETTINGS:
+        return (
+            f"replica {rank}: the DiLoCo settings differ {among}: every replica must run with the same "
+            "sync_every, fragments, delay, keep_local, quantize, block and flush"
+        )
+    if name == POSITION:
+        return (
+            f"replica {rank}: parameter {name!r} differs {among}: every replica must load a checkpoint "
+            "of the same step (each its own)"
+        )
+    return (
+        f"replica {rank}: parameter {name!r} differs {among}: every replica must start from the same "
+        "weights (seed the model's initialisation, or load one checkpoint)"
+    )
 
 
 class Resumed(Exception):

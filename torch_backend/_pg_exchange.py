@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from gradserver.common.errors import FailedPreconditionError
 
-from ._outer_exchange import OuterState, nothing_held, parameter_digests, structure_digest
+from ._outer_exchange import OuterState, mismatch, nothing_held, parameter_digests, structure_digest
 from ._quantized_collectives import QuantizedCollectives
 
 # torch 2.13 renamed all_gather_into_tensor (which it warns about); older ones have only that.
@@ -112,11 +112,8 @@ def _check_identical(
     for index, (name, _) in enumerate(params):
         differing = [r for r in range(replicas) if gathered[r, index] != gathered[0, index]]
         if differing:
-            raise FailedPreconditionError(
-                f"replica {rank}: parameter {name!r} differs across replicas at the start (replicas "
-                f"{differing} against replica 0): every replica must start from the same weights "
-                "(seed the model's initialisation, or load one checkpoint)"
-            )
+            among = f"across replicas at the start (replicas {differing} against replica 0)"
+            raise FailedPreconditionError(mismatch(rank, name, among))
 
 
 def _gather(values: torch.Tensor, group: dist.ProcessGroup | None, replicas: int) -> torch.Tensor:

@@ -40,11 +40,15 @@ order, into F fragments of about equal size; fragment f is exchanged at inner st
 local ← keep_local · local + (1 - keep_local) · global (keep_local = 0: the local weights become
 the global ones, plain DiLoCo; the paper's alpha is keep_local, 0.5 with τ > 0). Each fragment has its
 own outer optimizer and error feedback. At the end (`flush`, which leaving the `with` block
-calls): every fragment not exchanged at the last inner step takes one more outer step, so the
-final global weights hold every inner step; the model then holds them.
+calls): every fragment not exchanged at the last inner step is exchanged once more, so the final
+global weights hold every inner step; the model then holds them. How those exchanges apply is
+the `flush` rule: "outer" (default) an outer step; "mean" global ← global - Δ̄, the replicas'
+mean weights, leaving the outer optimizer's state alone (neither measured better everywhere:
+docs/slow-links.md).
 
-Every replica must take the same number of inner steps; replicas must start from the same
-parameters (checked at construction: the error names the first parameter that differs).
+Every replica must take the same number of inner steps with the same settings; replicas must
+start from the same parameters (both checked at construction: the error names the first
+parameter that differs, or says the settings do).
 
 Checkpoints: `state_dict()` (each replica its own, beside its model's and inner optimizer's) and
 `load_state_dict()` before the first inner step; a resumed run ends as one that never stopped.
@@ -69,14 +73,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from gradserver.common.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from gradserver.common.messages import DType
 from gradserver.common.quantized_wire import VALUES_PER_RECORD, record_bytes, records_for
 
-from ._outer_exchange import Landing, OuterExchange, Resumed
+from ._outer_exchange import POSITION, SETTINGS, Landing, OuterExchange, Resumed, local_part
 from ._pg_exchange import ProcessGroupExchange
 from ._quantize import BLOCK, ErrorFeedback, check_format, decode, encoded_size
 
@@ -88,16 +91,16 @@ OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 # The formats whose records the coordinator sums (common/quantized_wire.py), by wire dtype.
 _WIRE_FORMATS = {"int8": DType.INT8_BLOCK64, "int4": DType.INT4_BLOCK64}
 _HEADER = 8  # a quantized payload's header: its weight and its count of non-finite values (float32)
+# How `flush` applies its exchanges: an outer step (the default), or the replicas' mean weights.
+FLUSH_RULES = ("outer", "mean")
+_QUANTIZE_CODES = (None, "bf16", "int8", "int4")
+# The settings a state saved before they existed was made with.
+_SETTINGS_BEFORE = {"flush": "outer"}
 
 
 def nesterov_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """The paper's outer optimizer: SGD, Nesterov momentum 0.9, learning rate 0.7."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded (DTensor) value; a plain tensor as it is."""
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 @dataclasses.dataclass
@@ -154,14 +157,17 @@ class DiLoCo:
         fragments: int = 1,
         delay: int = 0,
         keep_local: float = 0.0,
+        flush: str = "outer",
         exchange: OuterExchange | None = None,
     ) -> None:
         """`sync_every` (H): inner steps per period. `outer_optimizer`: makes an optimizer of a
         list of tensors (the global weights of one fragment). `group`: the process group of the
         replicas (one rank from each; default the default group). `quantize`: None (float32),
         "bf16", "int8" or "int4"; `block`: values per scale of int8 and int4. `fragments`,
-        `delay`, `keep_local`: streaming (the module's docstring). `exchange`: what carries the
-        payloads instead of `group` (`ft.Replica.diloco` passes its own)."""
+        `delay`, `keep_local`: streaming (the module's docstring). `flush`: how `flush` applies
+        its exchanges, "outer" (an outer step) or "mean" (the replicas' mean weights). `exchange`:
+        what carries the payloads instead of `group` (`ft.Replica.diloco` passes its own). Every
+        replica must pass the same settings (checked with the parameters)."""
         if sync_every < 1:
             raise InvalidArgumentError(f"sync_every must be at least 1 inner step, got {sync_every}")
         if quantize is not None:
@@ -185,6 +191,8 @@ class DiLoCo:
             )
         if not 0.0 <= keep_local <= 1.0:
             raise InvalidArgumentError(f"keep_local must be between 0 and 1, got {keep_local}")
+        if flush not in FLUSH_RULES:
+            raise InvalidArgumentError(f"flush must be 'outer' or 'mean', got {flush!r}")
         if exchange is not None and group is not None:
             raise InvalidArgumentError("DiLoCo takes a group or an exchange, not both")
         self.model = model
@@ -195,6 +203,7 @@ class DiLoCo:
         self.block = block
         self.delay = delay
         self.keep_local = keep_local
+        self.flush_rule = flush
         self.exchange: OuterExchange = ProcessGroupExchange(group) if exchange is None else exchange
         self.replicas = self.exchange.replicas
         self.rank = self.exchange.rank
@@ -209,11 +218,11 @@ class DiLoCo:
         self._joined_at = -1  # the inner step this replica joined a running job at (ft)
         self._flushing = False  # inside `flush` (a replica joining then takes part in the rest)
         self._hook: RemovableHandle | None = None
-        self.exchange.check_identical(params)
         self._fragments = [
             self._fragment(part, (index + 1) * sync_every // fragments, outer_optimizer)
             for index, part in enumerate(_split(params, fragments))
         ]
+        self.exchange.check_identical([(SETTINGS, self._settings_tensor()), *params])
         if self.exchange.attach(self):
             # It took a live replica's state at that one's exchange (in a step, or in the
             # donor's final flush): it takes part from there.
@@ -223,7 +232,7 @@ class DiLoCo:
         self, params: list[tuple[str, torch.Tensor]], send_at: int, outer_optimizer: OuterOptimizer
     ) -> _Fragment:
         with torch.no_grad():
-            global_weights = [_local(p).detach().clone() for _, p in params]
+            global_weights = [local_part(p).detach().clone() for _, p in params]
         return _Fragment(
             names=[name for name, _ in params],
             params=[p for _, p in params],
@@ -308,7 +317,7 @@ class DiLoCo:
         with torch.no_grad():
             for fragment in self._fragments:
                 for weight, param in zip(fragment.global_weights, fragment.params, strict=True):
-                    _local(param).copy_(weight)
+                    local_part(param).copy_(weight)
 
     def _flush_fragments(self, first: int, *, resumed: bool) -> None:
         for index in range(first, len(self._fragments)):
@@ -320,7 +329,7 @@ class DiLoCo:
                 self._sending = index
                 self._send(fragment)
                 if fragment.pending is not None:
-                    self._apply(fragment)
+                    self._apply(fragment, mean=self.flush_rule == "mean")
 
     def close(self) -> None:
         """Applies the exchanges still on their way (every replica has the same ones) and
@@ -414,7 +423,7 @@ class DiLoCo:
         with torch.no_grad():
             delta = torch.cat(
                 [
-                    (g.float() - _local(p).detach().float()).reshape(-1)
+                    (g.float() - local_part(p).detach().float()).reshape(-1)
                     for g, p in zip(fragment.global_weights, fragment.params, strict=True)
                 ]
             )
@@ -581,8 +590,10 @@ class DiLoCo:
             )
         return summed if total_weight == 1.0 else summed / total_weight
 
-    def _apply(self, fragment: _Fragment) -> None:
-        """The fragment's outer step with its exchange's average (none: every replica discarded it)."""
+    def _apply(self, fragment: _Fragment, *, mean: bool = False) -> None:
+        """The fragment's outer step with its exchange's average (none: every replica discarded
+        it); `mean` (a flush's exchange with flush="mean"): global ← global - Δ̄, the replicas'
+        mean weights, leaving the outer optimizer's state alone."""
         self._settle(fragment)
         exchange = fragment.pending
         if exchange is None:
@@ -592,12 +603,17 @@ class DiLoCo:
         with torch.no_grad():
             offset = 0
             for weight in fragment.global_weights:
-                weight.grad = average[offset : offset + weight.numel()].view_as(weight).to(weight.dtype)
+                piece = average[offset : offset + weight.numel()].view_as(weight).to(weight.dtype)
+                if mean:
+                    weight.sub_(piece)
+                else:
+                    weight.grad = piece
                 offset += weight.numel()
-            fragment.outer.step()
+            if not mean:
+                fragment.outer.step()
             for weight, param in zip(fragment.global_weights, fragment.params, strict=True):
                 weight.grad = None
-                local = _local(param)
+                local = local_part(param)
                 if self.keep_local == 0.0:
                     local.copy_(weight)
                 else:
@@ -642,13 +658,11 @@ class DiLoCo:
                 f"DiLoCo.load_state_dict: this replica is at inner step {self.inner_step}; load a "
                 "checkpoint before the first inner step"
             )
-        saved, mine = state["settings"], self._settings()
-        for name, value in mine.items():
-            if saved.get(name) != value:
-                raise FailedPreconditionError(
-                    f"DiLoCo.load_state_dict: the state was saved with {name}={saved.get(name)!r}, this "
-                    f"DiLoCo has {name}={value!r}: resume with the settings it was saved with"
-                )
+        self._check_settings(
+            state["settings"],
+            "DiLoCo.load_state_dict: the state was saved",
+            "resume with the settings it was saved with",
+        )
         for index, fragment in enumerate(self._fragments):
             if state["parameters"][index] != fragment.names:
                 raise FailedPreconditionError(
@@ -664,7 +678,7 @@ class DiLoCo:
         # The position first: replicas that loaded different steps' states are told so, not
         # that their tensors differ (a state saved with an average on its way has one more).
         position = [self.inner_step, self.outer_steps, *(f.sent_at_step for f in self._fragments)]
-        self.exchange.check_identical([("outer/position", torch.tensor(position, dtype=torch.int64))])
+        self.exchange.check_identical([(POSITION, torch.tensor(position, dtype=torch.int64))])
         self.exchange.check_identical(
             [
                 (name, tensor)
@@ -683,7 +697,34 @@ class DiLoCo:
             "quantize": self.quantize,
             "block": self.block,
             "replicas": self.replicas,
+            "flush": self.flush_rule,
         }
+
+    def _check_settings(self, saved: dict[str, Any], what: str, advice: str) -> None:
+        """Refuses a state made with other settings than this DiLoCo's, naming the first that
+        differs (`what`: where the state came from, the message's start; `advice`: its end)."""
+        for name, value in self._settings().items():
+            theirs = saved.get(name, _SETTINGS_BEFORE.get(name))
+            if theirs != value:
+                raise FailedPreconditionError(
+                    f"{what} with {name}={theirs!r}, this DiLoCo has {name}={value!r}: {advice}"
+                )
+
+    def _settings_tensor(self) -> torch.Tensor:
+        """The settings every replica must share, as numbers (float64 holds each exactly), for
+        the check at the start; `replicas` is the group's, the same everywhere by construction."""
+        return torch.tensor(
+            [
+                self.sync_every,
+                len(self._fragments),
+                self.delay,
+                self.keep_local,
+                _QUANTIZE_CODES.index(self.quantize),
+                self.block,
+                FLUSH_RULES.index(self.flush_rule),
+            ],
+            dtype=torch.float64,
+        )
 
     # --- the state a joining replica takes (ft) -------------------------------------------------
 
@@ -715,6 +756,7 @@ class DiLoCo:
             "discarded": self.discarded,
             "sending": self._sending,
             "flushing": self._flushing,
+            "settings": self._settings(),
             "sent_at": [fragment.sent_at_step for fragment in self._fragments],
             "counts": self._counts,
             "optimizers": [
@@ -735,6 +777,12 @@ class DiLoCo:
 
     def load_outer(self, tensors: dict[str, Any], extra: dict[str, Any]) -> None:
         """Takes what `outer_tensors` and `outer_extra` gave on another replica, as it was."""
+        if "settings" in extra:  # not in states saved before it was
+            self._check_settings(
+                extra["settings"],
+                "the outer state taken was made",
+                "every replica must run with the same settings",
+            )
         if len(extra["optimizers"]) != len(self._fragments):
             raise FailedPreconditionError(
                 f"the state taken has {len(extra['optimizers'])} fragments, this replica "
@@ -791,7 +839,7 @@ class DiLoCo:
 
 def _split(params: list[tuple[str, torch.Tensor]], parts: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """`params` in model order cut into `parts` runs of about equal element counts (none empty)."""
-    sizes = [_local(p).numel() for _, p in params]
+    sizes = [local_part(p).numel() for _, p in params]
     total = sum(sizes)
     start, seen = 0, 0
     for part in range(parts):

@@ -70,6 +70,7 @@ from gradserver.worker import (
     state_digest,
 )
 
+from ._outer_exchange import local_part
 from ._settings import launcher_rank, rank_settings, replica_group_index
 
 if TYPE_CHECKING:
@@ -87,11 +88,6 @@ _NO_COUNT = 2**31  # `_agree`: no step was averaged (it failed), so no count to 
 _BACKOFF_S = (0.2, 5.0)  # first and longest wait between tries to rejoin a lost coordinator
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded (DTensor) value; a plain tensor as it is."""
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The replicated state by name, no copies: the model's (`model/NAME`) and the optimizer's
     tensors (`optimizer/PARAM/NAME`); of a sharded model (FSDP2), this rank's shards. Call it on
@@ -100,12 +96,12 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
 
 
 def _model_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"model/{k}": _local(v.detach()) for k, v in state.items()}
+    return {f"model/{k}": local_part(v.detach()) for k, v in state.items()}
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     return {
-        f"optimizer/{index}/{name}": _local(value)
+        f"optimizer/{index}/{name}": local_part(value)
         for index, state in optimizer.state_dict()["state"].items()
         for name, value in state.items()
         if isinstance(value, torch.Tensor)
@@ -137,7 +133,7 @@ def load_state(
             raise FailedPreconditionError(f"the state taken has no {', '.join(missing)}")
         with torch.no_grad():
             for name, target in current.items():
-                _local(target).copy_(torch.as_tensor(weights[name]))
+                local_part(target).copy_(torch.as_tensor(weights[name]))
     else:
         model.load_state_dict(weights)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -248,7 +244,7 @@ class Replica:
         self._places: dict[int, tuple[int, int]] = {}
         offset = 0
         for param in self._params:
-            size = _local(param).numel()
+            size = local_part(param).numel()
             self._places[id(param)] = (offset, size)
             offset += size
         self._flat = torch.zeros(offset, dtype=torch.float32)
@@ -298,7 +294,7 @@ class Replica:
         exchange of a fragment's pseudo-gradient is one fault-tolerant step, averaged over the
         replicas that take part. A replica that joins the running job takes a live one's state
         (outer state included) at an exchange and takes part from there. `options` go to
-        `DiLoCo` (sync_every, fragments, delay, keep_local, quantize, block, outer_optimizer);
+        `DiLoCo` (sync_every, fragments, delay, keep_local, quantize, block, flush, outer_optimizer);
         use it as `with job.diloco(sync_every=H) as outer:` and `for step in outer.steps(N):`."""
         from ._ft_exchange import FtExchange
         from .diloco import DiLoCo
@@ -385,7 +381,7 @@ class Replica:
                 if param.grad is None:
                     flat[start : start + size].zero_()
                 else:
-                    flat[start : start + size].copy_(_local(param.grad).reshape(-1))
+                    flat[start : start + size].copy_(local_part(param.grad).reshape(-1))
         array = flat.numpy()
         try:
             self.client.send(
@@ -399,7 +395,7 @@ class Replica:
                 start, size = self._places[id(param)]
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                _local(param.grad).copy_(flat[start : start + size].view_as(_local(param.grad)))
+                local_part(param.grad).copy_(flat[start : start + size].view_as(local_part(param.grad)))
         return None
 
     def _agree(

@@ -187,6 +187,14 @@ class WorkerConfig:
             "lands (alpha; 0: they become the global ones)"
         },
     )
+    outer_flush: str = dataclasses.field(
+        default="mean",
+        metadata={
+            "help": "train, --outer-steps with --fragments above 1: how each final flush step applies its "
+            "average (mean: the workers' mean weights, the outer optimizer left alone; outer: an outer "
+            "optimizer step)"
+        },
+    )
     reconnect_timeout: float = dataclasses.field(
         default=0.0,
         metadata={
@@ -310,6 +318,7 @@ class WorkerConfig:
             outer_momentum=self.outer_momentum,
             outer_delay=self.outer_delay,
             outer_keep_local=self.outer_keep_local,
+            outer_flush=self.outer_flush,
         )
 
     def non_block_components(self) -> tuple[NonBlockComponent, ...]:

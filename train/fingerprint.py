@@ -106,6 +106,8 @@ def training_fingerprint(config: TrainConfig, *, engine: str) -> dict[str, str]:
             fingerprint["outer_delay"] = _text(config.outer_delay)
         if config.outer_keep_local:
             fingerprint["outer_keep_local"] = _text(config.outer_keep_local)
+        if config.outer_flush != "mean":
+            fingerprint["outer_flush"] = config.outer_flush
     return fingerprint
 
 

@@ -348,6 +348,7 @@ def _run_in_process(job: _Job) -> int:
         outer_momentum=worker.outer_momentum,
         outer_delay=worker.outer_delay,
         outer_keep_local=worker.outer_keep_local,
+        outer_flush=worker.outer_flush,
     )
     errors: list[BaseException] = []
 

@@ -22,10 +22,13 @@ At the end, with F > 1, the fragments exchanged earlier in the last period would
 inner steps taken since, and the model would be a mix of global and local weights. So F - 1 flush
 steps follow the last inner step (`flush_step`): trainer steps without inner steps, each one more
 exchange of the fragment its step number names by the same rule, which is every fragment but the
-one exchanged at the last trainer step. A flush step applies the average as it is, global ←
-global - Δ̄ (the mean of the workers' weights), not through the outer optimizer, whose state it
-leaves alone. Afterwards the model's parameters are the global weights, the same on every worker.
-With F = 1 there is nothing to flush.
+one exchanged at the last trainer step. By default (`--outer-flush mean`) a flush step applies
+the average as it is, global ← global - Δ̄ (the mean of the workers' weights), not through the
+outer optimizer, whose state it leaves alone; with `--outer-flush outer` it is an ordinary outer
+step (the rule of gradserver.torch.diloco's flush: neither measured better everywhere). Either
+way the fragment's local weights then become its global ones (no keep_local mixing), so
+afterwards the model's parameters are the global weights, the same on every worker. With F = 1
+there is nothing to flush.
 
 Engine step numbers stay consecutive (one per exchange), so what the coordinator does per step
 (the average over the workers that contributed, live recovery, rejoining a restarted
@@ -64,13 +67,16 @@ from .trainer import ADAMW_BETAS, ADAMW_EPS, DEFAULT_WEIGHT_DECAY, StepResult, o
 DEFAULT_OUTER_LR = 0.7
 DEFAULT_OUTER_MOMENTUM = 0.9
 OUTER_OPTIMIZER = "SGD-Nesterov"
+# How a flush step applies its average: as the workers' mean weights, or as an outer step.
+FLUSH_RULES = ("mean", "outer")
 
 
 @dataclasses.dataclass(frozen=True)
 class OuterSettings:
     """`outer_steps` (H) inner steps per outer step of every fragment, `fragments` (F) parts of
     the model exchanged in turn, the outer optimizer's learning rate and momentum, the overlap
-    (`delay`, τ) and the mixing (`keep_local`, the paper's alpha)."""
+    (`delay`, τ), the mixing (`keep_local`, the paper's alpha) and how a flush step applies its
+    average (`flush`, one of FLUSH_RULES)."""
 
     outer_steps: int
     fragments: int = 1
@@ -78,6 +84,7 @@ class OuterSettings:
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
     delay: int = 0  # τ: the inner steps that run while an exchange travels
     keep_local: float = 0.0  # how much of its local weights a fragment keeps when its average lands
+    flush: str = "mean"  # "mean": global - the average; "outer": through the outer optimizer
 
     @property
     def inner_per_exchange(self) -> int:
@@ -100,11 +107,14 @@ def check_outer_settings(
     model: str,
     delay: int = 0,
     keep_local: float = 0.0,
+    flush: str = "mean",
 ) -> None:
     """Raises naming the flag when the outer-step settings (0 outer steps: off) do not fit
     together or with `steps` (inner steps) and the model."""
     if outer_steps < 0:
         raise InvalidArgumentError(f"--outer-steps must be at least 1 (0: off), got {outer_steps}")
+    if flush not in FLUSH_RULES:
+        raise InvalidArgumentError(f"--outer-flush {flush!r} must be 'mean' or 'outer'")
     if not outer_steps:
         for flag, value, default in (
             ("--fragments", fragments, 1),
@@ -112,6 +122,7 @@ def check_outer_settings(
             ("--outer-momentum", outer_momentum, DEFAULT_OUTER_MOMENTUM),
             ("--outer-delay", delay, 0),
             ("--outer-keep-local", keep_local, 0.0),
+            ("--outer-flush", flush, "mean"),
         ):
             if value != default:
                 raise InvalidArgumentError(f"{flag} {value} needs --outer-steps")
@@ -298,8 +309,9 @@ class OuterTrainer:
 
     def flush_step(self) -> StepResult:
         """A step of the final flush: the exchange of fragment `fragment_at(step)` without inner
-        steps, its average applied as it is (global ← global - Δ̄; its result: no tokens, loss NaN,
-        `flush` True). After the last one every fragment's local weights are its global weights."""
+        steps, its average applied by the `flush` rule (global ← global - Δ̄, or an outer step; its
+        result: no tokens, loss NaN, `flush` True). After the last one every fragment's local
+        weights are its global weights."""
         end, count = self.trainer_steps, self.settings.flush_steps
         if end is None or not end <= self.step < end + count:
             raise InvalidArgumentError(
@@ -423,10 +435,12 @@ class OuterTrainer:
         return [average for _, average in averages]
 
     def _outer_step(self, fragment: _Fragment, averages: list[torch.Tensor], *, flush: bool) -> None:
-        """The fragment's outer step with the averaged Δ̄; in the flush, global ← global - Δ̄ (the
-        workers' mean weights) instead: its Δ covers only part of a period and no inner step
-        follows, and the outer optimizer's lr and Nesterov momentum would carry the weights past
-        that mean (measured: docs/slow-links.md, "In the built-in trainer")."""
+        """The fragment's outer step with the averaged Δ̄. In the flush with the "mean" rule,
+        global ← global - Δ̄ (the workers' mean weights) instead: its Δ covers only part of a
+        period and no inner step follows, and the outer optimizer's lr and Nesterov momentum would
+        carry the weights past that mean (measured: docs/slow-links.md, "In the built-in
+        trainer"); the "outer" rule takes the outer step all the same, as the torch wrapper does."""
+        as_mean = flush and self.settings.flush == "mean"
         with torch.no_grad():
             for unit, average in zip(fragment.units, averages, strict=True):
                 flat = average.reshape(-1).to(self.device, torch.float32)
@@ -437,11 +451,11 @@ class OuterTrainer:
                 for g, piece in zip(
                     unit.globals, torch.split(flat, [g.numel() for g in unit.globals]), strict=True
                 ):
-                    if flush:
+                    if as_mean:
                         g.sub_(piece.view(g.shape))
                     else:
                         g.grad = piece.view(g.shape).clone()
-            if not flush:
+            if not as_mean:
                 fragment.optimizer.step()
                 fragment.optimizer.zero_grad(set_to_none=True)
             # The job ends on the global weights: the flush's fragments and the last step's.

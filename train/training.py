@@ -80,6 +80,7 @@ class TrainConfig:
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
     outer_delay: int = 0
     outer_keep_local: float = 0.0
+    outer_flush: str = "mean"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "accumulation_steps"):
@@ -113,6 +114,7 @@ class TrainConfig:
             model=self.model,
             delay=self.outer_delay,
             keep_local=self.outer_keep_local,
+            flush=self.outer_flush,
         )
 
     @property
@@ -126,6 +128,7 @@ class TrainConfig:
             self.outer_momentum,
             self.outer_delay,
             self.outer_keep_local,
+            self.outer_flush,
         )
 
     @property
