@@ -3,6 +3,7 @@ ranks under torchrun sharing one GPU. scripts/gpu-check.sh runs each part on a G
 
     torchrun --standalone --nproc-per-node 2 -m bench.torch_cuda --part collectives
     torchrun --standalone --nproc-per-node 2 -m bench.torch_cuda --part fsdp2
+    torchrun --standalone --nproc-per-node 2 -m bench.torch_cuda --part sharded
     torchrun --standalone --nproc-per-node 2 -m bench.torch_cuda --part ddp
 
 `collectives`: the group as torch sees it (`_device_types`, `_get_backend(cuda)`, a DeviceMesh,
@@ -18,6 +19,12 @@ profiler over one large all_reduce: its device->host copies must go to pinned me
 `fsdp2`: fully_shard on a 2-layer MLP, 3 AdamW steps with gloo and with gradserver: losses and
 parameters compared (gloo on the same device; where gloo cannot run FSDP2 on CUDA tensors, on the
 host, then within a float tolerance).
+
+`sharded`: what sharded recipes build on the group: DTensor redistribution (Shard(0) to
+Replicate and to Shard(1), Partial to Replicate and to Shard(0)) against values computed here;
+FSDP2 on 2-D meshes (HSDP: 2 x 1 and 1 x 2, replicate x shard), 3 AdamW steps against one model
+trained on every rank's batches with their gradients averaged, on every rank (no collective);
+DCP save of the HSDP model and load into one built with other weights, exactly.
 
 `ddp`: DDP on a transformer encoder of ~27M parameters (6 layers, width 512, vocabulary 8192,
 batch 8 x 256 per rank, bfloat16 autocast, AdamW) with gloo, with gradserver and with no
@@ -89,6 +96,14 @@ class _Checks:
     def __init__(self) -> None:
         self.failed: dict[str, str] = {}
         self.passed: list[str] = []
+
+    def close(self, name: str, got: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
+        """`got` within `atol` of `expected` (sums whose order may differ from the reference's)."""
+        worst = float((got.detach().cpu().double() - expected.detach().cpu().double()).abs().max())
+        if worst <= atol:
+            self.passed.append(name)
+        else:
+            self.failed[name] = f"max |difference| {worst:.3g} > {atol:g}"
 
     def equal(self, name: str, got: Any, expected: Any) -> None:
         if isinstance(got, torch.Tensor):
@@ -371,6 +386,163 @@ def part_collectives(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bo
     return [result], ok
 
 
+# --- sharded: DTensor, HSDP, DCP ---------------------------------------------------------------
+
+
+def _redistributions(device: torch.device, checks: _Checks) -> None:
+    """DTensor placements changed over a 1-D mesh: each an all_gather, all_to_all, all_reduce or
+    reduce_scatter of the group's, checked against values computed here."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    full = torch.arange(world * 4 * 2 * world, dtype=torch.float32, device=device).reshape(
+        world * 4, 2 * world
+    )
+    rows = distribute_tensor(full, mesh, [Shard(0)])
+    checks.equal("DTensor Shard(0) -> Replicate", rows.redistribute(mesh, [Replicate()]).to_local(), full)
+    checks.equal(
+        "DTensor Shard(0) -> Shard(1)",
+        rows.redistribute(mesh, [Shard(1)]).to_local(),
+        full.chunk(world, dim=1)[rank],
+    )
+    mine = torch.full((world * 2, 3), float(rank + 1), device=device)
+    partial = DTensor.from_local(mine, mesh, [Partial()])
+    total = float(world * (world + 1) // 2)
+    checks.equal(
+        "DTensor Partial -> Replicate",
+        partial.redistribute(mesh, [Replicate()]).to_local(),
+        torch.full_like(mine, total),
+    )
+    checks.equal(
+        "DTensor Partial -> Shard(0)",
+        partial.redistribute(mesh, [Shard(0)]).to_local(),
+        torch.full((2, 3), total),
+    )
+
+
+def _sharded_model(device: torch.device, mesh: Any, seed: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)  # on the host: the same initial weights on every device
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [
+        (torch.randn(32, 16, generator=generator), torch.randn(32, 8, generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def _hsdp(device: torch.device, checks: _Checks, shape: tuple[int, int], steps: int) -> nn.Module:
+    """FSDP2 on a 2-D mesh (replicate x shard), `steps` AdamW steps, against one model trained
+    here on every rank's batches with their gradients averaged (no collective): close, and the
+    same on every rank. Its model, for DCP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    model = _sharded_model(device, mesh, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in _batches(rank, steps):
+        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    every = [_batches(r, steps) for r in range(world)]
+    for step in range(steps):
+        grads = []
+        for batches in every:
+            x, y = batches[step]
+            reference.zero_grad()
+            nn.functional.mse_loss(reference(x.to(device)), y.to(device)).backward()
+            grads.append([p.grad.clone() for p in reference.parameters() if p.grad is not None])
+        for index, param in enumerate(reference.parameters()):
+            param.grad = torch.stack([g[index] for g in grads]).mean(0)
+        reference_optimizer.step()
+    name = f"HSDP mesh {shape[0]}x{shape[1]} (replicate x shard), {steps} AdamW steps"
+    ours = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+    checks.close(
+        f"{name}: like one model on every batch",
+        ours,
+        torch.cat([p.reshape(-1) for p in reference.parameters()]),
+        1e-5,
+    )
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, _digest({"params": ours}))
+    checks.equal(f"{name}: the same on every rank", len(set(digests)), 1)
+    return model
+
+
+def _checkpoint(device: torch.device, checks: _Checks, model: nn.Module, shape: tuple[int, int]) -> None:
+    """DCP save of a sharded model's state, then a load into one built with other weights: its
+    parameters become the saved ones, exactly."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    directory: list[Any] = [tempfile.mkdtemp(prefix="gradserver-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    try:
+        dcp.save({"model": model.state_dict()}, checkpoint_id=directory[0])
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        other = _sharded_model(device, mesh, 1)
+        state = {"model": other.state_dict()}
+        dcp.load(state, checkpoint_id=directory[0])
+        other.load_state_dict(state["model"])
+        saved = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+        loaded = torch.cat([p.full_tensor().reshape(-1) for p in other.parameters()])
+        checks.equal(
+            "DCP save and load of an FSDP2 model: the parameters saved", torch.equal(saved, loaded), True
+        )
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            import shutil
+
+            shutil.rmtree(directory[0], ignore_errors=True)
+
+
+def part_sharded(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
+    device = _device(args.device)
+    checks = _Checks()
+    dist.init_process_group(BACKEND)
+    try:
+        world = dist.get_world_size()
+        _redistributions(device, checks)
+        model = _hsdp(device, checks, (world, 1), 3)
+        _hsdp(device, checks, (1, world), 3)
+        _checkpoint(device, checks, model, (world, 1))
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, {"passed": checks.passed, "failed": checks.failed})
+    finally:
+        dist.destroy_process_group()
+    failed = {
+        f"rank {r}: {name}": why for r, seen in enumerate(every) for name, why in seen["failed"].items()
+    }
+    ok = not failed
+    summary = f"{len(every[0]['passed'])} checks passed on rank 0, {len(failed)} failed over {world} ranks"
+    result = {
+        "part": "torch-sharded",
+        "ok": ok,
+        "summary": summary,
+        "passed": every[0]["passed"],
+        "failed": failed,
+    }
+    return [result], ok
+
+
 # --- FSDP2 -------------------------------------------------------------------------------------
 
 
@@ -641,6 +813,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], tuple[list[dict[str, Any]], bool
     "collectives": part_collectives,
     "fsdp2": part_fsdp2,
     "ddp": part_ddp,
+    "sharded": part_sharded,
 }
 
 

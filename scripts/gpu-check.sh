@@ -8,11 +8,12 @@
 #                                 # /tmp/site, then runs, each under its own time limit:
 #     tests    the CUDA tests (tests/test_cuda.py, the CUDA/NCCL tests of the other files, the quantizer,
 #              DiLoCo's int8 sum on the coordinator with a CUDA model)
-#     torch-collectives, torch-fsdp2, torch-ddp
+#     torch-collectives, torch-fsdp2, torch-sharded, torch-ddp
 #              bench.torch_cuda under torchrun, 2 ranks sharing the GPU (issue 52): every
 #              collective of the "gradserver" backend exact on CUDA tensors, and the group's
-#              cuda registration; FSDP2 against gloo; DDP on a 27M-parameter encoder, step time
-#              against gloo's and the profiler's device<->host copies (pinned or pageable)
+#              cuda registration; FSDP2 against gloo; DTensor redistribution, HSDP on 2-D meshes
+#              and DCP save/load of a CUDA FSDP2 model; DDP on a 27M-parameter encoder, step
+#              time against gloo's and the profiler's device<->host copies (pinned or pageable)
 #     launch   gradserver launch --workers 2 --device cuda (accumulation and clipping on), and
 #              a check that both workers' weights are bit-identical
 #     sync     bench.gpu --part sync: tokens/s, device-side accumulation vs a sync per block
@@ -112,6 +113,7 @@ torch_check() {
 export -f torch_check
 part torch-collectives 90 torch_check --part collectives
 part torch-fsdp2 90 torch_check --part fsdp2
+part torch-sharded 60 torch_check --part sharded
 part torch-ddp 150 torch_check --part ddp
 
 launch_check() {

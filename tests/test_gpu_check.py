@@ -65,15 +65,19 @@ def test_the_gpu_check_installs_checks_a_launch_and_skips_the_cuda_tests(tmp_pat
 @pytest.mark.timeout(300)
 def test_the_torch_backend_parts_run_their_checks_on_the_cpu(tmp_path: Path) -> None:
     """bench.torch_cuda under torchrun, as the script runs it, on the host: every collective
-    exact, FSDP2 equal to gloo, DDP's three variants timed and compared."""
-    _, summary, output = _run_parts(tmp_path, "torch-collectives torch-fsdp2 torch-ddp")
+    exact, FSDP2 equal to gloo, DTensor, HSDP and DCP checked, DDP's three variants timed and
+    compared."""
+    _, summary, output = _run_parts(tmp_path, "torch-collectives torch-fsdp2 torch-sharded torch-ddp")
     parts = {name: part["exit"] for name, part in summary["parts"].items()}
-    assert parts == {"torch-collectives": "0", "torch-fsdp2": "0", "torch-ddp": "0"}, parts
+    assert parts == {"torch-collectives": "0", "torch-fsdp2": "0", "torch-sharded": "0", "torch-ddp": "0"}, (
+        parts
+    )
     entries = summary["bench"]
     assert {(e["part"], e.get("variant")) for e in entries} == {
         ("torch-collectives", None),
         ("torch-fsdp2", "gradserver"),
         ("torch-fsdp2", None),
+        ("torch-sharded", None),
         ("torch-ddp", "gloo"),
         ("torch-ddp", "gradserver"),
         ("torch-ddp", "alone"),
@@ -83,6 +87,8 @@ def test_the_torch_backend_parts_run_their_checks_on_the_cpu(tmp_path: Path) -> 
     collectives = next(e for e in entries if e["part"] == "torch-collectives")
     assert not collectives["failed"] and len(collectives["passed"]) >= 30, collectives
     assert "_get_backend(cuda) is the group" in collectives["passed"]
+    sharded = next(e for e in entries if e["part"] == "torch-sharded")
+    assert not sharded["failed"] and len(sharded["passed"]) == 9, sharded
     # The verdicts close the output, one line each.
     assert "torch-fsdp2: ok: 3 AdamW steps: losses equal to gloo's (gloo on cpu)" in output
     assert "torch-ddp: ok: gradserver " in output
