@@ -116,6 +116,17 @@ class _Checks:
             self.failed[name] = f"got {str(got)[:200]}, expected {str(expected)[:200]}"
 
 
+def _every_rank(checks: _Checks) -> tuple[list[str], dict[str, str]]:
+    """Every rank's checks (a collective): rank 0's passed ones, and the failed ones of every
+    rank, by rank and name."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"passed": checks.passed, "failed": checks.failed})
+    failed = {
+        f"rank {r}: {name}": why for r, seen in enumerate(every) for name, why in seen["failed"].items()
+    }
+    return every[0]["passed"], failed
+
+
 # --- collectives -------------------------------------------------------------------------------
 
 
@@ -371,17 +382,12 @@ def part_collectives(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bo
                 sorted(k for k in copies if "HtoD" in k),
                 ["Memcpy HtoD (Pinned -> Device)"],
             )
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, {"passed": checks.passed, "failed": checks.failed})
+        passed, failed = _every_rank(checks)
     finally:
         dist.destroy_process_group()
-    failed = {
-        f"rank {r}: {name}": why for r, seen in enumerate(every) for name, why in seen["failed"].items()
-    }
-    passed = len(every[0]["passed"])
     ok = not failed
-    summary = f"{passed} checks exact on rank 0, {len(failed)} failed over {world} ranks"
-    result = {"part": "torch-collectives", "ok": ok, "summary": summary, "passed": every[0]["passed"]}
+    summary = f"{len(passed)} checks exact on rank 0, {len(failed)} failed over {world} ranks"
+    result = {"part": "torch-collectives", "ok": ok, "summary": summary, "passed": passed}
     result.update({"failed": failed, "copies_one_16mb_all_reduce": copies})
     return [result], ok
 
@@ -524,22 +530,12 @@ def part_sharded(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
         model = _hsdp(device, checks, (world, 1), 3)
         _hsdp(device, checks, (1, world), 3)
         _checkpoint(device, checks, model, (world, 1))
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, {"passed": checks.passed, "failed": checks.failed})
+        passed, failed = _every_rank(checks)
     finally:
         dist.destroy_process_group()
-    failed = {
-        f"rank {r}: {name}": why for r, seen in enumerate(every) for name, why in seen["failed"].items()
-    }
     ok = not failed
-    summary = f"{len(every[0]['passed'])} checks passed on rank 0, {len(failed)} failed over {world} ranks"
-    result = {
-        "part": "torch-sharded",
-        "ok": ok,
-        "summary": summary,
-        "passed": every[0]["passed"],
-        "failed": failed,
-    }
+    summary = f"{len(passed)} checks passed on rank 0, {len(failed)} failed over {world} ranks"
+    result = {"part": "torch-sharded", "ok": ok, "summary": summary, "passed": passed, "failed": failed}
     return [result], ok
 
 
