@@ -18,6 +18,13 @@ evaluation set is `--eval-seqs` of them, each rank evaluating every world-th one
 - diloco, diloco-int8, streaming, streaming-int4: gradserver.torch.diloco.DiLoCo, its `step()`
   called by hand after each inner step, so that computing time is forward + backward + inner
   optimizer and the outer step (sending, waiting, applying) is not.
+- trainer-streaming: the built-in trainer's outer steps (train/outer_steps.py's OuterTrainer
+  through a WorkerClient, as `gradserver worker --outer-steps H --fragments 2 --outer-delay H/4
+  --outer-keep-local 0.5 --wire-dtype int8 --error-feedback` runs them): each trainer step H/F
+  inner steps on this rank's batches, the exchange sent H/(2F) inner steps before their end and
+  applied after them, then F - 1 flush steps. Its AdamW is the trainer's (its betas and weight
+  decay) at --inner-lr, warmed up per trainer step; computing time is the trainer's own
+  (`StepResult.compute_s`: the inner steps, the overlapped ones included).
 
 The clock stops while the rank evaluates (every rank at the same steps, so none waits on
 another's evaluation). The result, one JSON object, goes to `--out`.
@@ -292,6 +299,58 @@ def train_diloco_ft(trainer: Trainer, variant: Variant) -> dict[str, Any]:
         job.close()
 
 
+def train_outer_trainer(trainer: Trainer, variant: Variant) -> dict[str, Any]:
+    """The built-in trainer's outer steps (`trainer-streaming`, see the module's docstring)."""
+    from gradserver.train.engines import CoordinatorEngine
+    from gradserver.train.outer_steps import OuterSettings, OuterTrainer
+    from gradserver.worker import WorkerClient
+
+    args, model = trainer.args, trainer.model
+    per = args.sync_every // variant.fragments
+    settings = OuterSettings(
+        args.sync_every,
+        variant.fragments,
+        args.outer_lr,
+        args.outer_momentum,
+        delay=per // 2,
+        keep_local=variant.keep_local,
+    )
+    client = WorkerClient.connect(
+        os.environ["GRADSERVER_COORDINATOR"],
+        rank=args.rank,
+        timeout=args.timeout,
+        wire_dtype=variant.quantize or "float32",
+        error_feedback=variant.quantize is not None,
+        transport="grpc",
+    )
+    trainer_steps = args.steps // per
+    try:
+        outer = OuterTrainer(
+            model, CoordinatorEngine(client), settings, lr=args.inner_lr, trainer_steps=trainer_steps
+        )
+        warmup = max(1, args.warmup_steps)
+        trainer.clock = Clock()  # the Join returned once every rank had joined: they start together
+        trainer.window.append(time.time())
+        trainer.evaluate_at(0)
+        for step in range(trainer_steps):
+            first = step * per
+            for group in outer.optimizer.param_groups:
+                group["lr"] = args.inner_lr * min(1.0, (first + 1) / warmup)
+            batches = [trainer.data.batch(first + i, args.rank) for i in range(per)]
+            result = outer.train_step(batches)
+            trainer.compute_s += result.compute_s
+            done = first + per
+            if done == args.steps:
+                for _ in range(settings.flush_steps):
+                    outer.flush_step()
+            if trainer.due(done) or done == args.steps:
+                trainer.evaluate_at(done)
+        trainer.window.append(time.time())
+        return {"outer_steps": outer.step, "sent_bytes": None, "received_bytes": None}
+    finally:
+        client.close()
+
+
 def finish(outer: Any) -> None:
     """Makes the model DiLoCo's result, the global weights, holding every inner step: `flush`
     gives the fragments exchanged earlier in the last period (streaming) one last outer step with
@@ -304,6 +363,11 @@ def finish(outer: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)  # one core's worth per rank: the machine's cores are shared out
     variant = VARIANTS[args.variant]
+    if variant.trainer:  # no process group: each rank is a worker of the coordinator's job
+        model = TransformerLM(model_config(args), seed=0)
+        trainer = Trainer(args, model, Data(args.seq_len, args.batch, args.world, args.eval_seqs))
+        extra = train_outer_trainer(trainer, variant)
+        return {**_result(args, variant, trainer, model), **extra}
     if variant.ft:  # no process group: each rank is an ft.Replica of the coordinator's job
         model = TransformerLM(model_config(args), seed=0)
         trainer = Trainer(args, model, Data(args.seq_len, args.batch, args.world, args.eval_seqs))

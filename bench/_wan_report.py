@@ -39,6 +39,9 @@ class Variant:
     keep_local: float = 0.0  # streaming's mixing (the paper's alpha)
     ft: bool = False  # DiLoCo over ft.Replica: each exchange a fault-tolerant step
     kill: bool = False  # ft: one rank SIGKILLed mid-inner-phase and started again (`kill_step`)
+    # The built-in trainer's outer steps (train/outer_steps.py) instead of the torch wrapper: its
+    # exchange leaves H / (2F) inner steps before the end of each trainer step (`--outer-delay`).
+    trainer: bool = False
 
 
 def _streaming(name: str, quantize: str = "int8", *, also: str = "", **options: bool) -> Variant:
@@ -64,6 +67,15 @@ VARIANTS = {
         _streaming("streaming-ft", also=", over ft", ft=True),
         _streaming("streaming-ft-kill", also=", over ft, a rank killed", ft=True, kill=True),
         _streaming("streaming-int4", "int4"),
+        Variant(
+            "trainer-streaming",
+            "the trainer's streaming DiLoCo H={H}, F=2, tau=H/4, alpha=0.5, int8",
+            ddp=False,
+            fragments=2,
+            quantize="int8",
+            keep_local=0.5,
+            trainer=True,
+        ),
     )
 }
 

@@ -28,7 +28,10 @@ bytes per rank: the same tokens, in the same order, for every variant:
 - diloco-int8: the same with int8 pseudo-gradients;
 - streaming, streaming-int4: 4 fragments, delay 5 and int8 (int4) pseudo-gradients;
 - diloco-ft, diloco-ft-kill, streaming-ft, streaming-ft-kill: over `ft.Replica` (each exchange a
-  fault-tolerant step; -kill: one rank SIGKILLed mid-run and started again).
+  fault-tolerant step; -kill: one rank SIGKILLed mid-run and started again);
+- trainer-streaming: the built-in trainer's outer steps (train/outer_steps.py) instead of the
+  wrapper: 2 fragments, the exchange sent H/4 inner steps before the end of its trainer step
+  (`--outer-delay`), alpha 0.5, int8 with error feedback, then the flush.
 
 Inner optimizer AdamW (DDP's optimizer too), the same learning rate and warm-up. Per variant:
 tokens/s (every rank's tokens over the slowest rank's training time), wire bytes per token
@@ -217,10 +220,10 @@ def run_variant(cluster: WanCluster, args: argparse.Namespace, name: str) -> Sum
     summary = summarize(variant, args.sync_every, results, wire, moved.busiest())
     if not variant.ddp:
         outer = results[0]
-        summary.note = (
-            f"{outer['outer_steps']} fragment outer steps; diloco counted {outer['sent_bytes']} B sent, "
-            f"{outer['received_bytes']} B received per rank"
-        )
+        summary.note = f"{outer['outer_steps']} fragment outer steps"
+        if outer["sent_bytes"] is not None:  # the wrapper counts its payloads; the trainer does not
+            sent, received = outer["sent_bytes"], outer["received_bytes"]
+            summary.note += f"; diloco counted {sent} B sent, {received} B received per rank"
         for result in results:
             if result.get("healed_at") is not None:
                 summary.note += (
@@ -312,6 +315,13 @@ def check(args: argparse.Namespace) -> str | None:
         return (
             f"--sync-every {args.sync_every} must exceed the streaming variant's delay (5) and fragments (4)"
         )
+    for v in diloco:
+        per = args.sync_every // v.fragments
+        if v.trainer and (args.sync_every % v.fragments or per < 2 or args.eval_every % per):
+            return (
+                f"{v.name}: --sync-every {args.sync_every} must be a multiple of its {v.fragments} fragments "
+                f"with at least 2 inner steps each, and --eval-every {args.eval_every} a multiple of those"
+            )
     return None
 
 

@@ -173,6 +173,9 @@ def test_the_bench_refuses_settings_it_cannot_run() -> None:
     assert why("--steps", "120", "--variants", "ddp,ddp-bf16") is None
     assert "unknown" in (why("--variants", "ddp,fast") or "")
     assert "must exceed" in (why("--steps", "8", "--sync-every", "4") or "")
+    trainer = why("--variants", "trainer-streaming", "--eval-every", "10")
+    assert "trainer-streaming: --sync-every 50 must be a multiple of its 2 fragments" in (trainer or "")
+    assert why("--variants", "trainer-streaming", "--sync-every", "10", "--eval-every", "10") is None
 
 
 # --- end to end ---------------------------------------------------------------------------------
@@ -188,7 +191,8 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     tiny = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"]
     argv = [sys.executable, "-m", "bench.wan", "--hosts", "2", "--rtt-ms", "10", "--steps", "16"]
     argv += ["--sync-every", "8", "--batch", "2", "--seq-len", "16", "--eval-every", "8", "--eval-seqs", "8"]
-    argv += ["--variants", "ddp,ddp-bf16,ddp-gloo,streaming,diloco-ft", "--json", "--prefix", prefix]
+    argv += ["--variants", "ddp,ddp-bf16,ddp-gloo,streaming,diloco-ft,trainer-streaming", "--json"]
+    argv += ["--prefix", prefix]
     argv += ["--timeout", "90"]
     argv += tiny
     try:
@@ -198,9 +202,9 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     assert done.returncode == 0, done.stderr[-3000:]
     assert left == []
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    ddp, bf16, gloo, streaming, over_ft = report["variants"]
+    ddp, bf16, gloo, streaming, over_ft, in_trainer = report["variants"]
     assert {row["tokens"] for row in report["variants"]} == {2 * 16 * 2 * 16}
-    for row in (ddp, bf16, gloo, streaming, over_ft):
+    for row in (ddp, bf16, gloo, streaming, over_ft, in_trainer):
         assert row["identical"]
         assert row["tokens_per_s"] > 0 and 0 < row["compute_share"] <= 1
         assert math.isfinite(row["final_loss"]) and len(row["curve"]) == 3  # steps 0, 8, 16
@@ -211,5 +215,8 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     assert gloo["digest"] == ddp["digest"] != bf16["digest"]
     # DiLoCo over ft: each exchange a fault-tolerant step, both taken, none discarded.
     assert "2 fragment outer steps" in over_ft["note"] and "0 exchanges discarded" in over_ft["note"]
+    # The trainer's: 4 trainer steps of H/F = 4 inner steps, each one exchange, and 1 flush step.
+    assert "parameters; 5 fragment outer steps" in in_trainer["note"], in_trainer["note"]
+    assert ddp["wire_bytes_per_token"] > 2 * in_trainer["wire_bytes_per_token"] > 0
     # GRADSERVER_WIRE_DTYPE=bfloat16 (set by bench.wan for ddp-bf16): half the gradient bytes.
     assert 0.4 < bf16["wire_bytes_per_token"] / ddp["wire_bytes_per_token"] < 0.65
