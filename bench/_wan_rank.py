@@ -22,9 +22,10 @@ evaluation set is `--eval-seqs` of them, each rank evaluating every world-th one
   through a WorkerClient, as `gradserver worker --outer-steps H --fragments 2 --outer-delay H/4
   --outer-keep-local 0.5 --wire-dtype int8 --error-feedback` runs them): each trainer step H/F
   inner steps on this rank's batches, the exchange sent H/(2F) inner steps before their end and
-  applied after them, then F - 1 flush steps. Its AdamW is the trainer's (its betas and weight
-  decay) at --inner-lr, warmed up per trainer step; computing time is the trainer's own
-  (`StepResult.compute_s`: the inner steps, the overlapped ones included).
+  applied after them, then F - 1 flush steps. Its inner AdamW is set as the other DiLoCo
+  variants' (betas, weight decay, --inner-lr warmed up per inner step), so that what differs is
+  the outer steps; computing time is the trainer's own (`StepResult.compute_s`: the inner steps,
+  the overlapped ones included, and the encoding of each exchange).
 
 The clock stops while the rank evaluates (every rank at the same steps, so none waits on
 another's evaluation). The result, one JSON object, goes to `--out`.
@@ -37,6 +38,7 @@ import datetime
 import functools
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import signal
@@ -151,12 +153,15 @@ class Trainer:
         return bool(step % self.args.eval_every == 0)
 
 
+ADAMW = {"betas": (0.9, 0.95), "weight_decay": 0.1}  # every variant's (inner) AdamW
+
+
 def _optimizer(
     args: argparse.Namespace, model: torch.nn.Module, lr: float | None = None
 ) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW at `lr` (default `--lr`, DDP's) after a linear warm-up of `--warmup-steps`."""
     rate = args.lr if lr is None else lr
-    inner = torch.optim.AdamW(model.parameters(), lr=rate, betas=(0.9, 0.95), weight_decay=0.1)
+    inner = torch.optim.AdamW(model.parameters(), lr=rate, **ADAMW)
     warmup = max(1, args.warmup_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / warmup))
     return inner, schedule
@@ -328,14 +333,23 @@ def train_outer_trainer(trainer: Trainer, variant: Variant) -> dict[str, Any]:
         outer = OuterTrainer(
             model, CoordinatorEngine(client), settings, lr=args.inner_lr, trainer_steps=trainer_steps
         )
-        warmup = max(1, args.warmup_steps)
+        # The other DiLoCo variants' inner AdamW (`_optimizer`): its betas and weight decay, and
+        # its warm-up, which a hook sets before each inner step (they run inside a trainer step).
+        for group in outer.optimizer.param_groups:
+            group.update(ADAMW)
+        warmup, inner_steps = max(1, args.warmup_steps), itertools.count()
+
+        def warm_up(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            rate = args.inner_lr * min(1.0, (next(inner_steps) + 1) / warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = rate
+
+        outer.optimizer.register_step_pre_hook(warm_up)
         trainer.clock = Clock()  # the Join returned once every rank had joined: they start together
         trainer.window.append(time.time())
         trainer.evaluate_at(0)
         for step in range(trainer_steps):
             first = step * per
-            for group in outer.optimizer.param_groups:
-                group["lr"] = args.inner_lr * min(1.0, (first + 1) / warmup)
             batches = [trainer.data.batch(first + i, args.rank) for i in range(per)]
             result = outer.train_step(batches)
             trainer.compute_s += result.compute_s
