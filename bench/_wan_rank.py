@@ -377,15 +377,13 @@ def finish(outer: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)  # one core's worth per rank: the machine's cores are shared out
     variant = VARIANTS[args.variant]
-    if variant.trainer:  # no process group: each rank is a worker of the coordinator's job
+    if variant.trainer or variant.ft:
+        # No process group: each rank is a worker (the trainer's) or an ft.Replica of the
+        # coordinator's job.
         model = TransformerLM(model_config(args), seed=0)
         trainer = Trainer(args, model, Data(args.seq_len, args.batch, args.world, args.eval_seqs))
-        extra = train_outer_trainer(trainer, variant)
-        return {**_result(args, variant, trainer, model), **extra}
-    if variant.ft:  # no process group: each rank is an ft.Replica of the coordinator's job
-        model = TransformerLM(model_config(args), seed=0)
-        trainer = Trainer(args, model, Data(args.seq_len, args.batch, args.world, args.eval_seqs))
-        extra = train_diloco_ft(trainer, variant)
+        train = train_outer_trainer if variant.trainer else train_diloco_ft
+        extra = train(trainer, variant)
         return {**_result(args, variant, trainer, model), **extra}
     importlib.import_module("gradserver.torch")  # registers the "gradserver" backend
     dist.init_process_group(

@@ -66,6 +66,8 @@ int4 payloads are all summed by the coordinator, one payload each way.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -93,7 +95,6 @@ _WIRE_FORMATS = {"int8": DType.INT8_BLOCK64, "int4": DType.INT4_BLOCK64}
 _HEADER = 8  # a quantized payload's header: its weight and its count of non-finite values (float32)
 # How `flush` applies its exchanges: an outer step (the default), or the replicas' mean weights.
 FLUSH_RULES = ("outer", "mean")
-_QUANTIZE_CODES = (None, "bf16", "int8", "int4")
 # The settings a state saved before they existed was made with.
 _SETTINGS_BEFORE = {"flush": "outer"}
 
@@ -711,20 +712,10 @@ class DiLoCo:
                 )
 
     def _settings_tensor(self) -> torch.Tensor:
-        """The settings every replica must share, as numbers (float64 holds each exactly), for
-        the check at the start; `replicas` is the group's, the same everywhere by construction."""
-        return torch.tensor(
-            [
-                self.sync_every,
-                len(self._fragments),
-                self.delay,
-                self.keep_local,
-                _QUANTIZE_CODES.index(self.quantize),
-                self.block,
-                FLUSH_RULES.index(self.flush_rule),
-            ],
-            dtype=torch.float64,
-        )
+        """A digest of `_settings()` (what a checkpoint must match), for the check at the start
+        that every replica runs with the same ones: a setting added there is checked too."""
+        text = json.dumps(self._settings(), sort_keys=True).encode()
+        return torch.tensor(list(hashlib.blake2b(text, digest_size=8).digest()), dtype=torch.uint8)
 
     # --- the state a joining replica takes (ft) -------------------------------------------------
 
