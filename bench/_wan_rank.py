@@ -18,9 +18,10 @@ evaluation set is `--eval-seqs` of them, each rank evaluating every world-th one
 - diloco, diloco-int8, streaming, streaming-int4: gradserver.torch.diloco.DiLoCo, its `step()`
   called by hand after each inner step, so that computing time is forward + backward + inner
   optimizer and the outer step (sending, waiting, applying) is not.
-- trainer-streaming: the built-in trainer's outer steps (train/outer_steps.py's OuterTrainer
-  through a WorkerClient, as `gradserver worker --outer-steps H --fragments 2 --outer-delay H/4
-  --outer-keep-local 0.5 --wire-dtype int8 --error-feedback` runs them): each trainer step H/F
+- trainer-streaming (-f5, -outer-flush): the built-in trainer's outer steps (train/outer_steps.py's
+  OuterTrainer through a WorkerClient, as `gradserver worker --outer-steps H --fragments 2
+  --outer-delay H/4 --outer-keep-local 0.5 --wire-dtype int8 --error-feedback` runs them; -f5: 5
+  fragments, --outer-delay H/10; -outer-flush: `--outer-flush outer`): each trainer step H/F
   inner steps on this rank's batches, the exchange sent H/(2F) inner steps before their end and
   applied after them, then F - 1 flush steps. Its inner AdamW is set as the other DiLoCo
   variants' (betas, weight decay, --inner-lr warmed up per inner step), so that what differs is
@@ -263,6 +264,7 @@ def _outer_figures(outer: Any) -> dict[str, Any]:
         "outer_steps": outer.outer_steps,
         "sent_bytes": outer.sent_bytes,
         "received_bytes": outer.received_bytes,
+        "exchange_times": outer.exchange_times.as_dict(),
     }
 
 
@@ -306,6 +308,7 @@ def train_diloco_ft(trainer: Trainer, variant: Variant) -> dict[str, Any]:
 
 def train_outer_trainer(trainer: Trainer, variant: Variant) -> dict[str, Any]:
     """The built-in trainer's outer steps (`trainer-streaming`, see the module's docstring)."""
+    from gradserver.torch.diloco import ExchangeTimes
     from gradserver.train.engines import CoordinatorEngine
     from gradserver.train.outer_steps import OuterSettings, OuterTrainer
     from gradserver.worker import WorkerClient
@@ -319,6 +322,7 @@ def train_outer_trainer(trainer: Trainer, variant: Variant) -> dict[str, Any]:
         args.outer_momentum,
         delay=per // 2,
         keep_local=variant.keep_local,
+        flush=variant.flush,
     )
     client = WorkerClient.connect(
         os.environ["GRADSERVER_COORDINATOR"],
@@ -348,19 +352,29 @@ def train_outer_trainer(trainer: Trainer, variant: Variant) -> dict[str, Any]:
         trainer.clock = Clock()  # the Join returned once every rank had joined: they start together
         trainer.window.append(time.time())
         trainer.evaluate_at(0)
+        # Its steps' exchanges: in flight beside the last inner steps, then waited for (with the
+        # commit); the send itself is in the step's computing time.
+        times = ExchangeTimes()
         for step in range(trainer_steps):
             first = step * per
             batches = [trainer.data.batch(first + i, args.rank) for i in range(per)]
             result = outer.train_step(batches)
             trainer.compute_s += result.compute_s
+            times.add(0.0, result.in_flight_s or 0.0, result.comm_s)
             done = first + per
             if done == args.steps:
                 for _ in range(settings.flush_steps):
-                    outer.flush_step()
+                    flushed = outer.flush_step()
+                    times.add(0.0, flushed.in_flight_s or 0.0, flushed.comm_s)
             if trainer.due(done) or done == args.steps:
                 trainer.evaluate_at(done)
         trainer.window.append(time.time())
-        return {"outer_steps": outer.step, "sent_bytes": None, "received_bytes": None}
+        return {
+            "outer_steps": outer.step,
+            "sent_bytes": None,
+            "received_bytes": None,
+            "exchange_times": times.as_dict(),
+        }
     finally:
         client.close()
 

@@ -42,6 +42,7 @@ class Variant:
     # The built-in trainer's outer steps (train/outer_steps.py) instead of the torch wrapper: its
     # exchange leaves H / (2F) inner steps before the end of each trainer step (`--outer-delay`).
     trainer: bool = False
+    flush: str = "mean"  # the trainer's flush rule (`--outer-flush`); the wrapper's rows use "outer"
 
 
 def _streaming(name: str, quantize: str = "int8", *, also: str = "", **options: bool) -> Variant:
@@ -50,6 +51,16 @@ def _streaming(name: str, quantize: str = "int8", *, also: str = "", **options: 
     `also`: the rest of the label; `options`: ft, kill."""
     label = f"streaming DiLoCo H={{H}}, F=4, tau=5, alpha=0.5, {quantize}{also}"
     return Variant(name, label, ddp=False, fragments=4, delay=5, quantize=quantize, keep_local=0.5, **options)
+
+
+def _trainer(name: str, fragments: int, flush: str = "mean") -> Variant:
+    """The trainer's streaming outer steps: F fragments, the exchange sent H/(2F) inner steps
+    before its trainer step ends, alpha 0.5, int8 with error feedback, then the flush by `flush`."""
+    label = f"the trainer's streaming DiLoCo H={{H}}, F={fragments}, tau=H/{2 * fragments}, alpha=0.5, int8"
+    if flush != "mean":
+        label += f", flush {flush}"
+    options = {"fragments": fragments, "quantize": "int8", "keep_local": 0.5}
+    return Variant(name, label, ddp=False, trainer=True, flush=flush, **options)
 
 
 VARIANTS = {
@@ -67,15 +78,10 @@ VARIANTS = {
         _streaming("streaming-ft", also=", over ft", ft=True),
         _streaming("streaming-ft-kill", also=", over ft, a rank killed", ft=True, kill=True),
         _streaming("streaming-int4", "int4"),
-        Variant(
-            "trainer-streaming",
-            "the trainer's streaming DiLoCo H={H}, F=2, tau=H/4, alpha=0.5, int8",
-            ddp=False,
-            fragments=2,
-            quantize="int8",
-            keep_local=0.5,
-            trainer=True,
-        ),
+        _trainer("trainer-streaming", 2),
+        # tau = 5 at H = 50, as the wrapper's streaming rows (whose F = 4 does not divide 50).
+        _trainer("trainer-streaming-f5", 5),
+        _trainer("trainer-streaming-outer-flush", 2, "outer"),
     )
 }
 
@@ -114,6 +120,13 @@ class Summary:
     speedup_vs_ddp: float | None = None
     bytes_reduction_vs_ddp: float | None = None
     loss_vs_ddp: float | None = None  # final loss / DDP's - 1
+    # Outer steps only (None otherwise): the share of wall time the ranks' training threads spent
+    # sending exchanges and waiting for them (the mean over ranks), the exchanges waited for (all
+    # ranks), and of those, the share of their time the next inner steps hid (diloco's
+    # ExchangeTimes; the trainer's steps give only the first).
+    exposed_share: float | None = None
+    waited_exchanges: str | None = None  # "waited/exchanges"
+    hidden_share: float | None = None
     note: str = ""
 
     def as_json(self) -> dict[str, Any]:
@@ -156,7 +169,7 @@ def summarize(
     tokens = sum(int(r["tokens"]) for r in results)
     wall = max(float(r["wall_s"]) for r in results)
     points = curve(results)
-    return Summary(
+    summary = Summary(
         variant=variant.name,
         label=variant_label(variant, sync_every),
         ranks=len(results),
@@ -172,6 +185,22 @@ def summarize(
         identical=len({r["digest"] for r in results}) == 1,
         digest=str(results[0]["digest"]),
     )
+    exchange_times(summary, results)
+    return summary
+
+
+def exchange_times(summary: Summary, results: Sequence[dict[str, Any]]) -> None:
+    """Fills in the summary's exchange figures from its ranks' `exchange_times` (outer steps)."""
+    times = [r["exchange_times"] for r in results if r.get("exchange_times")]
+    if len(times) != len(results):
+        return
+    shares = [t["exposed_s"] / float(r["wall_s"]) for t, r in zip(times, results, strict=True)]
+    summary.exposed_share = sum(shares) / len(shares)
+    if all("waited" in t for t in times):
+        summary.waited_exchanges = f"{sum(t['waited'] for t in times)}/{sum(t['exchanges'] for t in times)}"
+        hidden = sum(t["waited_in_flight_s"] for t in times)
+        total = hidden + sum(t["waited_waiting_s"] for t in times)
+        summary.hidden_share = hidden / total if total > 0 else None
 
 
 def compare(summaries: list[Summary]) -> None:
@@ -198,8 +227,9 @@ def table(summaries: Sequence[Summary]) -> list[str]:
     """The report as Markdown table lines."""
     lines = [
         "| variant | tokens/s | x DDP | wire B/token | DDP / this | busiest link Mbit/s | computing "
-        "| held-out loss | vs DDP | loss at DDP's time | DDP's loss at this time | identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| held-out loss | vs DDP | loss at DDP's time | DDP's loss at this time | identical "
+        "| exchanges exposed | waited for | of those hidden |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in summaries:
         lines.append(
@@ -208,7 +238,8 @@ def table(summaries: Sequence[Summary]) -> list[str]:
             f"| {s.busiest_link_mbit:.1f} | {s.compute_share:.0%} | {s.final_loss:.4f} "
             f"| {_fmt(None if s.loss_vs_ddp is None else s.loss_vs_ddp * 100, '+.1f')}% "
             f"| {_fmt(s.loss_at_ddp_time, '.4f')} | {_fmt(s.ddp_loss_at_this_time, '.4f')} "
-            f"| {'yes' if s.identical else 'NO'} |"
+            f"| {'yes' if s.identical else 'NO'} | {_fmt(s.exposed_share, '.1%')} "
+            f"| {s.waited_exchanges or '-'} | {_fmt(s.hidden_share, '.0%')} |"
         )
     return lines
 

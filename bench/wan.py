@@ -31,7 +31,9 @@ bytes per rank: the same tokens, in the same order, for every variant:
   fault-tolerant step; -kill: one rank SIGKILLed mid-run and started again);
 - trainer-streaming: the built-in trainer's outer steps (train/outer_steps.py) instead of the
   wrapper: 2 fragments, the exchange sent H/4 inner steps before the end of its trainer step
-  (`--outer-delay`), alpha 0.5, int8 with error feedback, then the flush.
+  (`--outer-delay`), alpha 0.5, int8 with error feedback, then the flush (as the mean weights);
+  trainer-streaming-f5: 5 fragments, sent H/10 inner steps before the end (5 at H = 50, as the
+  wrapper's streaming); trainer-streaming-outer-flush: 2 fragments, the flush as outer steps.
 
 Inner optimizer AdamW (DDP's optimizer too), the same learning rate and warm-up. Per variant:
 tokens/s (every rank's tokens over the slowest rank's training time), wire bytes per token
@@ -39,7 +41,11 @@ tokens/s (every rank's tokens over the slowest rank's training time), wire bytes
 busiest link direction's mean rate, the share of wall time computing (forward, backward until
 the last gradient, inner optimizer; the mean over ranks), the held-out loss at the end, the loss
 it had at DDP's wall time (its final loss if it finished sooner) and DDP's loss at its wall
-time, and whether every rank ended with the same weights. Evaluations (every --eval-every
+time, and whether every rank ended with the same weights. For outer steps also how the exchanges
+held the ranks (DiLoCo's `exchange_times`, the trainer's steps' `in_flight_s` and `comm_s`): the
+share of wall time spent sending and waiting for them (the mean over ranks), how many were
+waited for, and of those the share of their time after the send that the next inner steps hid
+(an exchange not waited for was hidden whole). Evaluations (every --eval-every
 steps, on the held-out windows shared out over the ranks) are not counted in any time.
 --plot FILE draws loss against wall time (matplotlib, when importable); --json prints one JSON
 object instead of the table.
@@ -317,10 +323,11 @@ def check(args: argparse.Namespace) -> str | None:
         )
     for v in diloco:
         per = args.sync_every // v.fragments
-        if v.trainer and (args.sync_every % v.fragments or per < 2 or args.eval_every % per):
+        # The trainer evaluates between its steps: where one ends on a multiple of --eval-every.
+        if v.trainer and (args.sync_every % v.fragments or per < 2):
             return (
                 f"{v.name}: --sync-every {args.sync_every} must be a multiple of its {v.fragments} fragments "
-                f"with at least 2 inner steps each, and --eval-every {args.eval_every} a multiple of those"
+                "with at least 2 inner steps each"
             )
     return None
 

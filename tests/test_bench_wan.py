@@ -11,6 +11,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,8 +161,33 @@ def test_summaries_and_their_comparison_with_ddp() -> None:
     assert outer.loss_at_ddp_time == pytest.approx(2.1)  # it had finished: its last loss
     assert outer.ddp_loss_at_this_time == pytest.approx(4.0 - 2.0 * 10 / 40)  # DDP's at 10 s
     lines = table([ddp, outer])
-    assert len(lines) == 4 and "| DiLoCo H=50 | 200 | 4.00 |" in lines[3] and "| NO |" in lines[3]
+    assert len(lines) == 4 and "| DiLoCo H=50 | 200 | 4.00 |" in lines[3] and "| NO | - | - | - |" in lines[3]
     assert all(not math.isnan(x) for x in (outer.tokens_per_s, outer.compute_share))
+
+
+def test_the_exchange_figures_are_the_ranks_exposed_share_and_the_hidden_share_of_the_waits() -> None:
+    def ranked(rank: int, exposed: float, **waits: float) -> dict[str, Any]:
+        times = {"exposed_s": exposed, "hidden_share": None, **waits}
+        return {**_result(rank, [[0, 0.0, 8.0, 2], [10, 10.0, 4.2, 2]], 10.0, 9.0), "exchange_times": times}
+
+    waits = [
+        {"exchanges": 4, "waited": 1, "waited_in_flight_s": 3.0, "waited_waiting_s": 1.0},
+        {"exchanges": 4, "waited": 2, "waited_in_flight_s": 1.0, "waited_waiting_s": 3.0},
+    ]
+    ranks = [ranked(0, 1.0, **waits[0]), ranked(1, 3.0, **waits[1])]
+    outer = summarize(VARIANTS["streaming"], 50, ranks, 1, 1)
+    assert outer.exposed_share == pytest.approx(0.2)  # (1/10 + 3/10) / 2
+    assert outer.waited_exchanges == "3/8"
+    assert outer.hidden_share == pytest.approx(0.5)  # (3 + 1) of (3 + 1 + 1 + 3) s
+    assert "| 20.0% | 3/8 | 50% |" in table([outer])[2]
+    # Without the waits' breakdown, only the exposed share.
+    exposed = summarize(VARIANTS["trainer-streaming"], 50, [ranked(0, 2.0), ranked(1, 2.0)], 1, 1)
+    assert exposed.exposed_share == pytest.approx(0.2)
+    assert exposed.waited_exchanges is None and exposed.hidden_share is None
+    # A rank without the figures (a killed one's) leaves them out.
+    ranks = [ranked(0, 1.0, **waits[0]), _result(1, [], 10.0, 9.0)]
+    partial = summarize(VARIANTS["streaming"], 50, ranks, 1, 1)
+    assert partial.exposed_share is None
 
 
 def test_the_bench_refuses_settings_it_cannot_run() -> None:
@@ -173,9 +199,10 @@ def test_the_bench_refuses_settings_it_cannot_run() -> None:
     assert why("--steps", "120", "--variants", "ddp,ddp-bf16") is None
     assert "unknown" in (why("--variants", "ddp,fast") or "")
     assert "must exceed" in (why("--steps", "8", "--sync-every", "4") or "")
-    trainer = why("--variants", "trainer-streaming", "--eval-every", "10")
-    assert "trainer-streaming: --sync-every 50 must be a multiple of its 2 fragments" in (trainer or "")
+    trainer = why("--variants", "trainer-streaming", "--sync-every", "25")
+    assert "trainer-streaming: --sync-every 25 must be a multiple of its 2 fragments" in (trainer or "")
     assert why("--variants", "trainer-streaming", "--sync-every", "10", "--eval-every", "10") is None
+    assert "at least 2 inner steps" in (why("--variants", "trainer-streaming-f5", "--sync-every", "5") or "")
 
 
 # --- end to end ---------------------------------------------------------------------------------
@@ -191,7 +218,8 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     tiny = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "64"]
     argv = [sys.executable, "-m", "bench.wan", "--hosts", "2", "--rtt-ms", "10", "--steps", "16"]
     argv += ["--sync-every", "8", "--batch", "2", "--seq-len", "16", "--eval-every", "8", "--eval-seqs", "8"]
-    argv += ["--variants", "ddp,ddp-bf16,ddp-gloo,streaming,diloco-ft,trainer-streaming", "--json"]
+    variants = "ddp,ddp-bf16,ddp-gloo,streaming,diloco-ft,trainer-streaming,trainer-streaming-outer-flush"
+    argv += ["--variants", variants, "--json"]
     argv += ["--prefix", prefix]
     argv += ["--timeout", "90"]
     argv += tiny
@@ -202,9 +230,9 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     assert done.returncode == 0, done.stderr[-3000:]
     assert left == []
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    ddp, bf16, gloo, streaming, over_ft, in_trainer = report["variants"]
+    ddp, bf16, gloo, streaming, over_ft, in_trainer, outer_flush = report["variants"]
     assert {row["tokens"] for row in report["variants"]} == {2 * 16 * 2 * 16}
-    for row in (ddp, bf16, gloo, streaming, over_ft, in_trainer):
+    for row in report["variants"]:
         assert row["identical"]
         assert row["tokens_per_s"] > 0 and 0 < row["compute_share"] <= 1
         assert math.isfinite(row["final_loss"]) and len(row["curve"]) == 3  # steps 0, 8, 16
@@ -218,5 +246,15 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     # The trainer's: 4 trainer steps of H/F = 4 inner steps, each one exchange, and 1 flush step.
     assert "parameters; 5 fragment outer steps" in in_trainer["note"], in_trainer["note"]
     assert ddp["wire_bytes_per_token"] > 2 * in_trainer["wire_bytes_per_token"] > 0
+    # Its flush rule is the variant's: the same steps until the flush, other weights after it.
+    assert "5 fragment outer steps" in outer_flush["note"] and outer_flush["digest"] != in_trainer["digest"]
+    # How long the exchanges held the ranks: figures of outer steps only. On each rank streaming
+    # has 11 exchanges (2 per fragment, and the flush's 3: every fragment but the last), over ft
+    # 2 (and its start check, not an outer step's), the trainer 5 (4 steps and 1 flush step).
+    assert ddp["exposed_share"] is None and ddp["waited_exchanges"] is None
+    for row, each in ((streaming, 2 * 4 + 3), (over_ft, 2), (in_trainer, 5)):
+        assert 0 < row["exposed_share"] < 1
+        waited, exchanges = map(int, row["waited_exchanges"].split("/"))
+        assert exchanges == 2 * each and 0 <= waited <= exchanges, row["waited_exchanges"]
     # GRADSERVER_WIRE_DTYPE=bfloat16 (set by bench.wan for ddp-bf16): half the gradient bytes.
     assert 0.4 < bf16["wire_bytes_per_token"] / ddp["wire_bytes_per_token"] < 0.65

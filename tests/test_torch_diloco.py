@@ -16,6 +16,8 @@
 - A checkpoint (`state_dict`, `load_state_dict`) taken mid-period and loaded by new objects: the
   run ends as the one that never stopped, bit for bit (also one saved before the flush rule
   existed); a checkpoint that does not fit is refused.
+- `exchange_times`: a replica's exchange hidden behind its slow inner step is not waited for;
+  one whose other replica is late to send is, with nothing of it hidden.
 - Refusals with clear messages (replicas with different settings among them), and an example run
   under `gradserver run`.
 """
@@ -405,8 +407,36 @@ def _refusals(rank: int) -> dict[str, str]:
     return found
 
 
+# A slow replica, keyed by (rank, inner step): seconds it spends in that inner step, after the
+# exchange sent at the step before (rank 0: beside it) or before its own send (rank 1: late).
+SLOW = {(0, 5): 0.3, (1, 8): 1.0}
+
+
+def _timed(rank: int) -> dict[str, Any]:
+    """H = 4, delay 2, 8 inner steps: the first exchange (sent at step 4, due at 6) is hidden on
+    rank 0 behind its slow step 5; the second (sent at 8, waited for by `close`) waits for rank 1,
+    late to send it."""
+    import time
+
+    from gradserver.torch.diloco import DiLoCo
+
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = DiLoCo(model, inner, sync_every=4, delay=2)
+    for step in range(8):
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        time.sleep(SLOW.get((rank, step + 1), 0.0))
+        outer.step()
+    outer.close()
+    return outer.exchange_times.as_dict()
+
+
 def _results(rank: int) -> dict[str, Any]:
     results: dict[str, Any] = {"refusals": _refusals(rank), "identity": _identity(rank)}
+    results["times"] = _timed(rank)
     results["weighted"] = _weighted(rank, None)
     results["weighted_int8"] = _weighted(rank, "int8")
     results["flushed"] = _flushed(rank, None)
@@ -569,6 +599,22 @@ def test_the_flush_rule_decides_how_the_flush_applies_what_it_sends(
     for replica in replicas:
         assert replica[f"flushed_{rule}"]["model_is_global"]
         assert torch.equal(replica[f"flushed_{rule}"]["globals"], seen["globals"])
+
+
+def test_exchange_times_say_what_the_inner_steps_hid_and_what_was_waited_for(
+    replicas: list[dict[str, Any]],
+) -> None:
+    times = replicas[0]["times"]
+    print(times)
+    assert times["exchanges"] == 2
+    # The first ran beside rank 0's slow step: not waited for; the second was (rank 1 was late).
+    assert times["waited"] == 1
+    assert times["in_flight_s"] >= SLOW[(0, 5)]
+    assert times["waited_waiting_s"] >= 0.3  # rank 1 was 1.0 s late, less rank 0's own 0.3 s
+    assert times["waited_in_flight_s"] < 0.1  # `close` waited for it as soon as it was sent
+    assert times["hidden_share"] is not None and times["hidden_share"] < 0.25
+    assert times["exposed_s"] == pytest.approx(times["sending_s"] + times["waiting_s"])
+    assert all(r["times"]["exchanges"] == 2 for r in replicas)
 
 
 def test_a_run_resumed_from_its_checkpoint_ends_as_the_run_that_never_stopped(

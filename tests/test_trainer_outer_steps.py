@@ -140,8 +140,11 @@ def test_with_a_delay_the_exchange_is_sent_before_the_last_inner_steps_and_mixed
     ends on the global weights. Computed here without the trainer."""
     world, steps, batch, per, tau, keep = 2, 6, 2, 3, 1, 0.5
     config = _plain_outer_sgd(tmp_path, steps, batch, outer_steps=per, outer_delay=tau, outer_keep_local=keep)
-    _train_threads(world, config)
+    results = _train_threads(world, config)
     got = load_checkpoint(tmp_path / "checkpoint-rank0.pt")
+    # The exchange was in flight during the step's last inner step: a part of its computing time.
+    assert all(0 < r.in_flight_s < r.compute_s for rank in results for r in rank if r.in_flight_s is not None)
+    assert all(r.in_flight_s is not None for rank in results for r in rank)
 
     data, models, optimizers = _reference_replicas(world)
     global_weights = [p.detach().clone() for p in models[0].parameters()]

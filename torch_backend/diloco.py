@@ -31,7 +31,8 @@ same bytes; over `ft`, bf16 too (bfloat16 values summed in float64, rounded once
 Otherwise (bf16 over a group, another block size, a gloo group) the payloads are all-gathered as
 bytes, and every replica decodes them and sums wᵢ·decode(payloadᵢ) in rank order in float32: the
 same operations on the same bytes, so the same bits, one payload up and N down. `sent_bytes` and
-`received_bytes` count them.
+`received_bytes` count them; `exchange_times` says how long the exchanges held the training thread
+(sending, waiting) and what share of the ones it waited for ran beside its inner steps.
 
 Streaming (`fragments` F > 1, `delay` τ > 0, Liu et al. 2025): the parameters are cut, in model
 order, into F fragments of about equal size; fragment f is exchanged at inner step
@@ -69,6 +70,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
@@ -81,11 +83,12 @@ from gradserver.common.errors import FailedPreconditionError, InternalError, Inv
 from gradserver.common.messages import DType
 from gradserver.common.quantized_wire import VALUES_PER_RECORD, record_bytes, records_for
 
+from ._exchange_times import ExchangeTimes
 from ._outer_exchange import POSITION, SETTINGS, Landing, OuterExchange, Resumed, local_part
 from ._pg_exchange import ProcessGroupExchange
 from ._quantize import BLOCK, ErrorFeedback, check_format, decode, encoded_size
 
-__all__ = ["DiLoCo", "nesterov_outer_optimizer"]
+__all__ = ["DiLoCo", "ExchangeTimes", "nesterov_outer_optimizer"]
 
 log = logging.getLogger("gradserver.torch.diloco")
 
@@ -114,6 +117,8 @@ class _Exchange:
     own_weight: float
     summed: bool  # the result is the SUM of [wΔ, w, counts]; else every replica's payload gathered
     before: _BeforeSend | None = None  # put back if every replica discards it (an exchange that heals)
+    sending_s: float = 0.0  # the call that sent it took this long (`exchange_times`)
+    sent: float = 0.0  # and returned then (time.perf_counter)
 
 
 @dataclasses.dataclass
@@ -213,6 +218,8 @@ class DiLoCo:
         self.discarded = 0  # exchanges every replica discarded (a replica lost in one: ft only)
         self.sent_bytes = 0  # collective payload bytes this replica sent, and received
         self.received_bytes = 0
+        # How long the exchanges held the training thread, and how much ran beside inner steps.
+        self.exchange_times = ExchangeTimes()
         self._counted = 0.0
         self._counts = False  # whether `count` was ever called: else every weight is 1
         self._sending = 0  # the fragment whose exchange is (or was last) sent
@@ -443,15 +450,19 @@ class DiLoCo:
             payload = self._summed_payload(values, weight, nonfinite)
         else:
             payload = self._quantized_payload(fragment.feedback, delta, weight, nonfinite)
+        began = time.perf_counter()
         with self.exchange.at_boundary(overlap=self._overlaps()):
             landing = self.exchange.sum(payload) if summed else self.exchange.gather(payload)
+        sent = time.perf_counter()
         if summed:
             self.sent_bytes += payload.numel() * 4
             self.received_bytes += payload.numel() * 4
         else:
             self.sent_bytes += payload.numel()
             self.received_bytes += self.replicas * payload.numel()
-        fragment.pending = _Exchange(self.inner_step + self.delay, landing, None, weight, summed, before)
+        fragment.pending = _Exchange(
+            self.inner_step + self.delay, landing, None, weight, summed, before, sent - began, sent
+        )
 
     def _sums_quantized(self, feedback: ErrorFeedback) -> bool:
         """Whether the exchange sums this fragment's quantized payload on the coordinator (the
@@ -479,8 +490,10 @@ class DiLoCo:
         if not nonfinite:
             feedback.encode(values)  # keeps compensated - decode(records of compensated)
         extra = self._summed_payload(delta[:0], weight, nonfinite)
+        began = time.perf_counter()
         with self.exchange.at_boundary(overlap=self._overlaps()):
             landing = self.exchange.quantized_sum(compensated, extra, feedback.format)
+        sent = time.perf_counter()
         if feedback.format == "bf16":
             value_bytes = 2 * delta.numel()
         else:
@@ -489,7 +502,9 @@ class DiLoCo:
         self.sent_bytes += wire_bytes
         self.received_bytes += wire_bytes
         # The landed vector is [Σ records decoded, Σ w, counts]: averaged as a float32 sum.
-        fragment.pending = _Exchange(self.inner_step + self.delay, landing, None, weight, True, before)
+        fragment.pending = _Exchange(
+            self.inner_step + self.delay, landing, None, weight, True, before, sent - began, sent
+        )
 
     def _settle_all(self) -> None:
         for fragment in self._fragments:
@@ -502,7 +517,10 @@ class DiLoCo:
         pending = fragment.pending
         if pending is None or pending.landing is None:
             return
+        waiting = time.perf_counter()
         result = pending.landing.wait()
+        done = time.perf_counter()
+        self.exchange_times.add(pending.sending_s, waiting - pending.sent, done - waiting)
         if result is not None:
             fragment.pending = dataclasses.replace(pending, landing=None, result=result)
             return

@@ -344,12 +344,14 @@ class OuterTrainer:
             # one (the coordinator refuses NaN), and 0 over 0 tokens weighs nothing in the average.
             loss_value, sent_loss, tokens, norm = math.nan, 0.0, 0, None
             self._send(fragment)
+            sent = time.perf_counter()
         else:
             # The last τ inner steps run while the exchange travels (`--outer-delay`).
             micro_per_inner = len(micro_batches) // self.inner_per_step
             split = (self.inner_per_step - self.settings.delay) * micro_per_inner
             loss_sum, tokens, norm = self._inner_steps(micro_batches[:split], micro_per_inner)
             self._send(fragment)
+            sent = time.perf_counter()
             if split < len(micro_batches):
                 overlapped = self._inner_steps(micro_batches[split:], micro_per_inner)
                 loss_sum, tokens, norm = loss_sum + overlapped[0], tokens + overlapped[1], overlapped[2]
@@ -378,6 +380,7 @@ class OuterTrainer:
             outer_steps=self.step,
             fragment=self.fragment_at(self.step - 1),
             flush=flush,
+            in_flight_s=compute_done - sent,
         )
 
     def _inner_steps(

@@ -62,10 +62,13 @@ class StepResult:
     outer_steps: int | None = None
     fragment: int | None = None
     flush: bool | None = None
+    # With --outer-steps: seconds from the exchange's send to the end of the inner steps that ran
+    # beside it (--outer-delay; 0 without), after which `comm_s` waited for its averages.
+    in_flight_s: float | None = None
 
 
 # StepResult fields that exist only with --outer-steps: left out of a step's metrics without it.
-OUTER_FIELDS = ("inner_steps", "outer_steps", "fragment", "flush")
+OUTER_FIELDS = ("inner_steps", "outer_steps", "fragment", "flush", "in_flight_s")
 
 
 class Trainer(Protocol):
