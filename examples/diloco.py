@@ -68,7 +68,7 @@ def main() -> None:
                 print(f"rank {rank} step {step + 1}: loss {loss.item():.4f}", flush=True)
     print(
         f"rank {rank}: {outer.outer_steps} outer steps, {outer.sent_bytes} bytes sent, "
-        f"{outer.received_bytes} received",
+        f"{outer.received_bytes} received; the exchanges held it {outer.exchange_times.exposed_s:.3f} s",
         flush=True,
     )
     print_result(rank, "gradserver", losses, outer.global_tensors().items())
