@@ -612,6 +612,17 @@ def _mean_delta(runs: list[dict], name: str) -> torch.Tensor:
     return (total / len(runs)).float()
 
 
+def _after_the_flush(runs: list[dict[str, Any]]) -> tuple[list[list[str]], dict[str, Any], dict[str, Any]]:
+    """Checks what every flush rule gives (every model the same global weights; the fragment
+    exchanged at the last trainer step, 3 % 3, left alone: nothing to add) and returns worker 0's
+    fragments' parameter names and its state before and after the flush."""
+    _assert_every_model_is_the_same_global_weights(runs)
+    names, before, after = runs[0]["names"], runs[0]["before"], runs[0]["after"]
+    for name in names[0]:
+        assert torch.equal(after["global"][name], before["global"][name]), name
+    return names, before, after
+
+
 @pytest.mark.timeout(120)
 def test_the_flush_gives_each_other_fragment_the_workers_mean_weights_with_the_inner_steps_since() -> None:
     """OuterTrainer alone (2 workers on a LocalHub, H = 6, F = 3, 4 trainer steps): the flush
@@ -621,15 +632,11 @@ def test_the_flush_gives_each_other_fragment_the_workers_mean_weights_with_the_i
     its global weights, bit for bit the same on both."""
     world, trainer_steps, settings = 2, 4, OuterSettings(6, 3, outer_lr=0.7, outer_momentum=0.9)
     runs = _run_through_the_flush(world, trainer_steps, settings)
-    names = runs[0]["names"]
     results = runs[0]["results"]
     assert [(r.step, r.fragment, r.flush, r.tokens) for r in results] == [(4, 1, True, 0), (5, 2, True, 0)]
     assert all(r.inner_steps == trainer_steps * 2 and r.outer_steps == r.step + 1 for r in results)
     assert all(r.grad_norm is None and r.loss != r.loss and r.global_loss != r.global_loss for r in results)
-    _assert_every_model_is_the_same_global_weights(runs)
-    before, after = runs[0]["before"], runs[0]["after"]
-    for name in names[0]:  # exchanged at the last trainer step (3 % 3): nothing to add
-        assert torch.equal(after["global"][name], before["global"][name]), name
+    names, before, after = _after_the_flush(runs)
     for k in (1, 2):
         for index, name in enumerate(names[k]):
             # The average as it is (the workers' mean weights), the outer optimizer left alone.
@@ -651,12 +658,8 @@ def test_with_outer_flush_outer_each_flush_step_is_an_outer_optimizer_step() -> 
     world, trainer_steps = 2, 4
     settings = OuterSettings(6, 3, outer_lr=0.7, outer_momentum=0.9, keep_local=0.5, flush="outer")
     runs = _run_through_the_flush(world, trainer_steps, settings)
-    names = runs[0]["names"]
     assert [(r.fragment, r.flush) for r in runs[0]["results"]] == [(1, True), (2, True)]
-    _assert_every_model_is_the_same_global_weights(runs)
-    before, after = runs[0]["before"], runs[0]["after"]
-    for name in names[0]:  # exchanged at the last trainer step (3 % 3): nothing to add
-        assert torch.equal(after["global"][name], before["global"][name]), name
+    names, before, after = _after_the_flush(runs)
     for k in (1, 2):
         for index, name in enumerate(names[k]):
             delta = _mean_delta(runs, name)
