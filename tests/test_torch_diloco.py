@@ -409,7 +409,7 @@ def _refusals(rank: int) -> dict[str, str]:
 
 # A slow replica, keyed by (rank, inner step): seconds it spends in that inner step, after the
 # exchange sent at the step before (rank 0: beside it) or before its own send (rank 1: late).
-SLOW = {(0, 5): 0.3, (1, 8): 1.0}
+SLOW = {(0, 5): 0.5, (1, 8): 1.5}
 
 
 def _timed(rank: int) -> dict[str, Any]:
@@ -610,7 +610,7 @@ def test_exchange_times_say_what_the_inner_steps_hid_and_what_was_waited_for(
     # The first ran beside rank 0's slow step: not waited for; the second was (rank 1 was late).
     assert times["waited"] == 1
     assert times["in_flight_s"] >= SLOW[(0, 5)]
-    assert times["waited_waiting_s"] >= 0.3  # rank 1 was 1.0 s late, less rank 0's own 0.3 s
+    assert times["waited_waiting_s"] >= 0.5  # rank 1 was 1.5 s late, less rank 0's own 0.5 s
     assert times["waited_in_flight_s"] < 0.1  # `close` waited for it as soon as it was sent
     assert times["hidden_share"] is not None and times["hidden_share"] < 0.25
     assert times["exposed_s"] == pytest.approx(times["sending_s"] + times["waiting_s"])
