@@ -142,6 +142,9 @@ class Trainer:
         self.compute_s = 0.0
         self.evals: list[list[float]] = []
         self.window: list[float] = []
+        # When this rank sent each exchange of its inner steps (time.time: every rank of the bench
+        # runs on this machine's clock), so that the driver can tell how far apart the ranks sent.
+        self.sends: list[float] = []
 
     def evaluate_at(self, step: int) -> None:
         at = self.clock.now()
@@ -252,7 +255,10 @@ def _diloco_step(trainer: Trainer, inner: torch.optim.Optimizer, outer: Any, ste
     inner.step()
     inner.zero_grad(set_to_none=True)
     trainer.compute_s += time.perf_counter() - began
+    sent, at = outer.sent_bytes, time.time()
     outer.step()
+    if outer.sent_bytes != sent:
+        trainer.sends.append(at)
     if step + 1 == args.steps:
         finish(outer)
     if trainer.due(step + 1) or step + 1 == args.steps:
@@ -430,6 +436,7 @@ def _result(
         "compute_s": trainer.compute_s,
         "evals": trainer.evals,
         "window": trainer.window,
+        "sends": trainer.sends,
         "digest": digest(model),
         "parameters": sum(p.numel() for p in model.parameters()),
     }

@@ -127,6 +127,10 @@ class Summary:
     exposed_share: float | None = None
     waited_exchanges: str | None = None  # "waited/exchanges"
     hidden_share: float | None = None
+    # The wrapper's rows: how far apart the ranks sent one exchange (the last rank's send less the
+    # first's, the mean over the exchanges of the inner steps): a wait this long is a replica's
+    # lateness, not the link's.
+    send_spread_s: float | None = None
     note: str = ""
 
     def as_json(self) -> dict[str, Any]:
@@ -186,7 +190,19 @@ def summarize(
         digest=str(results[0]["digest"]),
     )
     exchange_times(summary, results)
+    summary.send_spread_s = send_spread(results)
     return summary
+
+
+def send_spread(results: Sequence[dict[str, Any]]) -> float | None:
+    """The mean over exchanges of the last rank's send time less the first's (the ranks' clock is
+    this machine's); None without sends, or where the ranks sent different numbers of them (a
+    replacement that joined part-way)."""
+    sends = [r.get("sends") or [] for r in results]
+    if not sends[0] or any(len(s) != len(sends[0]) for s in sends):
+        return None
+    spreads = [max(times) - min(times) for times in zip(*sends, strict=True)]
+    return sum(spreads) / len(spreads)
 
 
 def exchange_times(summary: Summary, results: Sequence[dict[str, Any]]) -> None:
@@ -228,8 +244,8 @@ def table(summaries: Sequence[Summary]) -> list[str]:
     lines = [
         "| variant | tokens/s | x DDP | wire B/token | DDP / this | busiest link Mbit/s | computing "
         "| held-out loss | vs DDP | loss at DDP's time | DDP's loss at this time | identical "
-        "| exchanges exposed | waited for | of those hidden |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| exchanges exposed | waited for | of those hidden | ranks' send spread, s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in summaries:
         lines.append(
@@ -239,7 +255,8 @@ def table(summaries: Sequence[Summary]) -> list[str]:
             f"| {_fmt(None if s.loss_vs_ddp is None else s.loss_vs_ddp * 100, '+.1f')}% "
             f"| {_fmt(s.loss_at_ddp_time, '.4f')} | {_fmt(s.ddp_loss_at_this_time, '.4f')} "
             f"| {'yes' if s.identical else 'NO'} | {_fmt(s.exposed_share, '.1%')} "
-            f"| {s.waited_exchanges or '-'} | {_fmt(s.hidden_share, '.0%')} |"
+            f"| {s.waited_exchanges or '-'} | {_fmt(s.hidden_share, '.0%')} "
+            f"| {_fmt(s.send_spread_s, '.2f')} |"
         )
     return lines
 

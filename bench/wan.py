@@ -45,7 +45,10 @@ time, and whether every rank ended with the same weights. For outer steps also h
 held the ranks (DiLoCo's `exchange_times`, the trainer's steps' `in_flight_s` and `comm_s`): the
 share of wall time spent sending and waiting for them (the mean over ranks), how many were
 waited for, and of those the share of their time after the send that the next inner steps hid
-(an exchange not waited for was hidden whole). Evaluations (every --eval-every
+(an exchange not waited for was hidden whole); for the wrapper's rows also the ranks' send
+spread, how far apart (on this machine's clock) the first and the last rank sent an exchange,
+the mean over the exchanges: a wait as long as that is a late replica's, not the link's.
+Evaluations (every --eval-every
 steps, on the held-out windows shared out over the ranks) are not counted in any time.
 --plot FILE draws loss against wall time (matplotlib, when importable); --json prints one JSON
 object instead of the table.

@@ -17,7 +17,7 @@ import pytest
 
 from bench import _netns, wan
 from bench._wan_relay import DelayLine, bound_port, split_address, start_relay
-from bench._wan_report import VARIANTS, compare, curve, loss_at, summarize, table
+from bench._wan_report import VARIANTS, compare, curve, loss_at, send_spread, summarize, table
 
 REPO = Path(__file__).resolve().parent.parent
 DELAY = 0.03  # one way, s: long enough to measure, short enough for a quick test
@@ -161,7 +161,11 @@ def test_summaries_and_their_comparison_with_ddp() -> None:
     assert outer.loss_at_ddp_time == pytest.approx(2.1)  # it had finished: its last loss
     assert outer.ddp_loss_at_this_time == pytest.approx(4.0 - 2.0 * 10 / 40)  # DDP's at 10 s
     lines = table([ddp, outer])
-    assert len(lines) == 4 and "| DiLoCo H=50 | 200 | 4.00 |" in lines[3] and "| NO | - | - | - |" in lines[3]
+    assert (
+        len(lines) == 4
+        and "| DiLoCo H=50 | 200 | 4.00 |" in lines[3]
+        and "| NO | - | - | - | - |" in lines[3]
+    )
     assert all(not math.isnan(x) for x in (outer.tokens_per_s, outer.compute_share))
 
 
@@ -179,7 +183,7 @@ def test_the_exchange_figures_are_the_ranks_exposed_share_and_the_hidden_share_o
     assert outer.exposed_share == pytest.approx(0.2)  # (1/10 + 3/10) / 2
     assert outer.waited_exchanges == "3/8"
     assert outer.hidden_share == pytest.approx(0.5)  # (3 + 1) of (3 + 1 + 1 + 3) s
-    assert "| 20.0% | 3/8 | 50% |" in table([outer])[2]
+    assert "| 20.0% | 3/8 | 50% | - |" in table([outer])[2]
     # Without the waits' breakdown, only the exposed share.
     exposed = summarize(VARIANTS["trainer-streaming"], 50, [ranked(0, 2.0), ranked(1, 2.0)], 1, 1)
     assert exposed.exposed_share == pytest.approx(0.2)
@@ -188,6 +192,16 @@ def test_the_exchange_figures_are_the_ranks_exposed_share_and_the_hidden_share_o
     ranks = [ranked(0, 1.0, **waits[0]), _result(1, [], 10.0, 9.0)]
     partial = summarize(VARIANTS["streaming"], 50, ranks, 1, 1)
     assert partial.exposed_share is None
+
+
+def test_the_send_spread_is_the_mean_of_the_last_ranks_send_less_the_firsts() -> None:
+    results = [_result(r, [], 10.0, 9.0) for r in range(3)]
+    for result, sends in zip(results, ([10.0, 20.0], [10.5, 20.1], [11.0, 20.0]), strict=True):
+        result["sends"] = sends
+    assert send_spread(results) == pytest.approx((1.0 + 0.1) / 2)
+    results[2]["sends"] = [11.0]  # a replacement that joined part-way
+    assert send_spread(results) is None
+    assert send_spread([_result(0, [], 10.0, 9.0)]) is None  # DDP's rows send none
 
 
 def test_the_bench_refuses_settings_it_cannot_run() -> None:
@@ -252,6 +266,9 @@ def test_a_tiny_run_on_two_emulated_hosts_reports_every_figure_and_leaves_nothin
     # has 11 exchanges (2 per fragment, and the flush's 3: every fragment but the last), over ft
     # 2 (and its start check, not an outer step's), the trainer 5 (4 steps and 1 flush step).
     assert ddp["exposed_share"] is None and ddp["waited_exchanges"] is None
+    # The ranks' send spread: of the wrapper's exchanges sent in inner steps (not the trainer's).
+    assert streaming["send_spread_s"] >= 0 and over_ft["send_spread_s"] >= 0
+    assert in_trainer["send_spread_s"] is None and ddp["send_spread_s"] is None
     for row, each in ((streaming, 2 * 4 + 3), (over_ft, 2), (in_trainer, 5)):
         assert 0 < row["exposed_share"] < 1
         waited, exchanges = map(int, row["waited_exchanges"].split("/"))
