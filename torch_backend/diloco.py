@@ -450,16 +450,29 @@ class DiLoCo:
             payload = self._summed_payload(values, weight, nonfinite)
         else:
             payload = self._quantized_payload(fragment.feedback, delta, weight, nonfinite)
-        began = time.perf_counter()
-        with self.exchange.at_boundary(overlap=self._overlaps()):
-            landing = self.exchange.sum(payload) if summed else self.exchange.gather(payload)
-        sent = time.perf_counter()
+        send = self.exchange.sum if summed else self.exchange.gather
+        self._dispatch(fragment, lambda: send(payload), weight, summed, before)
         if summed:
             self.sent_bytes += payload.numel() * 4
             self.received_bytes += payload.numel() * 4
         else:
             self.sent_bytes += payload.numel()
             self.received_bytes += self.replicas * payload.numel()
+
+    def _dispatch(
+        self,
+        fragment: _Fragment,
+        send: Callable[[], Landing],
+        weight: float,
+        summed: bool,
+        before: _BeforeSend,
+    ) -> None:
+        """Sends the fragment's exchange (`send`) at its boundary, timed (`exchange_times`), and
+        keeps it pending until it is due."""
+        began = time.perf_counter()
+        with self.exchange.at_boundary(overlap=self._overlaps()):
+            landing = send()
+        sent = time.perf_counter()
         fragment.pending = _Exchange(
             self.inner_step + self.delay, landing, None, weight, summed, before, sent - began, sent
         )
@@ -490,10 +503,9 @@ class DiLoCo:
         if not nonfinite:
             feedback.encode(values)  # keeps compensated - decode(records of compensated)
         extra = self._summed_payload(delta[:0], weight, nonfinite)
-        began = time.perf_counter()
-        with self.exchange.at_boundary(overlap=self._overlaps()):
-            landing = self.exchange.quantized_sum(compensated, extra, feedback.format)
-        sent = time.perf_counter()
+        send = self.exchange.quantized_sum
+        # The landed vector is [Σ records decoded, Σ w, counts]: averaged as a float32 sum.
+        self._dispatch(fragment, lambda: send(compensated, extra, feedback.format), weight, True, before)
         if feedback.format == "bf16":
             value_bytes = 2 * delta.numel()
         else:
@@ -501,10 +513,6 @@ class DiLoCo:
         wire_bytes = value_bytes + 4 * extra.numel()
         self.sent_bytes += wire_bytes
         self.received_bytes += wire_bytes
-        # The landed vector is [Σ records decoded, Σ w, counts]: averaged as a float32 sum.
-        fragment.pending = _Exchange(
-            self.inner_step + self.delay, landing, None, weight, True, before, sent - began, sent
-        )
 
     def _settle_all(self) -> None:
         for fragment in self._fragments:
